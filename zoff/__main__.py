@@ -1,0 +1,3 @@
+from zoff.cli import main
+
+main()

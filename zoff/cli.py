@@ -1,0 +1,125 @@
+"""`zoff` command line: train, validate, estimate, convert, doctor. Bad input: one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from zoff.config import Config, dump_yaml, load_config
+from zoff.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Train PyTorch models with ZeRO partitioning and CPU offload, from a YAML config.",
+)
+
+OVERRIDES = typer.Argument(None, help="Config overrides KEY.PATH=VALUE, e.g. train.max_steps=50 zero.stage=2")
+
+
+def _flag_overrides(**flags: object) -> list[str]:
+    """CLI flags are shorthands for launch.* keys, so they are validated exactly like the config."""
+    return [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
+
+
+@app.command()
+def train(
+    config: Path = typer.Argument(..., help="YAML config (see configs/)"),
+    overrides: list[str] = OVERRIDES,
+    nproc_per_node: int = typer.Option(
+        None, "--nproc-per-node", help="Ranks on this node (launch.nproc_per_node)"
+    ),
+    nnodes: str = typer.Option(None, "--nnodes", help="Nodes: N or MIN:MAX (launch.nnodes)"),
+    node_rank: int = typer.Option(None, "--node-rank", help="This node's rank (launch.node_rank)"),
+    rdzv_endpoint: str = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous"),
+    max_restarts: int = typer.Option(None, "--max-restarts", help="Elastic restarts on failure"),
+    run_dir: Path = typer.Option(None, "--run-dir", help="Run directory (default runs/<config>-<time>)"),
+    resume: str = typer.Option(None, "--resume", help="auto or a checkpoint path"),
+) -> None:
+    """Train a model on this node's ranks (and others joining the rendezvous)."""
+    extra = _flag_overrides(
+        nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+    )  # fmt: skip
+    cfg = load_config(config, list(overrides or []) + extra)
+    if resume is not None:
+        raise UserError("--resume: resuming from checkpoints is not implemented yet")
+    _preflight(cfg)
+    out = _make_run_dir(run_dir or cfg.log.run_dir, config)
+    (out / "config.yaml").write_text(dump_yaml(cfg))
+    print(f"zoff: run directory {out}", flush=True)
+    from zoff.launch import WorkerFailed, launch
+
+    try:
+        launch(cfg, out)
+    except WorkerFailed as e:
+        print(f"zoff: training failed: {e}\nzoff: per-rank logs are in {out / 'logs'}", file=sys.stderr)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def validate(
+    config: Path = typer.Argument(..., help="YAML config"),
+    overrides: list[str] = OVERRIDES,
+) -> None:
+    """Print the fully resolved config (recipes expanded, defaults filled in) and exit."""
+    cfg = load_config(config, overrides or [])
+    _preflight(cfg)
+    sys.stdout.write(dump_yaml(cfg))
+
+
+@app.command()
+def estimate(
+    config: Path = typer.Argument(..., help="YAML config"), overrides: list[str] = OVERRIDES
+) -> None:
+    """Memory needs per GPU and per CPU node for every ZeRO stage and offload choice (not implemented yet)."""
+    raise UserError("estimate: not implemented yet")
+
+
+@app.command()
+def convert(checkpoint: Path = typer.Argument(...), out: Path = typer.Argument(...)) -> None:
+    """Merge a sharded checkpoint into one state dict (not implemented yet)."""
+    raise UserError("convert: not implemented yet")
+
+
+def _preflight(cfg: Config) -> None:
+    """Catch what would otherwise fail inside every worker: the model factory and the data files."""
+    import torch
+
+    from zoff.data import _expand
+    from zoff.models import build_model
+
+    with torch.device("meta"):
+        build_model(cfg.model)
+    if cfg.data.name == "text":
+        _expand(cfg.data.paths)
+
+
+def _make_run_dir(run_dir: str | Path | None, config: Path) -> Path:
+    if run_dir is None:
+        run_dir = Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(run_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".zoff-write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--run-dir: cannot write to {out}: {e.strerror}") from None
+    return out
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as e:
+        print(f"zoff: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("zoff: interrupted", file=sys.stderr)
+        sys.exit(130)

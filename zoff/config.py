@@ -1,0 +1,447 @@
+"""YAML config -> typed, validated, frozen dataclasses (one section per concern).
+
+Validation happens once, here; every component downstream receives its own section and trusts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from zoff.errors import ConfigError, UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPES_DIR = REPO_ROOT / "recipes"
+CONFIGS_DIR = REPO_ROOT / "configs"
+
+
+def _rng(lo: float | None = None, hi: float | None = None, *, gt: bool = False) -> dict:
+    """Field metadata: allowed range; `gt` makes the lower bound exclusive."""
+    return {"lo": lo, "hi": hi, "gt": gt}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "gpt"  # builtin name, or python:pkg.module:factory (the factory receives this section)
+    n_layer: int = field(default=4, metadata=_rng(1))
+    n_head: int = field(default=4, metadata=_rng(1))
+    d_model: int = field(default=128, metadata=_rng(1))
+    vocab_size: int = field(default=256, metadata=_rng(2))
+    seq_len: int = field(default=128, metadata=_rng(1))  # the model's maximum context
+    dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))
+    tie_embeddings: bool = True
+    args: dict = field(default_factory=dict)  # free-form keyword arguments for python: factories
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: Literal["stdlib-source", "text", "synthetic"] = "stdlib-source"
+    seq_len: int = field(default=128, metadata=_rng(1))
+    batch_size: int = field(default=8, metadata=_rng(1))  # per-rank micro-batch
+    paths: list[str] = field(default_factory=list)  # files or globs for name: text
+    val_fraction: float = field(default=0.05, metadata=_rng(0.0, 0.5))
+    max_bytes: int = field(default=0, metadata=_rng(0))  # 0: no cap on the corpus size
+    synthetic_tokens: int = field(default=200_000, metadata=_rng(1))
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: bool = True
+    delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
+    delay_update_warmup: int = field(default=0, metadata=_rng(0))
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    recipe: str | None = None  # the preset this section was built from, kept for the record
+    stage: int = field(default=0, metadata=_rng(0, 3))
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    overlap_comm: bool = True
+    # Sizes are in elements, as in the ZeRO papers; a bucket holds one dtype.
+    reduce_bucket_size: int = field(default=25_000_000, metadata=_rng(1))
+    allgather_bucket_size: int = field(default=25_000_000, metadata=_rng(1))
+    prefetch_bucket_size: int = field(default=5_000_000, metadata=_rng(0))
+    param_persistence_threshold: int = field(default=10_000, metadata=_rng(0))
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: Literal["adamw", "adam"] = "adamw"
+    lr: float = field(default=3e-4, metadata=_rng(0.0, gt=True))
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = field(default=1e-8, metadata=_rng(0.0, gt=True))
+    weight_decay: float = field(default=0.1, metadata=_rng(0.0))
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    warmup_steps: int = field(default=20, metadata=_rng(0))
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = field(default=0.1, metadata=_rng(0.0, 1.0))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int = field(default=200, metadata=_rng(1))
+    grad_accum: int = field(default=1, metadata=_rng(1))
+    global_batch_size: int | None = field(default=None, metadata=_rng(1))
+    grad_clip: float = field(default=1.0, metadata=_rng(0.0))  # 0 disables clipping
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = field(default=0, metadata=_rng(0))
+    log_every: int = field(default=10, metadata=_rng(1))
+    eval_every: int = field(default=0, metadata=_rng(0))  # 0: only at the end
+    eval_batches: int = field(default=4, metadata=_rng(1))
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # default: <run_dir>/checkpoints
+    every_steps: int = field(default=0, metadata=_rng(0))  # 0: only at the end
+    keep_last: int = field(default=2, metadata=_rng(1))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    nproc_per_node: int = field(default=2, metadata=_rng(1, 1024))
+    nnodes: str = "1"  # N or MIN:MAX
+    node_rank: int = field(default=0, metadata=_rng(0))
+    rdzv_endpoint: str | None = None  # HOST:PORT; None runs a standalone rendezvous on this node
+    max_restarts: int = field(default=0, metadata=_rng(0))
+    threads_per_rank: int | None = field(default=None, metadata=_rng(1))  # None: cores / local ranks
+    timeout_s: float = field(default=600.0, metadata=_rng(1.0))
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    run_dir: str | None = None  # default: runs/<config name>-<timestamp>
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config, apply `key.path=value` overrides, resolve the zero recipe, validate."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {_kind(raw)}")
+    return config_from_dict(raw, overrides, source=str(path))
+
+
+def config_from_dict(raw: dict, overrides: typing.Sequence[str] = (), source: str = "<dict>") -> Config:
+    raw = _deepcopy(raw)
+    if isinstance(raw.get("zero"), str):
+        raw["zero"] = {"recipe": raw["zero"]}
+    for item in overrides:
+        _apply_override(raw, item)
+    if "zero" in raw:
+        raw["zero"] = resolve_recipe(raw["zero"], "zero")
+    cfg = _build(Config, raw, "")
+    _check_cross_section(cfg)
+    return cfg
+
+
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}: YAML syntax error{where}: {problem}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text file (expected UTF-8 YAML)") from None
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(section: Any, key: str, _seen: tuple[str, ...] = ()) -> Any:
+    """Expand `recipe: NAME` (recursively) into the preset's keys; explicit keys win over the preset."""
+    if not isinstance(section, dict) or section.get("recipe") is None:
+        return section
+    name = section["recipe"]
+    if not isinstance(name, str):
+        raise ConfigError(f"{key}.recipe: expected a recipe name (string), got {_kind(name)}")
+    if name in _seen:
+        raise ConfigError(f"{key}.recipe: recipe cycle {' -> '.join(_seen + (name,))}")
+    path = RECIPES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        hint = _suggest(name, list_recipes())
+        raise ConfigError(f"{key}: unknown recipe '{name}'{hint} (recipes are in {RECIPES_DIR})")
+    base = _read_yaml(path)
+    if isinstance(base, dict) and "zero" in base:
+        base = base["zero"]
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: expected a mapping with a 'zero' section")
+    base = resolve_recipe(base, key, _seen + (name,))
+    merged = _merge(base, {k: v for k, v in section.items() if k != "recipe"})
+    merged["recipe"] = name
+    return merged
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': expected KEY.PATH=VALUE")
+    dotted, _, text = item.partition("=")
+    keys = dotted.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"override '{item}': empty key in '{dotted}'")
+    _check_path_exists(keys, item)
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    for i, k in enumerate(keys[:-1]):
+        child = node.get(k)
+        if isinstance(child, str) and i == 0 and k == "zero":
+            child = {"recipe": child}
+        if not isinstance(child, dict):
+            child = {}
+        node[k] = child
+        node = child
+    node[keys[-1]] = value
+
+
+def _check_path_exists(keys: list[str], item: str) -> None:
+    cls: Any = Config
+    for i, k in enumerate(keys):
+        names = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else None
+        if names is None:
+            if cls is dict:  # free-form section (model.args): anything goes below it
+                return
+            raise ConfigError(f"override '{item}': {'.'.join(keys[:i])} is not a section")
+        if k not in names:
+            path = ".".join(keys[: i + 1])
+            raise ConfigError(
+                f"override '{item}': unknown key {path}{_suggest(k, list(names), '.'.join(keys[:i]))}"
+            )
+        cls = _strip_optional(typing.get_type_hints(cls)[k])
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {_kind(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in raw:
+        if k not in fields:
+            where = f"{path}.{k}" if path else str(k)
+            raise ConfigError(f"unknown key {where}{_suggest(str(k), list(fields), path)}")
+    values = {}
+    for name, f in fields.items():
+        if name in raw:
+            where = f"{path}.{name}" if path else name
+            values[name] = _coerce(hints[name], raw[name], where, f.metadata)
+    return cls(**values)
+
+
+def _coerce(tp: Any, value: Any, where: str, meta: typing.Mapping = {}) -> Any:  # noqa: B006
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _coerce(_strip_optional(tp), value, where, meta)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(str(a) for a in args)
+            raise ConfigError(
+                f"{where}: expected one of {choices}, got {value!r}{_suggest(str(value), args)}"
+            )
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        value = _as_number(value, where, "an integer")
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            value = int(value)
+        return _check_range(value, where, meta)
+    if tp is float:
+        return _check_range(float(_as_number(value, where, "a number")), where, meta)
+    if tp is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{where}: expected a string, got {_kind(value)}")
+        return str(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {_kind(value)}")
+        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {_kind(value)}")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {where}")  # a bug in the schema, not user input
+
+
+def _as_number(value: Any, where: str, what: str) -> int | float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected {what}, got {value!r}")
+    if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string; accept it as a number
+        try:
+            return float(value.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{where}: expected {what}, got {value!r}") from None
+    if not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: expected {what}, got {_kind(value)}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+    return value
+
+
+def _check_range(value: int | float, where: str, meta: typing.Mapping) -> int | float:
+    lo, hi, gt = meta.get("lo"), meta.get("hi"), meta.get("gt", False)
+    if lo is not None and (value <= lo if gt else value < lo):
+        raise ConfigError(f"{where}: must be {'>' if gt else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{where}: must be <= {hi}, got {value}")
+    return value
+
+
+def _check_cross_section(cfg: Config) -> None:
+    m, d, t = cfg.model, cfg.data, cfg.train
+    if m.name == "gpt":
+        if m.d_model % m.n_head:
+            raise ConfigError(f"model.d_model: {m.d_model} must be divisible by model.n_head ({m.n_head})")
+        if d.seq_len > m.seq_len:
+            raise ConfigError(
+                f"data.seq_len: {d.seq_len} exceeds the model's context model.seq_len ({m.seq_len})"
+            )
+    if m.name == "gpt" and d.name != "synthetic" and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size: {m.vocab_size} is too small for byte-level data (needs >= 256)")
+    if d.name == "text" and not d.paths:
+        raise ConfigError("data.paths: data.name 'text' needs at least one file or glob")
+    if t.global_batch_size is not None and t.global_batch_size % d.batch_size:
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} is not a multiple of data.batch_size ({d.batch_size})"
+        )
+    nn = cfg.launch.nnodes
+    parts = nn.split(":")
+    if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)) or (
+        len(parts) == 2 and int(parts[0]) > int(parts[1])
+    ):
+        raise ConfigError(f"launch.nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX, got {nn!r}")
+    for i, b in enumerate(cfg.optim.betas):
+        if not 0.0 <= b < 1.0:
+            raise ConfigError(f"optim.betas[{i}]: must be in [0, 1), got {b}")
+
+
+def derive_grad_accum(train: TrainConfig, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per step on each rank: from global_batch_size when set, else train.grad_accum."""
+    if train.global_batch_size is None:
+        return train.grad_accum
+    per_step = micro_batch * world_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size: {train.global_batch_size} is not divisible by "
+            f"data.batch_size x world size ({micro_batch} x {world_size} = {per_step})"
+        )
+    return train.global_batch_size // per_step
+
+
+# ------------------------------------------------------------------------------------------------ utils
+
+
+def to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(tp) if a is not type(None)]
+        return rest[0] if len(rest) == 1 else tp
+    return tp
+
+
+def _suggest(word: str, options: typing.Iterable[Any], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, [str(o) for o in options], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)"
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", type(None): "nothing"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _deepcopy(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _deepcopy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deepcopy(v) for v in obj]
+    return obj

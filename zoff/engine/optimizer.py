@@ -1,0 +1,63 @@
+"""The optimizer on a rank's partition: Adam(W) over flat fp32 shards, stepped run by run.
+
+This is the seam where CPU offload swaps in zoff's fused CPU Adam; the engine only calls step() and the
+state-dict methods.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.optim.adam as torch_adam
+import torch.optim.adamw as torch_adamw
+
+from zoff.config import OptimConfig
+
+Run = tuple[int, int, bool]  # (start, end, weight-decayed) within a shard
+
+
+class ShardAdam:
+    """Adam(W) state for a list of flat fp32 master shards; each shard is stepped as at most two runs."""
+
+    def __init__(self, masters: list[torch.Tensor], runs: list[list[Run]], cfg: OptimConfig):
+        self.cfg = cfg
+        self.masters, self.runs = masters, runs
+        self.exp_avg = [torch.zeros_like(m) for m in masters]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in masters]
+        self.step_count = 0
+        # torch's fused CPU kernel streams memory at close to the machine's limit; its per-element math is the
+        # same as the for-loop AdamW up to rounding of the scalar constants.
+        self.fused = all(m.device.type in ("cpu", "cuda") for m in masters)
+
+    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+        """One update; `grads` are fp32 shards aligned with the masters, already unscaled and clipped."""
+        self.step_count += 1
+        for decay in (True, False):
+            views: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+            for i, runs in enumerate(self.runs):
+                for a, b, d in runs:
+                    if d == decay and b > a:
+                        for out, src in zip(
+                            views, (self.masters[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i])
+                        ):
+                            out.append(src[a:b])
+            if views[0]:
+                self._adam(*views, lr=lr, weight_decay=self.cfg.weight_decay if decay else 0.0)
+
+    def _adam(self, params, grads, m, v, *, lr: float, weight_decay: float) -> None:
+        fn = torch_adamw.adamw if self.cfg.name == "adamw" else torch_adam.adam
+        steps = [torch.tensor(float(self.step_count - 1)) for _ in params]  # the kernel increments them
+        fn(
+            params, grads, m, v, [], steps, fused=self.fused, foreach=False if not self.fused else None,
+            amsgrad=False, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], lr=lr,
+            weight_decay=weight_decay, eps=self.cfg.eps, maximize=False,
+        )  # fmt: skip
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+        for dst, src in zip(
+            self.exp_avg + self.exp_avg_sq, list(state["exp_avg"]) + list(state["exp_avg_sq"])
+        ):
+            dst.copy_(src)

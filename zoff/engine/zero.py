@@ -1,0 +1,308 @@
+"""The ZeRO engine: one code path for stages 0-3, which differ only in three choices made at construction.
+
+stage 0  nothing partitioned: gradients all-reduced, every rank steps every parameter (DDP)
+stage 1  optimizer state partitioned: gradients reduce-scattered, each rank steps its shard, params gathered
+stage 2  + gradients partitioned: a unit's full gradient exists only until it has been reduce-scattered
+stage 3  + parameters partitioned: units are gathered around the modules that use them (see gather.py)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zoff.config import OptimConfig, ZeroConfig
+from zoff.engine.collectives import Comm, Handle
+from zoff.engine.gather import UnitGatherer
+from zoff.engine.optimizer import ShardAdam
+from zoff.engine.partition import plan_partition
+from zoff.engine.precision import DTYPES, LossScaler
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float
+    stepped: bool  # False when fp16 overflowed and the step was skipped
+
+
+class ZeroEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        zero: ZeroConfig,
+        optim: OptimConfig,
+        *,
+        precision: str = "fp32",
+        grad_clip: float = 0.0,
+        comm: Comm | None = None,
+        device: torch.device | None = None,
+    ):
+        self.comm = comm or Comm()
+        self.stage = zero.stage
+        self.zero, self.grad_clip = zero, grad_clip
+        self.dtype = DTYPES[precision]
+        self.device = device or torch.device("cpu")
+        self.keep_full_grads = self.stage <= 1  # p.grad lives as views in persistent flat buffers
+        self.rank = self.comm.rank if self.stage >= 1 else 0  # stage 0: one partition that every rank owns
+        parts = self.comm.world if self.stage >= 1 else 1
+        bucket = zero.reduce_bucket_size
+        self.plan = plan_partition(
+            model,
+            parts,
+            bucket,
+            per_module=self.stage == 3,
+            persistence_threshold=zero.param_persistence_threshold,
+        )
+        self.model = model.to(self.device)
+        self.scaler = LossScaler(enabled=precision == "fp16")
+        self._params = self._distinct_params(model)
+        self._build_buffers()
+        masters = [self._make_master(u) for u in range(len(self.plan.units))]
+        self.masters = masters
+        runs = [self.plan.decay_runs(u.index, self.rank) for u in self.plan.units]
+        self.optimizer = ShardAdam(masters, runs, optim)
+        self.gatherer = None
+        if self.stage == 3:
+            self.gatherer = UnitGatherer(
+                model, self.plan, self.comm, self.full, self.shard_params, zero.prefetch_bucket_size
+            )
+            for u in self.plan.units:
+                self.gatherer.release(u.index)
+        self._pending_grads = [len(u.slots) for u in self.plan.units]
+        self._reduced = [False] * len(self.plan.units)
+        self._handles: list[Handle] = []
+        self._buckets: dict[int, torch.Tensor] = {}
+        self._sync = True
+        self.peak_bucket_bytes = 0
+        for slot, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._grad_hook(slot))
+        self.zero_grad()
+
+    # --------------------------------------------------------------------------------------- set-up
+    def _distinct_params(self, model: nn.Module) -> list[nn.Parameter]:
+        named = dict(model.named_parameters(remove_duplicate=False))
+        return [named[s.names[0]] for s in self.plan.slots]
+
+    def _build_buffers(self) -> None:
+        """Copy every parameter into its unit's flat buffer (identical on all ranks: rank 0's is broadcast)."""
+        self.full, self.shard_params, self.gfull, self.gshard = [], [], [], []
+        for u in self.plan.units:
+            full = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+            for si in u.slots:
+                s = self.plan.slots[si]
+                full[s.offset : s.offset + s.numel].copy_(self._params[si].detach().reshape(-1))
+            self.comm.broadcast(full, src=0)
+            for si in u.slots:
+                s = self.plan.slots[si]
+                self._params[si].data = full[s.offset : s.offset + s.numel].view(s.shape)
+            lo, hi = self.plan.shard_range(u.index, self.rank)
+            shard = full[lo:hi].clone() if self.stage == 3 else full[lo:hi]
+            self.full.append(full)
+            self.shard_params.append(shard)
+            if self.keep_full_grads:
+                g = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+                self.gfull.append(g)
+                self.gshard.append(g[lo:hi])
+            else:
+                self.gshard.append(torch.zeros(u.shard, dtype=self.dtype, device=self.device))
+
+    def _make_master(self, u: int) -> torch.Tensor:
+        shard = self.shard_params[u]
+        # fp32 training needs no separate master: the shard itself is stepped (16 B/param, not 20).
+        return shard if self.dtype == torch.float32 else shard.detach().float()
+
+    # ---------------------------------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
+        """Backward of one micro-batch; `sync` on the last micro-batch of a step reduces the gradients."""
+        self._sync = sync
+        self._pending_grads = [len(u.slots) for u in self.plan.units]
+        self._reduced = [False] * len(self.plan.units)
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        if self.gatherer is not None:
+            self.gatherer.end_backward()
+        if not sync:
+            return
+        for u, done in enumerate(self._reduced):
+            if not done:  # parameters that got no gradient this step (unused): reduce their zeros too
+                self._reduce_unit(u)
+        for h in self._handles:
+            h.wait()
+        self._handles.clear()
+
+    def _grad_hook(self, slot: int):
+        s = self.plan.slots[slot]
+        u = self.plan.units[s.unit]
+
+        def hook(p: torch.Tensor) -> None:
+            if self._sync and not self.keep_full_grads:
+                bucket = self._buckets.get(u.index)
+                if bucket is None:
+                    bucket = self._buckets[u.index] = torch.zeros(
+                        u.padded, dtype=self.dtype, device=self.device
+                    )
+                    self._track_buckets()
+                bucket[s.offset : s.offset + s.numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+            self._pending_grads[u.index] -= 1
+            if self._pending_grads[u.index] == 0:
+                # Every use of the unit's parameters is behind us: stage 3 can drop the gathered copy now.
+                if self.gatherer is not None:
+                    self.gatherer.release(u.index)
+                if self._sync:
+                    self._reduce_unit(u.index)
+
+        return hook
+
+    def _reduce_unit(self, u: int) -> None:
+        self._reduced[u] = True
+        if self.keep_full_grads:
+            full = self.gfull[u]
+        else:
+            full = self._buckets.get(u)
+            if full is None:  # no parameter of the unit was used: its gradient is zero
+                full = self._buckets[u] = torch.zeros(
+                    self.plan.units[u].padded, dtype=self.dtype, device=self.device
+                )
+        full.div_(self.comm.world)  # average before the sum: keeps fp16 sums in range, as DDP does
+        async_op = self.zero.overlap_comm
+        if self.stage == 0:
+            handle = self.comm.all_reduce(full, async_op=async_op)
+        else:
+            handle = self.comm.reduce_scatter(full, self.gshard[u], async_op=async_op)
+        if not self.keep_full_grads:
+            # The bucket is dropped once reduced, so stage 2/3 never hold more than the in-flight buckets.
+            handle = Handle(None, _chain(handle, lambda: self._buckets.pop(u, None)))
+        if async_op:
+            self._handles.append(handle)
+        else:
+            handle.wait()
+
+    def _track_buckets(self) -> None:
+        live = sum(b.numel() * b.element_size() for b in self._buckets.values())
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
+
+    # -------------------------------------------------------------------------------------------- step
+    def step(self, lr: float) -> StepResult:
+        """Unscale, check overflow, clip by the global norm, update this rank's shard, share the new params."""
+        local_sq, local_bad = 0.0, 0.0
+        for g in self.gshard:
+            sq = float(g.float().pow(2).sum())
+            local_sq += sq
+            local_bad += 0.0 if math.isfinite(sq) else 1.0
+        if self.stage >= 1:
+            total_sq, bad = self.comm.sum_scalars([local_sq, local_bad])
+        else:
+            total_sq, bad = local_sq, local_bad
+        if bad > 0 and self.scaler.enabled:
+            self.scaler.update(overflow=True)
+            return StepResult(float("inf"), stepped=False)
+        self.scaler.update(overflow=False)
+        norm = math.sqrt(total_sq) / self.scaler.scale
+        coef = 1.0 / self.scaler.scale
+        if self.grad_clip > 0:
+            coef *= min(self.grad_clip / (norm + 1e-6), 1.0)
+        grads = []
+        for g in self.gshard:
+            g32 = g.float() if g.dtype != torch.float32 else g
+            if self.grad_clip > 0 or self.scaler.enabled:
+                g32.mul_(coef)
+            grads.append(g32)
+        self.optimizer.step(grads, lr)
+        self._publish_params()
+        return StepResult(norm, stepped=True)
+
+    def _publish_params(self) -> None:
+        handles = []
+        for u, unit in enumerate(self.plan.units):
+            if self.masters[u] is not self.shard_params[u]:
+                self.shard_params[u].copy_(self.masters[u])
+            if self.stage in (1, 2) or (self.stage == 3 and unit.persistent):
+                handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
+        for h in handles:
+            h.wait()
+
+    def zero_grad(self) -> None:
+        for g in self.gfull:
+            g.zero_()
+        for slot, p in enumerate(self._params):
+            if self.keep_full_grads:
+                s = self.plan.slots[slot]
+                p.grad = self.gfull[s.unit][s.offset : s.offset + s.numel].view(s.shape)
+            else:
+                p.grad = None
+        self.comm.stats.reset()
+
+    # ------------------------------------------------------------------------------------- reporting
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds per category; buffers are the transient peaks (buckets, stage-3 gathers)."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        if self.stage == 3:
+            params = nbytes(self.shard_params) + nbytes(
+                f for u, f in zip(self.plan.units, self.full) if u.persistent
+            )
+        else:
+            params = nbytes(self.full)
+        grads = nbytes(self.gfull) if self.keep_full_grads else nbytes(self.gshard)
+        separate_master = [m for m, s in zip(self.masters, self.shard_params) if m is not s]
+        opt = nbytes(self.optimizer.exp_avg) + nbytes(self.optimizer.exp_avg_sq) + nbytes(separate_master)
+        gathered = self.gatherer.peak_gathered if self.gatherer else 0
+        frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
+        return {
+            "params": params,
+            "grads": grads,
+            "optimizer_states": opt,
+            "buffers": self.peak_bucket_bytes + gathered,
+            "frozen_params": frozen,
+        }
+
+    def stats(self) -> dict:
+        return {
+            "stage": self.stage,
+            "world_size": self.comm.world,
+            "comm_elements": dict(self.comm.stats.elements),
+            "comm_elements_total": self.comm.stats.total(),
+            "params": self.plan.numel,
+            "units": len(self.plan.units),
+            "loss_scale": self.scaler.scale,
+        }
+
+    def gathered_params(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter at full size in fp32, from the masters (a collective: call on all ranks)."""
+        out = {}
+        for u, unit in enumerate(self.plan.units):
+            full = torch.zeros(unit.padded, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(self.masters[u].float(), full) if self.stage >= 1 else full.copy_(
+                self.masters[u]
+            )
+            for si in unit.slots:
+                s = self.plan.slots[si]
+                for name in s.names:
+                    out[name] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+        self.comm.stats.reset()
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": self.masters,
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        for dst, src in zip(self.masters, state["masters"]):
+            dst.copy_(src)
+        self.scaler.load_state_dict(state["scaler"])
+        self._publish_params()
+
+
+def _chain(handle: Handle, then: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        handle.wait()
+        then()
+
+    return run

@@ -1,0 +1,96 @@
+"""Start the ranks through torch.distributed elastic (torchrun's engine): rendezvous, restarts, recorded errors."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+from torch.distributed.launcher.api import elastic_launch
+
+from zoff.config import Config, LaunchConfig, config_from_dict
+from zoff.errors import UserError
+
+
+def cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(launch: LaunchConfig, local_world: int) -> int:
+    """The rank's fair share of this node's cores, unless the config fixes it.
+
+    The elastic launcher would otherwise leave OMP_NUM_THREADS=1 for multi-rank jobs, and the CPU optimizer
+    step would run on one core.
+    """
+    return launch.threads_per_rank or max(1, cores_available() // max(1, local_world))
+
+
+def launch(cfg: Config, run_dir: Path) -> None:
+    """Run `cfg` on launch.nproc_per_node local workers (and more nodes via rendezvous); raise on failure."""
+    lc = cfg.launch
+    lo, _, hi = lc.nnodes.partition(":")
+    nproc = lc.nproc_per_node
+    standalone = lc.rdzv_endpoint is None
+    logs = DefaultLogsSpecs(
+        log_dir=str(run_dir / "logs" / "elastic"),
+        # Rank 0 keeps the console (and its live progress bar); the others' stdout/stderr go to files.
+        redirects={r: Std.ALL for r in range(1, nproc)},
+    )
+    elastic = ElasticConfig(
+        min_nodes=int(lo),
+        max_nodes=int(hi or lo),
+        nproc_per_node=nproc,
+        logs_specs=logs,
+        run_id=f"zoff-{uuid.uuid4().hex[:8]}" if standalone else f"zoff-{run_dir.name}",
+        rdzv_endpoint="localhost:0" if standalone else lc.rdzv_endpoint,
+        rdzv_backend="c10d",
+        rdzv_configs={"timeout": 900},
+        max_restarts=lc.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
+    try:
+        elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir))
+    except ChildFailedError as e:
+        first = next(iter(e.failures.values()))
+        detail = first.message if isinstance(first.message, str) else str(first.message)
+        raise WorkerFailed(f"rank {first.rank} failed (exit code {first.exitcode}): {detail}") from None
+
+
+class WorkerFailed(RuntimeError):
+    """A worker died; the message holds its recorded error."""
+
+
+@record
+def worker(cfg_dict: dict, run_dir: str) -> None:
+    """One rank: threads, device, process group, then the trainer."""
+    from zoff.train import run_training  # imported in the child: keeps the launcher process light
+
+    cfg = config_from_dict(cfg_dict)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    threads = threads_per_rank(cfg.launch, local_world)
+    torch.set_num_threads(threads)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launch.timeout_s))
+    try:
+        run_training(cfg, Path(run_dir), device)
+    except UserError as e:
+        raise SystemExit(f"zoff: error: {e}") from None
+    finally:
+        dist.destroy_process_group()

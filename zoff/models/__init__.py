@@ -1,0 +1,44 @@
+"""Model registry: `build_model(model_cfg)` for builtin names and `python:pkg.module:factory` user factories."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from zoff.config import ModelConfig
+from zoff.errors import UserError
+from zoff.models.gpt import GPT
+
+BUILTIN = ("gpt",)
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Build the model a config section names. Use `with torch.device("meta"):` to build without memory."""
+    if cfg.name == "gpt":
+        return GPT(
+            cfg.n_layer, cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.tie_embeddings
+        )
+    if cfg.name.startswith("python:"):
+        return _from_factory(cfg)
+    raise UserError(
+        f"model.name: unknown model '{cfg.name}' (expected one of {', '.join(BUILTIN)} or python:pkg.mod:fn)"
+    )
+
+
+def _from_factory(cfg: ModelConfig) -> nn.Module:
+    spec = cfg.name[len("python:") :]
+    mod_name, _, fn_name = spec.partition(":")
+    if not mod_name or not fn_name:
+        raise UserError(f"model.name: '{cfg.name}' should look like python:pkg.module:factory")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UserError(f"model.name: cannot import module '{mod_name}': {e}") from None
+    factory = getattr(module, fn_name, None)
+    if not callable(factory):
+        raise UserError(f"model.name: '{mod_name}' has no callable '{fn_name}'")
+    model = factory(cfg)
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model.name: {spec} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model

@@ -1,0 +1,129 @@
+"""The fixed trainer: `run_training` wires the components once per rank; `train_loop` reads top to bottom."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from zoff.config import Config, ScheduleConfig, TrainConfig, derive_grad_accum
+from zoff.data import GlobalBatches, load_corpus
+from zoff.engine import Comm, ZeroEngine, build_engine
+from zoff.metrics import MetricsWriter, rank_logger
+from zoff.models import build_model
+from zoff.schedule import lr_at
+
+
+def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy in fp32; accepts raw logits or an output object with `.logits` (HF models)."""
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def run_training(cfg: Config, run_dir: Path, device: torch.device) -> dict | None:
+    """Build model, engine and data for this rank, print the plan on rank 0, and train."""
+    comm = Comm()
+    log = rank_logger(run_dir, comm.rank)
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    model = build_model(cfg.model)
+    if cfg.train.activation_checkpointing and hasattr(model, "activation_checkpointing"):
+        model.activation_checkpointing = True
+    engine = build_engine(
+        model,
+        cfg.zero,
+        cfg.optim,
+        precision=cfg.train.precision,
+        grad_clip=cfg.train.grad_clip,
+        device=device,
+    )
+    accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
+    corpus = load_corpus(cfg.data, cfg.train.seed)
+    batches = GlobalBatches(
+        corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
+    )
+    torch.manual_seed(cfg.train.seed + 1 + comm.rank)  # dropout differs per rank, reproducibly
+    plan = _plan_lines(engine, batches, corpus.description, torch.get_num_threads())
+    for line in plan:
+        log.info(line)
+    writer = None
+    if comm.rank == 0:
+        print("\n".join(plan), flush=True)
+        writer = MetricsWriter(run_dir, cfg.train.max_steps, 0, cfg.log.progress, log)
+    train_loop(engine, batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, comm)
+    return writer.close() if writer is not None else None
+
+
+def train_loop(
+    engine: ZeroEngine,
+    batches: GlobalBatches,
+    train: TrainConfig,
+    schedule: ScheduleConfig,
+    base_lr: float,
+    writer: MetricsWriter | None,
+    comm: Comm,
+    start_step: int = 0,
+) -> None:
+    """lr -> micro-batches -> step -> log -> eval -> stop. Steps are 1-based in logs (step k = k updates done)."""
+    accum = batches.grad_accum
+    tokens_per_step = batches.global_batch * batches.seq_len
+    for step in range(start_step, train.max_steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, base_lr, train.max_steps, schedule)
+        engine.model.train()
+        engine.zero_grad()
+        local_loss = 0.0
+        for micro in range(accum):
+            x, y = batches.micro_batch_at(step, micro)
+            loss = lm_loss(engine.model(x.to(engine.device)), y.to(engine.device)) / accum
+            engine.backward(loss, sync=micro == accum - 1)
+            local_loss += loss.item()
+        result = engine.step(lr)
+        (mean_loss,) = comm.sum_scalars([local_loss / comm.world])
+        dt = time.perf_counter() - t0
+        done = step + 1
+        if writer is not None:
+            record = {
+                "step": done,
+                "loss": mean_loss,
+                "lr": lr,
+                "grad_norm": result.grad_norm,
+                "tokens_per_s": tokens_per_step / dt,
+                "step_time_s": dt,
+                "skipped": not result.stepped,
+            }
+            writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
+        if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
+            val = evaluate(engine, batches, train.eval_batches, comm)
+            if writer is not None:
+                writer.eval(done, val)
+
+
+@torch.no_grad()
+def evaluate(engine: ZeroEngine, batches: GlobalBatches, n_batches: int, comm: Comm) -> float:
+    """Mean loss over the first n global batches of the val split (same batches every time)."""
+    engine.model.eval()
+    total = 0.0
+    for x, y in batches.val_batches(n_batches):
+        total += lm_loss(engine.model(x.to(engine.device)), y.to(engine.device)).item()
+    (mean,) = comm.sum_scalars([total / n_batches / comm.world])
+    engine.model.train()
+    return mean
+
+
+def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, threads: int) -> list[str]:
+    mem = engine.memory_report()
+    gib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    plan = engine.plan
+    shard = plan.shard_numel()
+    return [
+        f"zoff plan: world size {engine.comm.world} ({engine.comm.backend}), ZeRO stage {engine.stage}, "
+        f"{torch.get_default_dtype() if engine.dtype is None else engine.dtype} compute, "
+        f"{threads} thread(s) per rank",
+        f"  params {plan.numel:,} trainable in {len(plan.units)} unit(s); this rank's shard {shard:,} elements",
+        f"  model-state memory per rank: params {gib(mem['params'])}, grads {gib(mem['grads'])}, "
+        f"optimizer {gib(mem['optimizer_states'])}",
+        f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
+        f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
+    ]

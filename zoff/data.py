@@ -73,7 +73,7 @@ def _split_files(files: list[Path], cfg: DataConfig, what: str) -> Corpus:
         raise UserError(
             f"data: {what} hold too little text for data.seq_len {cfg.seq_len} ({len(train)} bytes)"
         )
-    as_tensor = lambda b: torch.frombuffer(bytes(b), dtype=torch.uint8).clone()  # noqa: E731
+    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
     return Corpus(as_tensor(train), as_tensor(val), f"{what}: {len(train):,} train / {len(val):,} val bytes")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,11 +23,20 @@ def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def run_training(cfg: Config, run_dir: Path, device: torch.device) -> dict | None:
-    """Build model, engine and data for this rank, print the plan on rank 0, and train."""
+@dataclass
+class Session:
+    """What one rank trains with: the engine, its data stream, its process group."""
+
+    engine: ZeroEngine
+    batches: GlobalBatches
+    comm: Comm
+    data_description: str
+
+
+def build_session(cfg: Config, device: torch.device) -> Session:
+    """Model (same initial weights on every rank), engine for the ZeRO policy, this rank's data stream."""
     comm = Comm()
-    log = rank_logger(run_dir, comm.rank)
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     if cfg.train.activation_checkpointing and hasattr(model, "activation_checkpointing"):
         model.activation_checkpointing = True
@@ -44,14 +54,21 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device) -> dict | Non
         corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
     )
     torch.manual_seed(cfg.train.seed + 1 + comm.rank)  # dropout differs per rank, reproducibly
-    plan = _plan_lines(engine, batches, corpus.description, torch.get_num_threads())
+    return Session(engine, batches, comm, corpus.description)
+
+
+def run_training(cfg: Config, run_dir: Path, device: torch.device) -> dict | None:
+    """Build this rank's session, print the plan on rank 0, and train."""
+    s = build_session(cfg, device)
+    log = rank_logger(run_dir, s.comm.rank)
+    plan = _plan_lines(s.engine, s.batches, s.data_description, torch.get_num_threads())
     for line in plan:
         log.info(line)
     writer = None
-    if comm.rank == 0:
+    if s.comm.rank == 0:
         print("\n".join(plan), flush=True)
         writer = MetricsWriter(run_dir, cfg.train.max_steps, 0, cfg.log.progress, log)
-    train_loop(engine, batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, comm)
+    train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm)
     return writer.close() if writer is not None else None
 
 
@@ -64,9 +81,10 @@ def train_loop(
     writer: MetricsWriter | None,
     comm: Comm,
     start_step: int = 0,
-) -> None:
+) -> list[float]:
     """lr -> micro-batches -> step -> log -> eval -> stop. Steps are 1-based in logs (step k = k updates done)."""
     accum = batches.grad_accum
+    losses = []
     tokens_per_step = batches.global_batch * batches.seq_len
     for step in range(start_step, train.max_steps):
         t0 = time.perf_counter()
@@ -83,6 +101,7 @@ def train_loop(
         (mean_loss,) = comm.sum_scalars([local_loss / comm.world])
         dt = time.perf_counter() - t0
         done = step + 1
+        losses.append(mean_loss)
         if writer is not None:
             record = {
                 "step": done,
@@ -98,6 +117,7 @@ def train_loop(
             val = evaluate(engine, batches, train.eval_batches, comm)
             if writer is not None:
                 writer.eval(done, val)
+    return losses
 
 
 @torch.no_grad()

@@ -1,0 +1,116 @@
+"""Test utilities: run real ranks over gloo, and the single-process plain-PyTorch reference they must match.
+
+The reference is the contract every engine issue is held to: plain model + torch.optim.AdamW over the same
+global batches (one forward over the whole global batch), grad clipping by torch.nn.utils.clip_grad_norm_.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from zoff.config import Config, config_from_dict
+from zoff.data import GlobalBatches, load_corpus
+from zoff.engine.partition import default_decay
+from zoff.models import build_model
+from zoff.schedule import lr_at
+from zoff.train import build_session, lm_loss, train_loop
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args: tuple, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> list:
+    """Run fn(rank, world, *args) in `world` fresh processes joined over gloo; return each rank's result."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(
+            _entry, args=(world, free_port(), fn, args, out), nprocs=world, start_method="spawn"
+        )
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def zoff_rank(rank: int, world: int, cfg_dict: dict) -> dict:
+    """One rank of a zoff run through the real session and trainer loop; returns what tests compare."""
+    cfg = config_from_dict(cfg_dict)
+    s = build_session(cfg, torch.device("cpu"))
+    losses = train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+    return {
+        "losses": losses,
+        "params": s.engine.gathered_params(),
+        "memory": s.engine.memory_report(),
+        "stats": s.engine.stats(),
+    }
+
+
+def run_zoff(cfg: dict, world: int) -> list[dict]:
+    return spawn(zoff_rank, world, cfg)
+
+
+def reference_run(cfg: Config, world: int) -> dict:
+    """Plain single-process PyTorch over the same global batches zoff sees on `world` ranks."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if p.requires_grad and default_decay(n, p)]},
+        {"params": [p for n, p in named if p.requires_grad and not default_decay(n, p)], "weight_decay": 0.0},
+    ]
+    o = cfg.optim
+    opt_cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    opt = opt_cls(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+    accum = cfg.train.grad_accum if cfg.train.global_batch_size is None else None
+    global_batch = cfg.train.global_batch_size or cfg.data.batch_size * accum * world
+    batches = GlobalBatches(
+        load_corpus(cfg.data, cfg.train.seed), cfg.data.seq_len, global_batch, 1, 0, 1, cfg.train.seed
+    )
+    losses = []
+    for step in range(cfg.train.max_steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, o.lr, cfg.train.max_steps, cfg.schedule)
+        opt.zero_grad()
+        x, y = batches.micro_batch_at(step, 0)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    params = {
+        n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+    }
+    return {"losses": losses, "params": params}
+
+
+def tiny_cfg(**sections) -> dict:
+    """The tests' small GPT on synthetic data, with per-section overrides: tiny_cfg(zero={"stage": 2})."""
+    base = {
+        "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16},
+        "data": {"name": "synthetic", "seq_len": 16, "batch_size": 2, "synthetic_tokens": 8000},
+        "optim": {"lr": 3e-3, "weight_decay": 0.1},
+        "schedule": {"warmup_steps": 3},
+        "train": {"max_steps": 20, "grad_accum": 2, "grad_clip": 0.5, "log_every": 1, "eval_batches": 1},
+    }
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return base

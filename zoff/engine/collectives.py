@@ -32,12 +32,27 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight collective; wait() blocks until done and runs the finishing step (if any) once."""
+    """An in-flight collective; wait() blocks until done and runs the finishing step (if any) once.
 
-    def __init__(self, work=None, then: Callable[[], None] | None = None):
-        self._work, self._then = work, then
+    `after` chains a handle: the new one waits for `after` before its own finishing step.
+    """
+
+    def __init__(self, work=None, then: Callable[[], None] | None = None, after: Handle | None = None):
+        self._work, self._then, self._after = work, then, after
+
+    def poll(self) -> bool:
+        """Finish without blocking if the collective is done; True once finished."""
+        if self._after is not None and not self._after.poll():
+            return False
+        if self._work is not None and not self._work.is_completed():
+            return False
+        self.wait()
+        return True
 
     def wait(self) -> None:
+        if self._after is not None:
+            self._after.wait()
+            self._after = None
         if self._work is not None:
             self._work.wait()
             self._work = None

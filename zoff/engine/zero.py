@@ -9,7 +9,6 @@ stage 3  + parameters partitioned: units are gathered around the modules that us
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,9 @@ from zoff.engine.gather import UnitGatherer
 from zoff.engine.optimizer import ShardAdam
 from zoff.engine.partition import plan_partition
 from zoff.engine.precision import DTYPES, LossScaler
+
+# Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a bucket.
+MAX_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class ZeroEngine:
         self._buckets: dict[int, torch.Tensor] = {}
         self._sync = True
         self.peak_bucket_bytes = 0
+        self.last_step_comm: dict[str, int] = {}
         for slot, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._grad_hook(slot))
         self.zero_grad()
@@ -175,11 +178,14 @@ class ZeroEngine:
             handle = self.comm.reduce_scatter(full, self.gshard[u], async_op=async_op)
         if not self.keep_full_grads:
             # The bucket is dropped once reduced, so stage 2/3 never hold more than the in-flight buckets.
-            handle = Handle(None, _chain(handle, lambda: self._buckets.pop(u, None)))
-        if async_op:
-            self._handles.append(handle)
-        else:
+            handle = Handle(then=lambda: self._buckets.pop(u, None), after=handle)
+        if not async_op:
             handle.wait()
+            return
+        self._handles = [h for h in self._handles if not h.poll()]
+        self._handles.append(handle)
+        while len(self._handles) > MAX_IN_FLIGHT:  # bounds bucket memory when the network is the bottleneck
+            self._handles.pop(0).wait()
 
     def _track_buckets(self) -> None:
         live = sum(b.numel() * b.element_size() for b in self._buckets.values())
@@ -199,6 +205,7 @@ class ZeroEngine:
             total_sq, bad = local_sq, local_bad
         if bad > 0 and self.scaler.enabled:
             self.scaler.update(overflow=True)
+            self.last_step_comm = dict(self.comm.stats.elements)
             return StepResult(float("inf"), stepped=False)
         self.scaler.update(overflow=False)
         norm = math.sqrt(total_sq) / self.scaler.scale
@@ -213,6 +220,7 @@ class ZeroEngine:
             grads.append(g32)
         self.optimizer.step(grads, lr)
         self._publish_params()
+        self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
 
     def _publish_params(self) -> None:
@@ -263,8 +271,10 @@ class ZeroEngine:
         return {
             "stage": self.stage,
             "world_size": self.comm.world,
-            "comm_elements": dict(self.comm.stats.elements),
-            "comm_elements_total": self.comm.stats.total(),
+            "comm_elements": dict(self.last_step_comm),  # of the last step: zero_grad through step
+            "comm_elements_total": sum(self.last_step_comm.values()),
+            "peak_bucket_bytes": self.peak_bucket_bytes,
+            "skipped_steps": self.scaler.skipped,
             "params": self.plan.numel,
             "units": len(self.plan.units),
             "loss_scale": self.scaler.scale,
@@ -298,11 +308,3 @@ class ZeroEngine:
             dst.copy_(src)
         self.scaler.load_state_dict(state["scaler"])
         self._publish_params()
-
-
-def _chain(handle: Handle, then: Callable[[], object]) -> Callable[[], None]:
-    def run() -> None:
-        handle.wait()
-        then()
-
-    return run

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zoff.config import Config, config_from_dict
+from zoff.checkpoint import Checkpointer
+from zoff.config import Config, config_from_dict, dump_yaml
 from zoff.data import GlobalBatches, load_corpus
 from zoff.engine.partition import default_decay
 from zoff.models import build_model
@@ -50,12 +51,24 @@ def spawn(fn, world: int, *args) -> list:
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def zoff_rank(rank: int, world: int, cfg_dict: dict) -> dict:
-    """One rank of a zoff run through the real session and trainer loop; returns what tests compare."""
+def zoff_rank(
+    rank: int, world: int, cfg_dict: dict, run_dir: str | None = None, resume: str | None = None
+) -> dict:
+    """One rank of a zoff run through the real session, checkpointer and trainer loop; returns what tests compare.
+
+    With `run_dir`, checkpoints go to cfg's checkpoint.dir or <run_dir>/checkpoints and `resume` is honoured.
+    """
     cfg = config_from_dict(cfg_dict)
     s = build_session(cfg, torch.device("cpu"))
-    losses = train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+    ckpt, start = None, 0
+    if run_dir is not None:
+        ckpt = Checkpointer(s.engine, cfg.checkpoint, Path(run_dir), dump_yaml(cfg), cfg.train.max_steps)
+        start, state = ckpt.resume(resume)
+        if state is not None:
+            s.batches.load_state_dict(state["data"])
+    losses = train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm, ckpt, start)
     return {
+        "start": start,
         "losses": losses,
         "params": s.engine.gathered_params(),
         "memory": s.engine.memory_report(),
@@ -63,8 +76,10 @@ def zoff_rank(rank: int, world: int, cfg_dict: dict) -> dict:
     }
 
 
-def run_zoff(cfg: dict, world: int) -> list[dict]:
-    return spawn(zoff_rank, world, cfg)
+def run_zoff(
+    cfg: dict, world: int, run_dir: str | Path | None = None, resume: str | None = None
+) -> list[dict]:
+    return spawn(zoff_rank, world, cfg, None if run_dir is None else str(run_dir), resume)
 
 
 def reference_run(cfg: Config, world: int) -> dict:

@@ -47,16 +47,17 @@ def train(
         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
     )  # fmt: skip
     cfg = load_config(config, list(overrides or []) + extra)
-    if resume is not None:
-        raise UserError("--resume: resuming from checkpoints is not implemented yet")
     _preflight(cfg)
-    out = _make_run_dir(run_dir or cfg.log.run_dir, config)
+    out_dir = Path(run_dir or cfg.log.run_dir) if (run_dir or cfg.log.run_dir) else None
+    if resume is not None:
+        _check_resume(resume, cfg, out_dir)
+    out = _make_run_dir(out_dir, config)
     (out / "config.yaml").write_text(dump_yaml(cfg))
     print(f"zoff: run directory {out}", flush=True)
     from zoff.launch import WorkerFailed, launch
 
     try:
-        launch(cfg, out)
+        launch(cfg, out, resume)
     except WorkerFailed as e:
         print(f"zoff: training failed: {e}\nzoff: per-rank logs are in {out / 'logs'}", file=sys.stderr)
         raise typer.Exit(1) from None
@@ -98,6 +99,25 @@ def _preflight(cfg: Config) -> None:
         build_model(cfg.model)
     if cfg.data.name == "text":
         _expand(cfg.data.paths)
+
+
+def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> None:
+    """Find and fully verify the checkpoint now: a bad one is a one-line error before any rank starts."""
+    from zoff.checkpoint import find_checkpoint, read_manifest
+
+    if resume == "auto":
+        if cfg.checkpoint.dir is None and run_dir is None:
+            raise UserError(
+                "--resume auto: needs --run-dir (or checkpoint.dir) to know where checkpoints are"
+            )
+        ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        path = find_checkpoint("auto", ckpt_dir)
+        if path is None:
+            print(f"zoff: no checkpoint in {ckpt_dir}: starting fresh", flush=True)
+            return
+    else:
+        path = find_checkpoint(resume, Path("."))
+    read_manifest(path, verify=True)
 
 
 def _make_run_dir(run_dir: str | Path | None, config: Path) -> Path:

@@ -34,7 +34,7 @@ def threads_per_rank(launch: LaunchConfig, local_world: int) -> int:
     return launch.threads_per_rank or max(1, cores_available() // max(1, local_world))
 
 
-def launch(cfg: Config, run_dir: Path) -> None:
+def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
     """Run `cfg` on launch.nproc_per_node local workers (and more nodes via rendezvous); raise on failure."""
     lc = cfg.launch
     lo, _, hi = lc.nnodes.partition(":")
@@ -60,7 +60,7 @@ def launch(cfg: Config, run_dir: Path) -> None:
     )
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
     try:
-        elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir))
+        elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume)
     except ChildFailedError as e:
         first = next(iter(e.failures.values()))
         detail = first.message if isinstance(first.message, str) else str(first.message)
@@ -72,7 +72,7 @@ class WorkerFailed(RuntimeError):
 
 
 @record
-def worker(cfg_dict: dict, run_dir: str) -> None:
+def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
     """One rank: threads, device, process group, then the trainer."""
     from zoff.train import run_training  # imported in the child: keeps the launcher process light
 
@@ -88,8 +88,10 @@ def worker(cfg_dict: dict, run_dir: str) -> None:
     else:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launch.timeout_s))
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"  # a restarted group continues from the latest complete checkpoint by itself
     try:
-        run_training(cfg, Path(run_dir), device)
+        run_training(cfg, Path(run_dir), device, resume)
     except UserError as e:
         raise SystemExit(f"zoff: error: {e}") from None
     finally:

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from zoff.config import Config, ScheduleConfig, TrainConfig, derive_grad_accum
+from zoff.checkpoint import Checkpointer
+from zoff.config import Config, ScheduleConfig, TrainConfig, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.metrics import MetricsWriter, rank_logger
@@ -57,18 +58,25 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     return Session(engine, batches, comm, corpus.description)
 
 
-def run_training(cfg: Config, run_dir: Path, device: torch.device) -> dict | None:
-    """Build this rank's session, print the plan on rank 0, and train."""
+def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str | None = None) -> dict | None:
+    """Build this rank's session, resume if asked, print the plan on rank 0, and train."""
     s = build_session(cfg, device)
     log = rank_logger(run_dir, s.comm.rank)
+    ckpt = Checkpointer(s.engine, cfg.checkpoint, run_dir, dump_yaml(cfg), cfg.train.max_steps)
+    start, state = ckpt.resume(resume)
+    if state is not None:
+        s.batches.load_state_dict(state["data"])
+        log.info("resumed from step %d of %s", start, ckpt.dir)
     plan = _plan_lines(s.engine, s.batches, s.data_description, torch.get_num_threads())
     for line in plan:
         log.info(line)
     writer = None
     if s.comm.rank == 0:
         print("\n".join(plan), flush=True)
-        writer = MetricsWriter(run_dir, cfg.train.max_steps, 0, cfg.log.progress, log)
-    train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm)
+        if state is not None:
+            print(f"zoff: resumed from step {start} ({ckpt.dir})", flush=True)
+        writer = MetricsWriter(run_dir, cfg.train.max_steps, start, cfg.log.progress, log)
+    train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start)
     return writer.close() if writer is not None else None
 
 
@@ -80,9 +88,10 @@ def train_loop(
     base_lr: float,
     writer: MetricsWriter | None,
     comm: Comm,
+    ckpt: Checkpointer | None = None,
     start_step: int = 0,
 ) -> list[float]:
-    """lr -> micro-batches -> step -> log -> eval -> stop. Steps are 1-based in logs (step k = k updates done)."""
+    """lr -> micro-batches -> step -> log -> eval -> save -> stop. Steps are 1-based in logs (step k = k updates done)."""
     accum = batches.grad_accum
     losses = []
     tokens_per_step = batches.global_batch * batches.seq_len
@@ -117,6 +126,8 @@ def train_loop(
             val = evaluate(engine, batches, train.eval_batches, comm)
             if writer is not None:
                 writer.eval(done, val)
+        if ckpt is not None and ckpt.due(done):
+            ckpt.save(done, {"step": done, "data": batches.state_dict()})
     return losses
 
 

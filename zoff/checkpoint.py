@@ -1,0 +1,361 @@
+"""Sharded checkpoints that never lose a run.
+
+Layout of <dir>/step_00000100/: one `shard_00000.safetensors` per partition (fp32 master, exp_avg,
+exp_avg_sq of that partition's slice of every unit), `rng_00000.safetensors` per rank, `extra.safetensors`
+(frozen parameters and buffers, whole), `config.yaml`, and `manifest.json`, written last, which lists every
+parameter's pieces and every file's size and checksum. A save goes into a temporary folder that is renamed
+into place only after every rank has written and fsynced its files; `latest` is then replaced atomically.
+A crash at any moment leaves the previous checkpoint complete. Loading re-partitions: any world size and
+any stage read exactly the byte ranges they need.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from zoff.config import CheckpointConfig
+from zoff.engine import ZeroEngine
+from zoff.engine.partition import PartitionPlan
+from zoff.errors import UserError
+
+FORMAT_VERSION = 1
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ------------------------------------------------------------------------------------------------ save
+
+
+def save_checkpoint(
+    engine: ZeroEngine, ckpt_dir: Path, step: int, trainer_state: dict, config_yaml: str
+) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    rank, world = engine.comm.rank, engine.comm.world
+    final = ckpt_dir / step_dir_name(step)
+    tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+        tmp.mkdir()
+    _barrier(engine)
+    files: dict[str, dict] = {}
+    state = engine.state_dict()
+    if engine.rank == rank:  # this rank owns a partition (stage 0: only rank 0 writes the single partition)
+        tensors = {}
+        for u in range(len(engine.plan.units)):
+            tensors[f"u{u}.master"] = state["masters"][u].detach().float().cpu().contiguous()
+            tensors[f"u{u}.exp_avg"] = state["optimizer"]["exp_avg"][u].cpu().contiguous()
+            tensors[f"u{u}.exp_avg_sq"] = state["optimizer"]["exp_avg_sq"][u].cpu().contiguous()
+        files.update(_write(tmp / f"shard_{engine.rank:05d}.safetensors", tensors))
+    files.update(_write(tmp / f"rng_{rank:05d}.safetensors", {"cpu": torch.get_rng_state()}))
+    if rank == 0:
+        files.update(_write(tmp / "extra.safetensors", _extra_tensors(engine)))
+        (tmp / "config.yaml").write_text(config_yaml)
+    _pause_for_tests()
+    gathered = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, files)
+    else:
+        gathered = [files]
+    if rank == 0:
+        all_files = {k: v for part in gathered for k, v in part.items()}
+        manifest = _manifest(engine, step, trainer_state, all_files)
+        _write_json(tmp / "manifest.json", manifest)
+        _fsync_dir(tmp)
+        if (
+            final.exists()
+        ):  # a checkpoint of the same step (a rerun): replace it only now that the new one is whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+        _write_text_atomic(ckpt_dir / "latest", final.name + "\n")
+    _barrier(engine)
+    return final
+
+
+def prune(ckpt_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (rank 0, after a save completed)."""
+    done = complete_checkpoints(ckpt_dir)
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        os.fsync(f.fileno())
+    return {path.name: {"bytes": path.stat().st_size, "sha256": digest}}
+
+
+def _extra_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    trainable = {n for s in engine.plan.slots for n in s.names}
+    out = {
+        k: v.detach().cpu().contiguous().clone()
+        for k, v in engine.model.state_dict().items()
+        if k not in trainable
+    }
+    return out or {"__empty__": torch.zeros(0)}
+
+
+def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict) -> dict:
+    plan = engine.plan
+    params = []
+    for i, s in enumerate(plan.slots):
+        pieces = [
+            {
+                "file": f"shard_{r:05d}.safetensors",
+                "unit": s.unit,
+                "start": s.offset + p_start - r * plan.units[s.unit].shard,
+                "length": length,
+                "param_start": p_start,
+            }
+            for r, p_start, length in plan.pieces(i)
+        ]
+        params.append({"names": list(s.names), "shape": list(s.shape), "dtype": "float32", "pieces": pieces})
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": engine.comm.world,
+        "partitions": plan.world_size,
+        "zero_stage": engine.stage,
+        "precision": str(engine.dtype).replace("torch.", ""),
+        "optimizer_step": engine.optimizer.step_count,
+        "scaler": engine.scaler.state_dict(),
+        "trainer": trainer_state,
+        "params": params,
+        "files": files,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ find
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints (a manifest is present), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.glob("step_*") if (p / "manifest.json").is_file())
+
+
+def find_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
+    """`auto`: the latest complete checkpoint in ckpt_dir or None; else the given folder (or a checkpoint dir)."""
+    if resume == "auto":
+        pointer = ckpt_dir / "latest"
+        if pointer.is_file():
+            cand = ckpt_dir / pointer.read_text().strip()
+            if (cand / "manifest.json").is_file():
+                return cand
+        done = complete_checkpoints(ckpt_dir)
+        return done[-1] if done else None
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"--resume: {path} does not exist")
+    if (path / "manifest.json").is_file():
+        return path
+    done = complete_checkpoints(path)
+    if done:
+        return done[-1]
+    raise UserError(f"--resume: {path} holds no complete checkpoint (no manifest.json)")
+
+
+def read_manifest(path: Path, verify: bool = True) -> dict:
+    """Read and check a checkpoint's manifest; with `verify`, check every file's size and checksum."""
+    mf = path / "manifest.json"
+    if not mf.is_file():
+        raise UserError(f"{mf}: missing manifest (incomplete or not a zoff checkpoint)")
+    try:
+        manifest = json.loads(mf.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{mf}: corrupted manifest ({e})") from None
+    if not isinstance(manifest, dict) or "format_version" not in manifest or "files" not in manifest:
+        raise UserError(f"{mf}: not a zoff checkpoint manifest")
+    if manifest["format_version"] > FORMAT_VERSION:
+        raise UserError(
+            f"{mf}: format version {manifest['format_version']} is newer than this zoff reads ({FORMAT_VERSION})"
+        )
+    if verify:
+        for name, meta in manifest["files"].items():
+            verify_file(path / name, meta)
+    return manifest
+
+
+def verify_file(path: Path, meta: dict) -> None:
+    if not path.is_file():
+        raise UserError(f"{path}: missing checkpoint file")
+    size = path.stat().st_size
+    if size != meta["bytes"]:
+        raise UserError(f"{path}: truncated or resized ({size} bytes, manifest says {meta['bytes']})")
+    with open(path, "rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != meta["sha256"]:
+            raise UserError(f"{path}: checksum mismatch (corrupted file)")
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict:
+    """Load into `engine` whatever its world size and stage; returns the trainer state. Every rank calls it."""
+    manifest = read_manifest(path, verify=verify)
+    by_name = {n: p for p in manifest["params"] for n in p["names"]}
+    plan = engine.plan
+    for s in plan.slots:
+        saved = by_name.get(s.names[0])
+        if saved is None:
+            raise UserError(f"{path}: checkpoint of a different model (no parameter '{s.names[0]}')")
+        if tuple(saved["shape"]) != s.shape:
+            raise UserError(
+                f"{path}: checkpoint of a different model ('{s.names[0]}' has shape {saved['shape']}, model {list(s.shape)})"
+            )
+    if len(by_name) != len({n for s in plan.slots for n in s.names}):
+        raise UserError(f"{path}: checkpoint of a different model (parameter sets differ)")
+    with _Readers(path) as readers:
+        state = {
+            "masters": [],
+            "optimizer": {"step": manifest["optimizer_step"], "exp_avg": [], "exp_avg_sq": []},
+        }
+        for u in range(len(plan.units)):
+            for kind in KINDS:
+                shard = _assemble_shard(plan, engine.rank, u, kind, by_name, readers)
+                (state["masters"] if kind == "master" else state["optimizer"][kind]).append(shard)
+        state["scaler"] = manifest["scaler"]
+        engine.load_state_dict(state)
+        extra = readers.get("extra.safetensors")
+        model_state = {k: extra.get_tensor(k) for k in extra.keys() if k != "__empty__"}
+        if model_state:
+            engine.model.load_state_dict(model_state, strict=False)
+        rng_file = path / f"rng_{engine.comm.rank:05d}.safetensors"
+        if manifest["world_size"] == engine.comm.world and rng_file.is_file():
+            torch.set_rng_state(readers.get(rng_file.name).get_tensor("cpu"))
+    return manifest["trainer"]
+
+
+def _assemble_shard(
+    plan: PartitionPlan, rank: int, u: int, kind: str, by_name: dict, readers
+) -> torch.Tensor:
+    """This rank's shard of unit u in the current plan, filled from the saved pieces that overlap it."""
+    unit = plan.units[u]
+    lo, hi = plan.shard_range(u, rank)
+    out = torch.zeros(unit.shard, dtype=torch.float32)
+    for si in unit.slots:
+        s = plan.slots[si]
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)  # unit coordinates
+        if a >= b:
+            continue
+        pa, pb = a - s.offset, b - s.offset  # flattened-parameter coordinates
+        for piece in by_name[s.names[0]]["pieces"]:
+            qa, qb = max(pa, piece["param_start"]), min(pb, piece["param_start"] + piece["length"])
+            if qa >= qb:
+                continue
+            src = piece["start"] + (qa - piece["param_start"])
+            data = readers.get(piece["file"]).get_slice(f"u{piece['unit']}.{kind}")[src : src + (qb - qa)]
+            dst = s.offset + qa - lo
+            out[dst : dst + (qb - qa)] = data
+    return out
+
+
+class _Readers:
+    """Opens each shard file once, lazily, memory-mapped: reading a slice touches only its bytes."""
+
+    def __init__(self, root: Path):
+        self.root, self.open = root, {}
+
+    def get(self, name: str):
+        if name not in self.open:
+            try:
+                self.open[name] = safe_open(str(self.root / name), framework="pt").__enter__()
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise UserError(f"{self.root / name}: unreadable checkpoint file ({e})") from None
+        return self.open[name]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.open.clear()
+
+
+# ----------------------------------------------------------------------------------------------- utils
+
+
+def _barrier(engine: ZeroEngine) -> None:
+    if engine.comm.world > 1:
+        dist.barrier()
+
+
+def _pause_for_tests() -> None:
+    # Lets the crash-consistency test kill a rank while a save is half written.
+    pause = float(os.environ.get("ZOFF_TEST_PAUSE_IN_SAVE", "0") or 0)
+    if pause:
+        flag = os.environ.get("ZOFF_TEST_PAUSE_FLAG")
+        if flag:
+            Path(flag).write_text("paused")
+        time.sleep(pause)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """The trainer's view of checkpoints: when to save, saving with pruning, and resuming."""
+
+    def __init__(
+        self, engine: ZeroEngine, cfg: CheckpointConfig, run_dir: Path, config_yaml: str, max_steps: int
+    ):
+        self.engine, self.cfg, self.max_steps, self.config_yaml = engine, cfg, max_steps, config_yaml
+        self.dir = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
+
+    def due(self, step: int) -> bool:
+        return step == self.max_steps or bool(self.cfg.every_steps and step % self.cfg.every_steps == 0)
+
+    def save(self, step: int, trainer_state: dict) -> Path:
+        path = save_checkpoint(self.engine, self.dir, step, trainer_state, self.config_yaml)
+        if self.engine.comm.rank == 0:
+            prune(self.dir, self.cfg.keep_last)
+        return path
+
+    def resume(self, resume: str | None) -> tuple[int, dict | None]:
+        """Load the checkpoint `resume` names (auto: the latest, if any); returns (start step, trainer state)."""
+        if not resume:
+            return 0, None
+        path = find_checkpoint(resume, self.dir)
+        if path is None:
+            return 0, None
+        state = load_checkpoint(self.engine, path)
+        return int(state["step"]), state

@@ -137,6 +137,7 @@ def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict) -
         "scaler": engine.scaler.state_dict(),
         "trainer": trainer_state,
         "params": params,
+        "state_dict_keys": list(engine.model.state_dict().keys()),
         "files": files,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

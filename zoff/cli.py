@@ -83,9 +83,22 @@ def estimate(
 
 
 @app.command()
-def convert(checkpoint: Path = typer.Argument(...), out: Path = typer.Argument(...)) -> None:
-    """Merge a sharded checkpoint into one state dict (not implemented yet)."""
-    raise UserError("convert: not implemented yet")
+def convert(
+    checkpoint: Path = typer.Argument(
+        ..., help="A checkpoint folder (step_*) or a checkpoint dir (its latest)"
+    ),
+    out: Path = typer.Argument(..., help="Output file, or folder when --max-shard-size splits it"),
+    fmt: str = typer.Option("safetensors", "--format", help="safetensors or pt"),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (floating tensors only)"),
+    max_shard_size: str = typer.Option(
+        None, "--max-shard-size", help="Split into files of at most SIZE (e.g. 2GB)"
+    ),
+) -> None:
+    """Merge a sharded checkpoint into one state dict with exactly model.state_dict()'s keys."""
+    from zoff.convert import convert as run
+
+    files = run(checkpoint, out, fmt, dtype, max_shard_size)
+    print(f"zoff: wrote {len(files)} file(s) to {out}")
 
 
 def _preflight(cfg: Config) -> None:

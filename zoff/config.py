@@ -167,6 +167,8 @@ def config_from_dict(raw: dict, overrides: typing.Sequence[str] = (), source: st
         raw["zero"] = {"recipe": raw["zero"]}
     for item in overrides:
         _apply_override(raw, item)
+    if isinstance(raw.get("zero"), str):  # `zero=zero3` on the command line swaps the whole policy
+        raw["zero"] = {"recipe": raw["zero"]}
     if "zero" in raw:
         raw["zero"] = resolve_recipe(raw["zero"], "zero")
     cfg = _build(Config, raw, "")

@@ -1,0 +1,205 @@
+"""`zoff convert`: merge a sharded checkpoint into one state dict, streaming tensor by tensor.
+
+Peak memory is about the largest tensor (plus one output shard for the `pt` format): each parameter is
+assembled from the byte ranges of the shard files that hold it and written out before the next is read.
+Safetensors output is written by hand (8-byte header length, JSON header, raw data) so that the header can
+be laid out from the manifest's shapes before any tensor is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from zoff.checkpoint import find_checkpoint, read_manifest
+from zoff.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ST_NAMES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}  # fmt: skip
+ST_DTYPES = {v: k for k, v in ST_NAMES.items()}
+
+
+def parse_size(text: str) -> int:
+    """'500MB', '2GiB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*", text)
+    if not m:
+        raise UserError(f"--max-shard-size: cannot parse '{text}' (expected e.g. 500MB or 2GiB)")
+    try:
+        value = float(m.group(1))
+    except ValueError:
+        raise UserError(f"--max-shard-size: cannot parse '{text}' (expected e.g. 500MB or 2GiB)") from None
+    base = 1024 if m.group(3) else 1000
+    size = int(value * base ** " KMGT".index(m.group(2).upper() or " "))
+    if size <= 0:
+        raise UserError(f"--max-shard-size: must be positive, got '{text}'")
+    return size
+
+
+class _Source:
+    """Where each output tensor comes from: its shape and dtype up front, its data on demand."""
+
+    def __init__(self, ckpt: Path, manifest: dict):
+        from safetensors import safe_open
+
+        self.ckpt, self.manifest = ckpt, manifest
+        self.params = {n: p for p in manifest["params"] for n in p["names"]}
+        self._open = {}
+        self._safe_open = safe_open
+        extra = self._file("extra.safetensors")
+        self.extra = {
+            k: (extra.get_slice(k).get_shape(), extra.get_slice(k).get_dtype()) for k in extra.keys()
+        }
+        self.extra.pop("__empty__", None)
+        keys = manifest.get("state_dict_keys") or list(self.params) + list(self.extra)
+        self.keys = [k for k in keys if k in self.params or k in self.extra]
+
+    def _file(self, name: str):
+        if name not in self._open:
+            self._open[name] = self._safe_open(str(self.ckpt / name), framework="pt").__enter__()
+        return self._open[name]
+
+    def meta(self, key: str) -> tuple[list[int], torch.dtype]:
+        if key in self.params:
+            return self.params[key]["shape"], torch.float32
+        shape, dt = self.extra[key]
+        return list(shape), ST_DTYPES[dt]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if key in self.extra:
+            return self._file("extra.safetensors").get_tensor(key)
+        p = self.params[key]
+        flat = torch.empty(_numel(p["shape"]), dtype=torch.float32)
+        for piece in p["pieces"]:
+            s, n = piece["start"], piece["length"]
+            data = self._file(piece["file"]).get_slice(f"u{piece['unit']}.master")[s : s + n]
+            flat[piece["param_start"] : piece["param_start"] + n] = data
+        return flat.view(p["shape"])
+
+
+def convert(
+    checkpoint: Path,
+    out: Path,
+    fmt: str = "safetensors",
+    dtype: str = "fp32",
+    max_shard_size: str | None = None,
+) -> list[Path]:
+    """Write the consolidated state dict (keys exactly model.state_dict()'s) to `out`; returns files written."""
+    if fmt not in ("safetensors", "pt"):
+        raise UserError(
+            f"--format: expected safetensors or pt, got '{fmt}'"
+            + (" (hf export comes later)" if fmt == "hf" else "")
+        )
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype: expected one of fp32, bf16, fp16, got '{dtype}'")
+    limit = parse_size(max_shard_size) if max_shard_size else None
+    if out.exists():
+        raise UserError(f"{out}: already exists (zoff convert never overwrites; choose another OUT)")
+    ckpt = find_checkpoint(str(checkpoint), Path("."))
+    src = _Source(ckpt, read_manifest(ckpt, verify=True))
+    target = DTYPES[dtype]
+    out_dtype = lambda dt: target if dt.is_floating_point else dt  # noqa: E731
+    sizes = {k: _numel(src.meta(k)[0]) * out_dtype(src.meta(k)[1]).itemsize for k in src.keys}
+    groups = _group(src.keys, sizes, limit)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    written: list[Path] = []
+    with _progress(sum(sizes.values())) as advance:
+        if limit is None:
+            _write_one(tmp, fmt, src, src.keys, out_dtype, advance)
+            os.replace(tmp, out)
+            return [out]
+        tmp.mkdir(parents=True)
+        ext = "safetensors" if fmt == "safetensors" else "bin"
+        stem = "model" if fmt == "safetensors" else "pytorch_model"
+        weight_map = {}
+        for i, keys in enumerate(groups, start=1):
+            name = f"{stem}-{i:05d}-of-{len(groups):05d}.{ext}"
+            _write_one(tmp / name, fmt, src, keys, out_dtype, advance)
+            weight_map.update({k: name for k in keys})
+            written.append(out / name)
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (tmp / f"{stem}.{ext}.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        os.replace(tmp, out)
+    return written + [out / f"{stem}.{ext}.index.json"]
+
+
+def _write_one(path: Path, fmt: str, src: _Source, keys: list[str], out_dtype, advance) -> None:
+    tensors = ((k, src.tensor(k).to(out_dtype(src.meta(k)[1]))) for k in keys)
+    if fmt == "pt":
+        torch.save(dict(_counted(tensors, advance)), path)  # a pt file is one pickle: one shard in memory
+    else:
+        _stream_safetensors(
+            path, [(k, src.meta(k)[0], out_dtype(src.meta(k)[1])) for k in keys], _counted(tensors, advance)
+        )
+
+
+def _stream_safetensors(
+    path: Path, layout: list[tuple[str, list[int], torch.dtype]], tensors: Iterator
+) -> None:
+    header, offset = {}, 0
+    for key, shape, dt in layout:
+        n = _numel(shape) * dt.itemsize
+        header[key] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for _, t in tensors:
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _counted(tensors: Iterator, advance) -> Iterator:
+    for k, t in tensors:
+        yield k, t
+        advance(t.numel() * t.element_size())
+
+
+def _group(keys: list[str], sizes: dict[str, int], limit: int | None) -> list[list[str]]:
+    if limit is None:
+        return [keys]
+    groups, cur, size = [], [], 0
+    for k in keys:
+        if cur and size + sizes[k] > limit:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += sizes[k]
+    return groups + ([cur] if cur else [])
+
+
+class _progress:
+    def __init__(self, total: int):
+        self.bar = Progress(
+            TextColumn("convert"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True
+        )
+        self.task = self.bar.add_task("convert", total=total)
+
+    def __enter__(self):
+        self.bar.start()
+        return lambda n: self.bar.advance(self.task, n)
+
+    def __exit__(self, *exc) -> None:
+        self.bar.stop()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

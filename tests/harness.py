@@ -6,6 +6,7 @@ global batches (one forward over the whole global batch), grad clipping by torch
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import tempfile
@@ -82,10 +83,18 @@ def run_zoff(
     return spawn(zoff_rank, world, cfg, None if run_dir is None else str(run_dir), resume)
 
 
-def reference_run(cfg: Config, world: int) -> dict:
-    """Plain single-process PyTorch over the same global batches zoff sees on `world` ranks."""
+def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> dict:
+    """Plain single-process PyTorch over the same global batches zoff sees on `world` ranks.
+
+    With `delay_warmup` (DPU), the optimizer updates a separate master copy, and the model the next forward
+    uses gets update k only after update k+1 has been computed, for k > delay_warmup: the one-step-stale
+    parameters of ZeRO-Offload's delayed parameter update, applied explicitly.
+    """
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
+    live = model
+    if delay_warmup is not None:
+        model = copy.deepcopy(live)  # the masters; `live` is what forward/backward sees
     named = list(model.named_parameters())
     groups = [
         {"params": [p for n, p in named if p.requires_grad and default_decay(n, p)]},
@@ -104,12 +113,22 @@ def reference_run(cfg: Config, world: int) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, o.lr, cfg.train.max_steps, cfg.schedule)
         opt.zero_grad()
+        live.zero_grad()
         x, y = batches.micro_batch_at(step, 0)
-        loss = lm_loss(model(x), y)
+        loss = lm_loss(live(x), y)
         loss.backward()
+        if live is not model:
+            for p, q in zip(model.parameters(), live.parameters()):
+                p.grad = q.grad
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        previous = [p.detach().clone() for p in model.parameters()] if live is not model else None
         opt.step()
+        if live is not model:
+            stale = step + 1 > delay_warmup and step + 1 < cfg.train.max_steps  # the last update is flushed
+            with torch.no_grad():
+                for q, p, old in zip(live.parameters(), model.parameters(), previous):
+                    q.copy_(old if stale else p)
         losses.append(loss.item())
     params = {
         n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad

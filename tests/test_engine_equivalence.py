@@ -36,7 +36,7 @@ def test_stage_matches_reference(stage: int, world: int) -> None:
     assert ref["losses"][-1] < ref["losses"][0]  # the comparison is over a run that actually learns
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_user_model_with_tied_and_frozen_weights(stage: int) -> None:
     cfg = tiny_cfg(
         model={"name": "python:tests.fixtures_models:tied_frozen", "d_model": 32, "vocab_size": 256},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,8 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
             print(f"zoff: resumed from step {start} ({ckpt.dir})", flush=True)
         writer = MetricsWriter(run_dir, cfg.train.max_steps, start, cfg.log.progress, log)
     train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start)
+    log.info("engine stats %s", json.dumps(s.engine.stats()))
+    log.info("memory report %s", json.dumps(s.engine.memory_report()))
     return writer.close() if writer is not None else None
 
 
@@ -111,6 +114,8 @@ def train_loop(
         dt = time.perf_counter() - t0
         done = step + 1
         losses.append(mean_loss)
+        if done == train.max_steps:
+            engine.flush()  # a delayed (DPU) update still in flight lands before the final eval and save
         if writer is not None:
             record = {
                 "step": done,

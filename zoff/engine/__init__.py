@@ -28,8 +28,12 @@ def build_engine(
     comm: Comm | None = None,
 ) -> ZeroEngine:
     """Wrap `model` for the ZeRO policy in `zero`; call on every rank after the process group is up."""
-    if zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
-        raise ConfigError("zero.offload_optimizer / zero.offload_param: CPU offload is not implemented yet")
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError("zero.offload_param.device: parameter offload needs zero.stage 3")
+    if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none":
+        raise ConfigError(
+            "zero.offload_param.device: parameter offload needs zero.offload_optimizer.device cpu"
+        )
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("zero.offload_optimizer.device: optimizer offload needs zero.stage 1, 2 or 3")
     return ZeroEngine(model, zero, optim, precision=precision, grad_clip=grad_clip, comm=comm, device=device)

@@ -103,7 +103,10 @@ class UnitGatherer:
         full = self.full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         self.gathered[u] = True
-        self.pending[u] = self.comm.all_gather(self.shards[u], full, async_op=True)
+        shard = self.shards[u]
+        if shard.device != full.device:  # parameter offload: the shard comes up from host memory first
+            shard = shard.to(full.device, non_blocking=True)
+        self.pending[u] = self.comm.all_gather(shard, full, async_op=True)
 
     def _prefetch_after(self, u: int, backward: bool) -> None:
         if self.recording or not self.prefetch_numel or u not in self.order:

@@ -28,8 +28,11 @@ class ShardAdam:
         # same as the for-loop AdamW up to rounding of the scalar constants.
         self.fused = all(m.device.type in ("cpu", "cuda") for m in masters)
 
-    def step(self, grads: list[torch.Tensor], lr: float) -> None:
-        """One update; `grads` are fp32 shards aligned with the masters, already unscaled and clipped."""
+    def step(self, grads: list[torch.Tensor], lr: float) -> bool:
+        """One update; `grads` are fp32 shards aligned with the masters, already unscaled and clipped.
+
+        Returns False: the update is complete on return (the offload optimizer may run it in the background).
+        """
         self.step_count += 1
         for decay in (True, False):
             views: tuple[list[torch.Tensor], ...] = ([], [], [], [])
@@ -42,6 +45,7 @@ class ShardAdam:
                             out.append(src[a:b])
             if views[0]:
                 self._adam(*views, lr=lr, weight_decay=self.cfg.weight_decay if decay else 0.0)
+        return False
 
     def _adam(self, params, grads, m, v, *, lr: float, weight_decay: float) -> None:
         fn = torch_adamw.adamw if self.cfg.name == "adamw" else torch_adam.adam
@@ -51,6 +55,9 @@ class ShardAdam:
             amsgrad=False, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], lr=lr,
             weight_decay=weight_decay, eps=self.cfg.eps, maximize=False,
         )  # fmt: skip
+
+    def finish(self) -> None:
+        """Nothing runs in the background here (the offload optimizer's delayed update does)."""
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

@@ -17,6 +17,7 @@ from torch import nn
 from zoff.config import OptimConfig, ZeroConfig
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
+from zoff.engine.offload import OffloadAdam, host_buffer
 from zoff.engine.optimizer import ShardAdam
 from zoff.engine.partition import plan_partition
 from zoff.engine.precision import DTYPES, LossScaler
@@ -62,11 +63,31 @@ class ZeroEngine:
         self.model = model.to(self.device)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self._params = self._distinct_params(model)
+        self.offload = zero.offload_optimizer.device == "cpu"
+        self.offload_params = zero.offload_param.device == "cpu"
         self._build_buffers()
-        masters = [self._make_master(u) for u in range(len(self.plan.units))]
-        self.masters = masters
         runs = [self.plan.decay_runs(u.index, self.rank) for u in self.plan.units]
-        self.optimizer = ShardAdam(masters, runs, optim)
+        self.cpu_threads = torch.get_num_threads()
+        if self.offload:
+            # fp32 on a host-only machine needs no master copy, unless DPU must keep the live params apart.
+            alias = (
+                self.dtype == torch.float32
+                and self.device.type == "cpu"
+                and not zero.offload_optimizer.delay_update
+            )
+            self.optimizer = OffloadAdam(
+                self.shard_params,
+                runs,
+                optim,
+                zero.offload_optimizer,
+                alias_masters=alias,
+                threads=self.cpu_threads,
+            )
+        else:
+            self.optimizer = ShardAdam(
+                [self._make_master(u) for u in range(len(self.plan.units))], runs, optim
+            )
+        self.masters = self.optimizer.masters
         self.gatherer = None
         if self.stage == 3:
             self.gatherer = UnitGatherer(
@@ -79,6 +100,7 @@ class ZeroEngine:
         self._handles: list[Handle] = []
         self._buckets: dict[int, torch.Tensor] = {}
         self._sync = True
+        self._published = 0
         self.peak_bucket_bytes = 0
         self.last_step_comm: dict[str, int] = {}
         for slot, p in enumerate(self._params):
@@ -103,7 +125,16 @@ class ZeroEngine:
                 s = self.plan.slots[si]
                 self._params[si].data = full[s.offset : s.offset + s.numel].view(s.shape)
             lo, hi = self.plan.shard_range(u.index, self.rank)
-            shard = full[lo:hi].clone() if self.stage == 3 else full[lo:hi]
+            if self.stage < 3:
+                shard = full[lo:hi]
+            elif (
+                self.offload_params and not u.persistent
+            ):  # stage 3 param offload: the shard lives on the host
+                shard = host_buffer(full[lo:hi], self.dtype, self.zero.offload_param.pin_memory).copy_(
+                    full[lo:hi]
+                )
+            else:
+                shard = full[lo:hi].clone()
             self.full.append(full)
             self.shard_params.append(shard)
             if self.keep_full_grads:
@@ -193,7 +224,12 @@ class ZeroEngine:
 
     # -------------------------------------------------------------------------------------------- step
     def step(self, lr: float) -> StepResult:
-        """Unscale, check overflow, clip by the global norm, update this rank's shard, share the new params."""
+        """Unscale, check overflow, clip by the global norm, update this rank's shard, share the new params.
+
+        Under DPU the update of this step runs in the background and the previous one is published first, so
+        the next forward sees parameters one step stale (ZeRO-Offload's delayed parameter update).
+        """
+        self.flush()
         local_sq, local_bad = 0.0, 0.0
         for g in self.gshard:
             sq = float(g.float().pow(2).sum())
@@ -214,16 +250,25 @@ class ZeroEngine:
             coef *= min(self.grad_clip / (norm + 1e-6), 1.0)
         grads = []
         for g in self.gshard:
-            g32 = g.float() if g.dtype != torch.float32 else g
-            if self.grad_clip > 0 or self.scaler.enabled:
-                g32.mul_(coef)
-            grads.append(g32)
-        self.optimizer.step(grads, lr)
-        self._publish_params()
+            if coef != 1.0:  # x * 1.0 is exact: skipping it when nothing clips keeps results bit-identical
+                g = g.float() if g.dtype != torch.float32 else g
+                g.mul_(coef)
+            elif not self.offload:  # torch's Adam wants fp32 grads; the CPU kernel reads 16-bit ones directly
+                g = g.float()
+            grads.append(g)
+        if not self.optimizer.step(grads, lr):  # True: a delayed update runs on; published next step
+            self._publish_params()
         self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
 
+    def flush(self) -> None:
+        """Finish a delayed (DPU) optimizer step in flight and publish its parameters; otherwise a no-op."""
+        if self.optimizer.step_count > self._published:
+            self.optimizer.finish()
+            self._publish_params()
+
     def _publish_params(self) -> None:
+        self._published = self.optimizer.step_count
         handles = []
         for u, unit in enumerate(self.plan.units):
             if self.masters[u] is not self.shard_params[u]:
@@ -246,25 +291,33 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------------------------- reporting
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds per category; buffers are the transient peaks (buckets, stage-3 gathers)."""
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        """Bytes this rank holds per category; `cpu_*` is what offload keeps in host memory.
+
+        buffers are the transient peaks (reduce buckets, stage-3 gathered units).
+        """
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
         if self.stage == 3:
-            params = nbytes(self.shard_params) + nbytes(
-                f for u, f in zip(self.plan.units, self.full) if u.persistent
-            )
+            persistent = [f for u, f in zip(self.plan.units, self.full) if u.persistent]
+            shards = [t for u, t in zip(self.plan.units, self.shard_params) if not u.persistent]
+            offloaded = shards if self.offload_params else []
+            params = nbytes(persistent) + nbytes(shards) - nbytes(offloaded)
         else:
-            params = nbytes(self.full)
+            params, offloaded = nbytes(self.full), []
         grads = nbytes(self.gfull) if self.keep_full_grads else nbytes(self.gshard)
         separate_master = [m for m, s in zip(self.masters, self.shard_params) if m is not s]
         opt = nbytes(self.optimizer.exp_avg) + nbytes(self.optimizer.exp_avg_sq) + nbytes(separate_master)
         gathered = self.gatherer.peak_gathered if self.gatherer else 0
         frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
+        host_grads = nbytes(self.optimizer.host_grads) if self.offload else 0
         return {
             "params": params,
             "grads": grads,
-            "optimizer_states": opt,
+            "optimizer_states": 0 if self.offload else opt,
             "buffers": self.peak_bucket_bytes + gathered,
             "frozen_params": frozen,
+            "cpu_params": nbytes(offloaded),
+            "cpu_grads": host_grads,
+            "cpu_optimizer_states": opt if self.offload else 0,
         }
 
     def stats(self) -> dict:
@@ -278,16 +331,20 @@ class ZeroEngine:
             "params": self.plan.numel,
             "units": len(self.plan.units),
             "loss_scale": self.scaler.scale,
+            "offload_optimizer": self.offload,
+            "cpu_adam": _cpu_adam_backend() if self.offload else None,
+            "cpu_step_threads": self.cpu_threads,
         }
 
     def gathered_params(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter at full size in fp32, from the masters (a collective: call on all ranks)."""
+        if self.offload:
+            self.optimizer.finish()
         out = {}
         for u, unit in enumerate(self.plan.units):
             full = torch.zeros(unit.padded, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(self.masters[u].float(), full) if self.stage >= 1 else full.copy_(
-                self.masters[u]
-            )
+            master = self.masters[u].to(self.device, torch.float32)
+            self.comm.all_gather(master, full) if self.stage >= 1 else full.copy_(master)
             for si in unit.slots:
                 s = self.plan.slots[si]
                 for name in s.names:
@@ -308,3 +365,10 @@ class ZeroEngine:
             dst.copy_(src)
         self.scaler.load_state_dict(state["scaler"])
         self._publish_params()
+
+
+def _cpu_adam_backend() -> str:
+    from zoff.optim import backend_info
+
+    info = backend_info()
+    return f"{info.get('backend')} ({info.get('simd', '?')})"

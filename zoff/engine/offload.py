@@ -1,0 +1,130 @@
+"""ZeRO-Offload: the partition's optimizer state lives in host memory and is stepped by zoff's fused CPU Adam.
+
+Per step and rank the device<->host traffic is the minimum the ZeRO-Offload paper gives: the reduced gradient
+shard down (2 B/param in 16-bit) and the updated 16-bit parameter shard up. Host buffers are allocated once
+(pinned when a GPU is present) and reused every step. On a CPU-only machine the "device" is the host: the
+copies vanish (host buffers alias the device shards) and the same code runs.
+
+Delayed parameter update (DPU): the CPU step of step i runs in a background thread while the next
+forward/backward proceeds with parameters one step stale; `finish()` joins it and the engine publishes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from zoff.config import OffloadOptimizerConfig, OptimConfig
+from zoff.engine.optimizer import Run
+from zoff.optim import cpu_adam_step
+
+
+def host_buffer(like: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor shaped like `like`; pinned when a GPU will copy to/from it (page-locked, so DMA-able)."""
+    pin = pin and torch.cuda.is_available()
+    try:
+        return torch.zeros(like.shape, dtype=dtype, device="cpu", pin_memory=pin)
+    except RuntimeError as e:  # name the host buffer: a pinned-memory failure is not a device OOM
+        nbytes = like.numel() * torch.empty(0, dtype=dtype).element_size()
+        raise RuntimeError(
+            f"zoff: cannot allocate {'pinned ' if pin else ''}host buffer of {nbytes:,} bytes: {e}"
+        ) from e
+
+
+class OffloadAdam:
+    """Adam(W) over host fp32 master shards with the fused CPU kernel; optional delayed update in a thread."""
+
+    def __init__(
+        self,
+        shard_params: list[torch.Tensor],
+        runs: list[list[Run]],
+        optim: OptimConfig,
+        offload: OffloadOptimizerConfig,
+        alias_masters: bool,
+        threads: int,
+    ):
+        self.cfg, self.runs, self.threads = optim, runs, threads
+        self.delay = offload.delay_update
+        self.warmup = offload.delay_update_warmup
+        pin = offload.pin_memory
+        on_host = all(p.device.type == "cpu" for p in shard_params)
+        if alias_masters:  # fp32 on a CPU-only machine without DPU: the shard itself is the master
+            self.masters = list(shard_params)
+        else:
+            self.masters = [host_buffer(p, torch.float32, pin).copy_(p) for p in shard_params]
+        self.exp_avg = [host_buffer(m, torch.float32, pin) for m in self.masters]
+        self.exp_avg_sq = [host_buffer(m, torch.float32, pin) for m in self.masters]
+        # Gradients: the device shard is read directly when it already is in host memory and nothing will
+        # overwrite it while the step runs (DPU's next backward would).
+        self.copy_grads = not on_host or self.delay
+        self.host_grads: list[torch.Tensor | None] = [None] * len(self.masters)
+        self.step_count = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.pinned = pin and torch.cuda.is_available()
+
+    # ------------------------------------------------------------------------------------------------ step
+    def step(self, grads: list[torch.Tensor], lr: float) -> bool:
+        """Update the masters from the (clipped, unscaled) gradient shards.
+
+        Returns True when the update runs in the background (DPU past its warm-up of synchronous steps): the
+        caller publishes it only after finish().
+        """
+        self.finish()
+        if self.copy_grads:
+            for i, g in enumerate(grads):
+                if self.host_grads[i] is None or self.host_grads[i].dtype != g.dtype:
+                    self.host_grads[i] = host_buffer(g, g.dtype, self.pinned)
+                self.host_grads[i].copy_(g, non_blocking=self.pinned)
+            if self.pinned:
+                torch.cuda.current_stream().synchronize()  # the D2H copies must land before the CPU reads
+            grads = self.host_grads
+        self.step_count += 1
+        if self.delay and self.step_count > self.warmup:
+            self._thread = threading.Thread(target=self._run, args=(grads, lr, self.step_count), daemon=True)
+            self._thread.start()
+            return True
+        self._update(grads, lr, self.step_count)
+        return False
+
+    def finish(self) -> None:
+        """Join an in-flight delayed step (before publishing, checkpointing or the next step)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("zoff: the delayed CPU optimizer step failed") from err
+
+    def _run(self, grads: list[torch.Tensor], lr: float, step: int) -> None:
+        try:
+            self._update(grads, lr, step)
+        except BaseException as e:  # surfaced by finish() on the main thread
+            self._error = e
+
+    def _update(self, grads: list[torch.Tensor], lr: float, step: int) -> None:
+        c = self.cfg
+        for i, runs in enumerate(self.runs):
+            for a, b, decay in runs:
+                if b <= a:
+                    continue
+                cpu_adam_step(
+                    self.masters[i][a:b], grads[i][a:b], self.exp_avg[i][a:b], self.exp_avg_sq[i][a:b],
+                    step=step, lr=lr, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
+                    weight_decay=c.weight_decay if decay else 0.0, adamw_mode=c.name == "adamw",
+                    threads=self.threads,
+                )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        self.finish()
+        return {"step": self.step_count, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.finish()
+        self.step_count = int(state["step"])
+        for dst, src in zip(
+            self.exp_avg + self.exp_avg_sq, list(state["exp_avg"]) + list(state["exp_avg_sq"])
+        ):
+            dst.copy_(src)

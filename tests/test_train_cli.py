@@ -126,12 +126,6 @@ def test_one_rank_run_sees_the_same_global_batches_as_two_ranks(run1, run2):
     assert losses_1 == pytest.approx(losses_2, rel=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG zoff/data.py GlobalBatches.val_batches: a val batch is micro_batch x world samples (not the "
-    "global batch), so the val set, and val_loss, change with the number of ranks (5.4730 on 1 rank vs "
-    "5.4807 on 2 for the same weights' curve)",
-)
 def test_val_loss_does_not_depend_on_the_world_size(run1, run2):
     assert records(run1)[-1]["val_loss"] == pytest.approx(records(run2)[-1]["val_loss"], rel=1e-5)
 
@@ -152,13 +146,6 @@ def test_worker_failure_exits_nonzero_and_shows_the_error(boom_run):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG zoff/launch.py:65-67 launch(): `first.rank` does not exist on torch's ProcessFailure (it has "
-    "local_rank; e.failures is keyed by global rank), so building the WorkerFailed report crashes with "
-    "AttributeError and a parent Traceback; and `first.message` is a dict ({'message': 'RuntimeError: boom', "
-    "'extraInfo': {'py_callstack': ...}}) that str() dumps whole instead of its 'message'",
-)
 def test_worker_failure_is_reported_by_zoff(boom_run):
     run_dir, p = boom_run
     assert "AttributeError" not in p.stderr

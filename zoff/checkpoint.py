@@ -153,8 +153,11 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(p for p in ckpt_dir.glob("step_*") if (p / "manifest.json").is_file())
 
 
-def find_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
-    """`auto`: the latest complete checkpoint in ckpt_dir or None; else the given folder (or a checkpoint dir)."""
+def find_checkpoint(resume: str, ckpt_dir: Path, label: str = "--resume") -> Path | None:
+    """`auto`: the latest complete checkpoint in ckpt_dir or None; else the given folder (or a checkpoint dir).
+
+    `label` names the argument in errors (--resume, or convert's CHECKPOINT).
+    """
     if resume == "auto":
         pointer = ckpt_dir / "latest"
         if pointer.is_file():
@@ -165,13 +168,13 @@ def find_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
         return done[-1] if done else None
     path = Path(resume)
     if not path.exists():
-        raise UserError(f"--resume: {path} does not exist")
+        raise UserError(f"{label}: {path} does not exist")
     if (path / "manifest.json").is_file():
         return path
     done = complete_checkpoints(path)
     if done:
         return done[-1]
-    raise UserError(f"--resume: {path} holds no complete checkpoint (no manifest.json)")
+    raise UserError(f"{label}: {path} holds no complete checkpoint (no manifest.json)")
 
 
 def read_manifest(path: Path, verify: bool = True) -> dict:

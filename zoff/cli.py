@@ -76,10 +76,22 @@ def validate(
 
 @app.command()
 def estimate(
-    config: Path = typer.Argument(..., help="YAML config"), overrides: list[str] = OVERRIDES
+    config: Path = typer.Argument(..., help="YAML config"),
+    overrides: list[str] = OVERRIDES,
+    gpus_per_node: str = typer.Option(None, "--gpus-per-node", help="GPUs per node (launch.nproc_per_node)"),
+    nodes: str = typer.Option(None, "--nodes", help="Nodes (launch.nnodes; MIN of MIN:MAX)"),
+    gpu_memory: str = typer.Option(
+        None, "--gpu-memory", help="Memory per GPU, e.g. 80GB (default: detected)"
+    ),
+    cpu_memory: str = typer.Option(None, "--cpu-memory", help="CPU memory per node (default: MemTotal)"),
+    as_json: bool = typer.Option(False, "--json", help="Print the numbers as JSON"),
+    suggest: bool = typer.Option(False, "--suggest", help="Name the fastest policy that fits, and why"),
 ) -> None:
-    """Memory needs per GPU and per CPU node for every ZeRO stage and offload choice (not implemented yet)."""
-    raise UserError("estimate: not implemented yet")
+    """Memory needs per GPU and per CPU node for every ZeRO stage and offload choice, activations included."""
+    from zoff.estimate import run_cli
+
+    # Counts arrive as text so that bad values get zoff's one-line error rather than click's usage block.
+    run_cli(config, list(overrides or []), gpus_per_node, nodes, gpu_memory, cpu_memory, as_json, suggest)
 
 
 @app.command()
@@ -148,11 +160,22 @@ def _make_run_dir(run_dir: str | Path | None, config: Path) -> Path:
 
 
 def main() -> None:
+    # typer may vendor its own click: take the usage-error base class from typer's exceptions, not click's.
+    usage_error = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
     try:
-        app()
+        code = app(standalone_mode=False)  # without standalone mode, typer returns Exit codes instead
+        sys.exit(code if isinstance(code, int) else 0)
+    except usage_error as e:  # bad flags: one line like every other input error, not click's usage block
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `zoff`: the help, as no_args_is_help promises
+            print(e.ctx.get_help() if e.ctx else "", flush=True)
+            sys.exit(0)
+        print(f"zoff: error: {e.format_message()}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("zoff: interrupted", file=sys.stderr)
+        sys.exit(130)
     except UserError as e:
         print(f"zoff: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("zoff: interrupted", file=sys.stderr)
-        sys.exit(130)

@@ -225,11 +225,14 @@ def _apply_override(raw: dict, item: str) -> None:
     keys = dotted.strip().split(".")
     if not all(keys):
         raise ConfigError(f"override '{item}': empty key in '{dotted}'")
-    _check_path_exists(keys, item)
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+    target = _check_path_exists(keys, item)
+    if target is str:  # keep text as typed: YAML 1.1 would read launch.nnodes=1:2 as the base-60 number 62
         value = text
+    else:
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
     node = raw
     for i, k in enumerate(keys[:-1]):
         child = node.get(k)
@@ -242,13 +245,14 @@ def _apply_override(raw: dict, item: str) -> None:
     node[keys[-1]] = value
 
 
-def _check_path_exists(keys: list[str], item: str) -> None:
+def _check_path_exists(keys: list[str], item: str) -> Any:
+    """Raise unless the dotted path names a config key; return the key's type (Optional stripped)."""
     cls: Any = Config
     for i, k in enumerate(keys):
         names = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else None
         if names is None:
             if cls is dict:  # free-form section (model.args): anything goes below it
-                return
+                return Any
             raise ConfigError(f"override '{item}': {'.'.join(keys[:i])} is not a section")
         if k not in names:
             path = ".".join(keys[: i + 1])
@@ -256,6 +260,7 @@ def _check_path_exists(keys: list[str], item: str) -> None:
                 f"override '{item}': unknown key {path}{_suggest(k, list(names), '.'.join(keys[:i]))}"
             )
         cls = _strip_optional(typing.get_type_hints(cls)[k])
+    return cls
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -335,15 +340,16 @@ def _coerce(tp: Any, value: Any, where: str, meta: typing.Mapping = {}) -> Any: 
 def _as_number(value: Any, where: str, what: str) -> int | float:
     if isinstance(value, bool):
         raise ConfigError(f"{where}: expected {what}, got {value!r}")
+    given = value
     if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string; accept it as a number
         try:
-            return float(value.replace("_", ""))
+            value = float(value.replace("_", ""))
         except ValueError:
             raise ConfigError(f"{where}: expected {what}, got {value!r}") from None
     if not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: expected {what}, got {_kind(value)}")
     if value != value or value in (float("inf"), float("-inf")):
-        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        raise ConfigError(f"{where}: expected a finite number, got {given!r}")
     return value
 
 

@@ -105,7 +105,7 @@ def convert(
     limit = parse_size(max_shard_size) if max_shard_size else None
     if out.exists():
         raise UserError(f"{out}: already exists (zoff convert never overwrites; choose another OUT)")
-    ckpt = find_checkpoint(str(checkpoint), Path("."))
+    ckpt = find_checkpoint(str(checkpoint), Path("."), label="CHECKPOINT")
     src = _Source(ckpt, read_manifest(ckpt, verify=True))
     target = DTYPES[dtype]
     out_dtype = lambda dt: target if dt.is_floating_point else dt  # noqa: E731

@@ -123,14 +123,18 @@ class GlobalBatches:
         return self._xy(self.corpus.train, windows)
 
     def val_batches(self, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The first n global batches of the val split (fixed, unshuffled), this rank's slice of each."""
-        per_rank = self.micro_batch
-        n_val = (len(self.corpus.val) - 1) // self.seq_len
+        """The first n global batches of the val split (fixed, unshuffled): this rank's micro-batches of each.
+
+        Defined on the global batch, like training, so val_loss does not depend on the number of ranks.
+        """
+        n_val = max((len(self.corpus.val) - 1) // self.seq_len, 1)
+        per_rank = self.micro_batch * self.grad_accum
         out = []
         for b in range(n_batches):
-            first = (b * self.world + self.rank) * per_rank
-            idx = torch.arange(first, first + per_rank) % max(n_val, 1)
-            out.append(self._xy(self.corpus.val, idx * self.seq_len))
+            first = b * self.global_batch + self.rank * per_rank
+            for m in range(self.grad_accum):
+                idx = torch.arange(first + m * self.micro_batch, first + (m + 1) * self.micro_batch) % n_val
+                out.append(self._xy(self.corpus.val, idx * self.seq_len))
         return out
 
     def _window(self, sample: int) -> torch.Tensor:

@@ -62,9 +62,12 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
     try:
         elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume)
     except ChildFailedError as e:
-        first = next(iter(e.failures.values()))
-        detail = first.message if isinstance(first.message, str) else str(first.message)
-        raise WorkerFailed(f"rank {first.rank} failed (exit code {first.exitcode}): {detail}") from None
+        rank, first = next(iter(e.failures.items()))  # keyed by global rank
+        msg = first.message
+        detail = msg.get("message", str(msg)) if isinstance(msg, dict) else str(msg or "")
+        if not detail:
+            detail = f"see {first.error_file or 'its log'}"
+        raise WorkerFailed(f"rank {rank} failed (exit code {first.exitcode}): {detail}") from None
 
 
 class WorkerFailed(RuntimeError):

@@ -140,10 +140,10 @@ def train_loop(
 def evaluate(engine: ZeroEngine, batches: GlobalBatches, n_batches: int, comm: Comm) -> float:
     """Mean loss over the first n global batches of the val split (same batches every time)."""
     engine.model.eval()
-    total = 0.0
-    for x, y in batches.val_batches(n_batches):
+    total, micro = 0.0, batches.val_batches(n_batches)
+    for x, y in micro:
         total += lm_loss(engine.model(x.to(engine.device)), y.to(engine.device)).item()
-    (mean,) = comm.sum_scalars([total / n_batches / comm.world])
+    (mean,) = comm.sum_scalars([total / len(micro) / comm.world])
     engine.model.train()
     return mean
 

@@ -54,13 +54,22 @@ def train(
     out = _make_run_dir(out_dir, config)
     (out / "config.yaml").write_text(dump_yaml(cfg))
     print(f"zoff: run directory {out}", flush=True)
-    from zoff.launch import WorkerFailed, launch
+    from zoff.launch import Preempted, WorkerFailed, launch
 
     try:
         launch(cfg, out, resume)
     except WorkerFailed as e:
         print(f"zoff: training failed: {e}\nzoff: per-rank logs are in {out / 'logs'}", file=sys.stderr)
         raise typer.Exit(1) from None
+    except Preempted as e:
+        again = f"zoff train {config} {' '.join(overrides or [])} --run-dir {out} --resume auto".replace(
+            "  ", " "
+        )
+        print(
+            f"zoff: stopped by signal {e.signal} after checkpointing; continue with:\n  {again}",
+            file=sys.stderr,
+        )
+        raise typer.Exit(128 + e.signal) from None
 
 
 @app.command()

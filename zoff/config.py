@@ -124,7 +124,8 @@ class LaunchConfig:
     rdzv_endpoint: str | None = None  # HOST:PORT; None runs a standalone rendezvous on this node
     max_restarts: int = field(default=0, metadata=_rng(0))
     threads_per_rank: int | None = field(default=None, metadata=_rng(1))  # None: cores / local ranks
-    timeout_s: float = field(default=600.0, metadata=_rng(1.0))
+    timeout_s: float = field(default=600.0, metadata=_rng(1.0))  # a collective waiting longer is an error
+    shutdown_timeout_s: int = field(default=300, metadata=_rng(1))  # preempted ranks' time to checkpoint
 
 
 @dataclass(frozen=True)

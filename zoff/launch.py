@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
 from torch.distributed.launcher.api import elastic_launch
@@ -57,10 +58,13 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         max_restarts=lc.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        shutdown_timeout=lc.shutdown_timeout_s,  # on SIGTERM/SIGINT, ranks finish the step and checkpoint first
     )
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
     try:
         elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume)
+    except SignalException as e:
+        raise Preempted(e.sigval) from None
     except ChildFailedError as e:
         rank, first = next(iter(e.failures.items()))  # keyed by global rank
         msg = first.message
@@ -74,9 +78,20 @@ class WorkerFailed(RuntimeError):
     """A worker died; the message holds its recorded error."""
 
 
+class Preempted(RuntimeError):
+    """The launcher got SIGTERM/SIGINT; the ranks checkpointed (within launch.shutdown_timeout_s) and stopped."""
+
+    def __init__(self, sig: int):
+        super().__init__(f"signal {sig}")
+        self.signal = int(sig)
+
+
 @record
 def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
     """One rank: threads, device, process group, then the trainer."""
+    from zoff.preempt import STOP
+
+    STOP.install()  # first: a SIGTERM during start-up must still end in a checkpointed stop
     from zoff.train import run_training  # imported in the child: keeps the launcher process light
 
     cfg = config_from_dict(cfg_dict)

@@ -31,6 +31,8 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool, log: logging.Logger):
         self.path = run_dir / "metrics.jsonl"
+        if start_step > 0:
+            self._truncate_after(start_step)
         self.console = Console(stderr=False)
         self.log = log
         self.records: list[dict] = []
@@ -60,6 +62,27 @@ class MetricsWriter:
             if not self.live:
                 print(f"step {record['step']:>6}  {info}", flush=True)
 
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run re-runs the steps after its checkpoint: drop their old records, so each step is logged once."""
+        if not self.path.is_file():
+            return
+        keep = [
+            ln
+            for ln in self.path.read_text().splitlines()
+            if ln.strip() and json.loads(ln).get("step", 0) <= step
+        ]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        tmp.replace(self.path)
+
+    def event(self, kind: str, step: int, **info) -> None:
+        """A run event (resume, preemption) in metrics.jsonl and the log: {"event": kind, "step": step, ...}."""
+        record = {"event": kind, "step": step, **info}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.log.info("event %s", json.dumps(record))
+        print(f"zoff: {kind} at step {step}" + "".join(f", {k} {v}" for k, v in info.items()), flush=True)
+
     def eval(self, step: int, val_loss: float) -> None:
         record = {"step": step, "val_loss": val_loss}
         with self.path.open("a") as f:
@@ -72,7 +95,7 @@ class MetricsWriter:
     def close(self) -> dict:
         if self.bar is not None:
             self.bar.stop()
-        train = [r for r in self.records if "loss" in r]
+        train = [r for r in self.records if "loss" in r and "event" not in r]
         val = [r for r in self.records if "val_loss" in r]
         summary = {
             "steps": train[-1]["step"] if train else 0,

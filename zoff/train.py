@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from zoff.data import GlobalBatches, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.metrics import MetricsWriter, rank_logger
 from zoff.models import build_model
+from zoff.preempt import STOP, StopRequest
 from zoff.schedule import lr_at
 
 
@@ -61,6 +63,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str | None = None) -> dict | None:
     """Build this rank's session, resume if asked, print the plan on rank 0, and train."""
+    stop = STOP.install()
     s = build_session(cfg, device)
     log = rank_logger(run_dir, s.comm.rank)
     ckpt = Checkpointer(s.engine, cfg.checkpoint, run_dir, dump_yaml(cfg), cfg.train.max_steps)
@@ -74,10 +77,11 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     writer = None
     if s.comm.rank == 0:
         print("\n".join(plan), flush=True)
-        if state is not None:
-            print(f"zoff: resumed from step {start} ({ckpt.dir})", flush=True)
         writer = MetricsWriter(run_dir, cfg.train.max_steps, start, cfg.log.progress, log)
-    train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start)
+        if state is not None:
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            writer.event("resume", start, checkpoint=str(ckpt.dir), restart=restart, world_size=s.comm.world)
+    train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start, stop)
     log.info("engine stats %s", json.dumps(s.engine.stats()))
     log.info("memory report %s", json.dumps(s.engine.memory_report()))
     return writer.close() if writer is not None else None
@@ -93,6 +97,7 @@ def train_loop(
     comm: Comm,
     ckpt: Checkpointer | None = None,
     start_step: int = 0,
+    stop: StopRequest | None = None,
 ) -> list[float]:
     """lr -> micro-batches -> step -> log -> eval -> save -> stop. Steps are 1-based in logs (step k = k updates done)."""
     accum = batches.grad_accum
@@ -110,7 +115,10 @@ def train_loop(
             engine.backward(loss, sync=micro == accum - 1)
             local_loss += loss.item()
         result = engine.step(lr)
-        (mean_loss,) = comm.sum_scalars([local_loss / comm.world])
+        # One all-reduce carries the loss and whether any rank was asked to stop (preemption).
+        mean_loss, stopping = comm.sum_scalars(
+            [local_loss / comm.world, float(stop is not None and stop.requested)]
+        )
         dt = time.perf_counter() - t0
         done = step + 1
         losses.append(mean_loss)
@@ -131,8 +139,13 @@ def train_loop(
             val = evaluate(engine, batches, train.eval_batches, comm)
             if writer is not None:
                 writer.eval(done, val)
-        if ckpt is not None and ckpt.due(done):
+        if ckpt is not None and (ckpt.due(done) or stopping):
             ckpt.save(done, {"step": done, "data": batches.state_dict()})
+        if stopping:
+            engine.flush()
+            if writer is not None:
+                writer.event("preempted", done)
+            break
     return losses
 
 

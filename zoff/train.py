@@ -39,7 +39,7 @@ class Session:
 
 def build_session(cfg: Config, device: torch.device) -> Session:
     """Model (same initial weights on every rank), engine for the ZeRO policy, this rank's data stream."""
-    comm = Comm()
+    comm = Comm(timeout_s=cfg.launch.timeout_s)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     if cfg.train.activation_checkpointing and hasattr(model, "activation_checkpointing"):
@@ -51,6 +51,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         precision=cfg.train.precision,
         grad_clip=cfg.train.grad_clip,
         device=device,
+        comm=comm,
     )
     accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
     corpus = load_corpus(cfg.data, cfg.train.seed)

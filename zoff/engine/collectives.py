@@ -7,6 +7,8 @@ to DDP's all-reduce (2 psi) and stage 3 equal to 3 psi, whatever the backend doe
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,8 +39,14 @@ class Handle:
     `after` chains a handle: the new one waits for `after` before its own finishing step.
     """
 
-    def __init__(self, work=None, then: Callable[[], None] | None = None, after: Handle | None = None):
-        self._work, self._then, self._after = work, then, after
+    def __init__(
+        self,
+        work=None,
+        then: Callable[[], None] | None = None,
+        after: Handle | None = None,
+        explain: Callable[[BaseException], BaseException] | None = None,
+    ):
+        self._work, self._then, self._after, self._explain = work, then, after, explain
 
     def poll(self) -> bool:
         """Finish without blocking if the collective is done; True once finished."""
@@ -54,7 +62,10 @@ class Handle:
             self._after.wait()
             self._after = None
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as e:
+                raise (self._explain(e) if self._explain else e) from e
             self._work = None
         if self._then is not None:
             then, self._then = self._then, None
@@ -67,7 +78,8 @@ DONE = Handle()
 class Comm:
     """The data-parallel group as the engine sees it: rank, size and the three ZeRO collectives."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None):
+        self.timeout_s = timeout_s
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -79,7 +91,7 @@ class Comm:
         self.stats.add("all_reduce", 2 * t.numel())
         if self.world == 1:
             return DONE
-        return self._finish(dist.all_reduce(t, group=self.group, async_op=async_op))
+        return self._run("all_reduce", lambda: dist.all_reduce(t, group=self.group, async_op=async_op))
 
     def reduce_scatter(self, full: torch.Tensor, out: torch.Tensor, async_op: bool = False) -> Handle:
         """Sum `full` across ranks and leave this rank's slice (len(full) / world) in `out`.
@@ -94,10 +106,16 @@ class Comm:
             out.copy_(full[:n])
             return DONE
         if self.backend == "nccl":
-            return self._finish(dist.reduce_scatter_tensor(out, full, group=self.group, async_op=async_op))
-        work = dist.all_reduce(full, group=self.group, async_op=async_op)
+            return self._run(
+                "reduce_scatter",
+                lambda: dist.reduce_scatter_tensor(out, full, group=self.group, async_op=async_op),
+            )
         mine = full[self.rank * n : (self.rank + 1) * n]
-        return self._finish(work, lambda: out.copy_(mine))
+        return self._run(
+            "reduce_scatter",
+            lambda: dist.all_reduce(full, group=self.group, async_op=async_op),
+            lambda: out.copy_(mine),
+        )
 
     def all_gather(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
         """Concatenate every rank's `shard` into `full` (which may alias this rank's shard slot)."""
@@ -110,23 +128,58 @@ class Comm:
         mine = full[self.rank * shard.numel() : (self.rank + 1) * shard.numel()]
         if self.backend != "nccl" and shard.data_ptr() == mine.data_ptr():
             src = shard.clone()  # gloo reads its input while writing the output: in-place is not safe there
-        return self._finish(dist.all_gather_into_tensor(full, src, group=self.group, async_op=async_op))
+        return self._run(
+            "all_gather", lambda: dist.all_gather_into_tensor(full, src, group=self.group, async_op=async_op)
+        )
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         if self.world > 1:
-            dist.broadcast(t, src=src, group=self.group)
+            self._run("broadcast", lambda: dist.broadcast(t, src=src, group=self.group))
 
     def sum_scalars(self, values: list[float]) -> list[float]:
         """All-reduce a few float64 scalars (squared norms, overflow flags) in one call; not counted as traffic."""
         t = torch.tensor(values, dtype=torch.float64)
         if self.world > 1:
-            dist.all_reduce(t, group=self.group)
+            self._run("all_reduce", lambda: dist.all_reduce(t, group=self.group))
         return t.tolist()
 
-    @staticmethod
-    def _finish(work, then: Callable[[], None] | None = None) -> Handle:
+    def _run(self, kind: str, issue: Callable[[], object], then: Callable[[], None] | None = None) -> Handle:
+        explain = lambda e: self._explain(kind, e)  # noqa: E731
+        try:
+            work = issue()
+        except RuntimeError as e:
+            raise explain(e) from e
         if work is None:  # synchronous call already completed
             if then is not None:
                 then()
             return DONE
-        return Handle(work, then)
+        return Handle(work, then, explain=explain)
+
+    def _explain(self, kind: str, error: BaseException) -> BaseException:
+        """Turn a collective's failure into an error naming it and the ranks that did not answer.
+
+        Every healthy rank times out in the same collective at about the same time and reports in through
+        the rendezvous store; the ranks that do not report within a few seconds are the dead or stuck ones.
+        """
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        suspects = "unknown"
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            tag = f"zoff/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            store.set(f"{tag}/{self.rank}", kind)
+            deadline = time.monotonic() + 5.0
+            missing = list(range(self.world))
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not store.check([f"{tag}/{r}"])]
+                time.sleep(0.2)
+            suspects = ", ".join(map(str, missing)) or "none (all ranks failed here)"
+        except Exception:  # noqa: BLE001 - diagnosis is best effort; the original error still surfaces
+            pass
+        limit = f" within the {self.timeout_s:g}s timeout" if self.timeout_s else ""
+        return CollectiveError(
+            f"{kind} failed on rank {self.rank} of {self.world}{limit}; rank(s) not answering: {suspects} ({first})"
+        )
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the collective and the suspect ranks."""

@@ -46,7 +46,12 @@ def adam_step_reference(
     with torch.no_grad():
         if grad.dtype != param.dtype:
             grad = grad.to(param.dtype)  # torch's kernels want matching dtypes: one extra pass
-        if bias_correction and _HAS_FUSED and param.device.type == "cpu":
+        tensors = (param, grad, exp_avg, exp_avg_sq)
+        # torch's fused CPU kernel walks raw memory: contiguous same-shape tensors only.
+        fusable = all(
+            t.device.type == "cpu" and t.is_contiguous() and t.shape == param.shape for t in tensors
+        )
+        if bias_correction and _HAS_FUSED and fusable:
             fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
             fused(
                 [param],

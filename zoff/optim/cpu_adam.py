@@ -1,0 +1,365 @@
+"""Build/load of the fused C++ CPU Adam kernel, its functional entry point and the CPUAdam optimizer.
+
+The extension is compiled on first use with torch.utils.cpp_extension into a directory keyed by torch version,
+source, CPU flags and compiler settings ($ZOFF_CACHE_DIR or ~/.cache/zoff/ext). Ranks of one node share it: the
+first builds while the others wait on an fcntl lock, so a node compiles once (~40 s) rather than once per rank.
+If the build fails, the compiler's output is printed once and zoff falls back to the PyTorch path
+(adam_reference) with one warning line. Environment:
+  ZOFF_CPU_ADAM_BACKEND=torch          force the fallback (read at every call)
+  ZOFF_CPU_ADAM_SIMD=avx512|avx2|scalar force a SIMD path; an error if the CPU lacks it (read at every call)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoff.optim.adam_reference import adam_step_reference
+
+__all__ = ["CPUAdam", "backend_info", "cpu_adam_step"]
+
+_NAME = "zoff_cpu_adam"
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_adam.cpp"
+# -ffp-contract=off: the kernel spells out its FMAs to match torch's operation order; any the compiler added
+# on its own would change rounding.
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"loaded": False, "ext": None, "reason": "", "build_dir": None}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    """The per-node cache directory for this torch version, source, CPU and compiler."""
+    key = hashlib.sha256()
+    for part in (
+        _SOURCE.read_bytes(),
+        _cpu_flags().encode(),
+        " ".join(_CFLAGS + _LDFLAGS).encode(),
+        os.environ.get("CXX", "").encode(),
+        f"{sys.version_info[:2]}-{torch.__version__}-{torch.compiled_with_cxx11_abi()}".encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    root = os.environ.get("ZOFF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "zoff", "ext")
+    return Path(root) / f"{torch.__version__.replace('+', '_')}-{key.hexdigest()[:16]}"
+
+
+def _import_built(directory: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(_NAME, directory / f"{_NAME}.so")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {directory / (_NAME + '.so')}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(directory: Path) -> Any:
+    """Compile (or reuse) the extension under an exclusive file lock; raises on failure."""
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ok, failed = directory / "ok", directory / "failed.txt"
+    if ok.exists():
+        return _import_built(directory)
+    started = time.time()
+    with open(directory / "zoff.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)  # released by the kernel even if this process dies
+        try:
+            if ok.exists():
+                return _import_built(directory)
+            if failed.exists() and failed.stat().st_mtime >= started:
+                # Another rank failed while we waited: same error, don't compile (and print) it again.
+                raise _SharedBuildError(failed.read_text())
+            # torch's own lock file is only left behind by a killed build; we hold the real lock, so drop it.
+            (directory / "lock").unlink(missing_ok=True)
+            try:
+                module = cpp_extension.load(
+                    name=_NAME,
+                    sources=[str(_SOURCE)],
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS,
+                    build_directory=str(directory),
+                    verbose=False,
+                )
+            except BaseException as exc:
+                failed.write_text(f"{type(exc).__name__}: {exc}")
+                raise
+            failed.unlink(missing_ok=True)
+            ok.write_text(f"built {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            return module
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+class _SharedBuildError(RuntimeError):
+    """The build failed in another process of this node; its output was printed there."""
+
+
+def _summary(text: str) -> str:
+    """The compiler's first error line of a build log (not ninja's or torch's framing), for the warning."""
+    noise = (
+        "[",
+        "FAILED",
+        "ninja:",
+        "Error building extension",
+        "In file included",
+        "compilation terminated",
+    )
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(noise) and " -MMD " not in ln and " -shared " not in ln]
+    for ln in lines:
+        if "error" in ln.lower() or "not found" in ln or "No such file" in ln:
+            return ln[:200]
+    return (lines[0] if lines else text.strip().splitlines()[0] if text.strip() else "unknown error")[:200]
+
+
+def _extension() -> Any | None:
+    """The loaded extension, or None when the fallback is in use (forced or after a failed build)."""
+    if os.environ.get("ZOFF_CPU_ADAM_BACKEND", "").lower() == "torch":
+        return None
+    if _state["loaded"]:
+        return _state["ext"]
+    with _lock:
+        if _state["loaded"]:
+            return _state["ext"]
+        directory = build_dir()
+        _state["build_dir"] = str(directory)
+        try:
+            _state["ext"] = _build(directory)
+            _state["reason"] = "fused C++ kernel loaded"
+        except Exception as exc:  # noqa: BLE001 - any failure means: show it, then fall back
+            text = str(exc)
+            if not isinstance(exc, _SharedBuildError):
+                print(f"zoff: building the fused CPU Adam extension failed:\n{text}", file=sys.stderr)
+            _state["reason"] = f"build failed: {_summary(text)}"
+            print(
+                f"zoff: warning: fused CPU Adam unavailable ({_state['reason']}); using the PyTorch fallback",
+                file=sys.stderr,
+                flush=True,
+            )
+        _state["loaded"] = True
+        return _state["ext"]
+
+
+def backend_info() -> dict[str, Any]:
+    """Which CPU Adam path is active and why (loads/builds the extension if needed)."""
+    ext = _extension()
+    forced = os.environ.get("ZOFF_CPU_ADAM_BACKEND", "").lower() == "torch"
+    info: dict[str, Any] = {
+        "backend": "cpp" if ext is not None else "torch",
+        "simd": None,
+        "simd_available": [],
+        "reason": "forced by ZOFF_CPU_ADAM_BACKEND=torch" if forced else _state["reason"],
+        "build_dir": _state["build_dir"],
+        "threads": torch.get_num_threads(),
+    }
+    if ext is not None:
+        info["simd_available"] = list(ext.simd_levels())
+        want = os.environ.get("ZOFF_CPU_ADAM_SIMD", "auto")
+        info["simd"] = info["simd_available"][0] if want in ("", "auto") else want
+    return info
+
+
+def extension() -> Any | None:
+    """The raw extension module (adam_step, simd_levels, stream_probe, stream_triad) or None."""
+    return _extension()
+
+
+def cpu_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    out16: torch.Tensor | None = None,
+    threads: int | None = None,
+    simd: str | None = None,
+) -> None:
+    """One in-place Adam(W) step on flat contiguous CPU tensors, in one pass over memory.
+
+    param/exp_avg/exp_avg_sq are float32; grad is float32, bfloat16 or float16; ``step`` is the step count
+    after this update (1 on the first call). ``out16`` (bfloat16/float16, same numel) receives the new
+    param rounded to nearest even. ``threads`` defaults to torch.get_num_threads(); ``simd`` (avx512, avx2,
+    scalar, auto) overrides $ZOFF_CPU_ADAM_SIMD. The GIL is released while the kernel runs.
+    """
+    ext = _extension()
+    if ext is None or not _kernel_ok(param, grad, exp_avg, exp_avg_sq, out16):
+        adam_step_reference(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=step,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+            out16=out16,
+        )
+        return
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
+    ext.adam_step(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        out16,
+        int(step),
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adamw_mode),
+        bool(bias_correction),
+        int(threads) if threads else torch.get_num_threads(),
+        simd or os.environ.get("ZOFF_CPU_ADAM_SIMD", "auto") or "auto",
+    )
+
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_ok(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out16: torch.Tensor | None,
+) -> bool:
+    """Whether the C++ kernel takes these tensors as they are; odd layouts/dtypes go to the torch path."""
+    if not (param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and grad.dtype in _GRAD_DTYPES):
+        return False
+    if out16 is not None and out16.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq, out16) if t is not None]
+    n = param.numel()
+    return all(
+        t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and t.numel() == n
+        for t in tensors
+    )
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW for float32 CPU params on the fused kernel; state_dict-compatible with torch.optim.AdamW.
+
+    State per param: ``step`` (float32 scalar tensor), ``exp_avg``, ``exp_avg_sq`` — the names and shapes torch
+    uses, so state dicts load in either direction. Grads may be float32, bfloat16 or float16.
+    ``adamw_mode=False`` is Adam with L2 (torch.optim.Adam(weight_decay=...)).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        threads: int | None = None,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(
+                f"invalid CPUAdam hyper-parameters: lr={lr} betas={betas} eps={eps} wd={weight_decay}"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+        )
+        super().__init__(params, defaults)
+        self.threads = threads
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            # A torch Adam/AdamW state dict names the mode decoupled_weight_decay and has no bias_correction.
+            group.setdefault("adamw_mode", group.get("decoupled_weight_decay", True))
+            group.setdefault("bias_correction", True)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group["decoupled_weight_decay"] = group["adamw_mode"]  # read by torch Adam/AdamW on load
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if "decoupled_weight_decay" in group:
+                group["adamw_mode"] = bool(group["decoupled_weight_decay"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One optimizer step over every param with a grad."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("CPUAdam does not support sparse gradients")
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                cpu_adam_step(
+                    p.data,
+                    p.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=int(state["step"].item()),
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adamw_mode=group["adamw_mode"],
+                    bias_correction=group["bias_correction"],
+                    threads=self.threads,
+                )
+        return loss

@@ -122,6 +122,27 @@ def convert(
     print(f"zoff: wrote {len(files)} file(s) to {out}")
 
 
+@app.command()
+def doctor() -> None:
+    """Report this machine as zoff sees it: torch, devices, cores, and which CPU Adam path is active and why."""
+    import json
+
+    import torch
+
+    from zoff.launch import cores_available
+    from zoff.optim import backend_info
+
+    report = {
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "gpus": torch.cuda.device_count(),
+        "cores": cores_available(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_adam": backend_info(),
+    }
+    print(json.dumps(report, indent=2, default=str))
+
+
 def _preflight(cfg: Config) -> None:
     """Catch what would otherwise fail inside every worker: the model factory and the data files."""
     import torch

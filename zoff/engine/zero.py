@@ -9,6 +9,7 @@ stage 3  + parameters partitioned: units are gathered around the modules that us
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,8 @@ class ZeroEngine:
         self._published = 0
         self.peak_bucket_bytes = 0
         self.last_step_comm: dict[str, int] = {}
+        self.last_step_times: dict[str, float] = {}
+        self.last_flush_s = 0.0
         for slot, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._grad_hook(slot))
         self.zero_grad()
@@ -229,7 +232,9 @@ class ZeroEngine:
         Under DPU the update of this step runs in the background and the previous one is published first, so
         the next forward sees parameters one step stale (ZeRO-Offload's delayed parameter update).
         """
+        t0 = time.perf_counter()
         self.flush()
+        self.last_flush_s = time.perf_counter() - t0  # DPU: time spent waiting for the previous CPU step
         local_sq, local_bad = 0.0, 0.0
         for g in self.gshard:
             sq = float(g.float().pow(2).sum())
@@ -256,8 +261,12 @@ class ZeroEngine:
             elif not self.offload:  # torch's Adam wants fp32 grads; the CPU kernel reads 16-bit ones directly
                 g = g.float()
             grads.append(g)
-        if not self.optimizer.step(grads, lr):  # True: a delayed update runs on; published next step
+        t0 = time.perf_counter()
+        in_flight = self.optimizer.step(grads, lr)  # True: a delayed update runs on; published next step
+        t1 = time.perf_counter()
+        if not in_flight:
             self._publish_params()
+        self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
         self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
 
@@ -334,6 +343,7 @@ class ZeroEngine:
             "offload_optimizer": self.offload,
             "cpu_adam": _cpu_adam_backend() if self.offload else None,
             "cpu_step_threads": self.cpu_threads,
+            "last_step_times": {**self.last_step_times, "dpu_wait_s": self.last_flush_s},
         }
 
     def gathered_params(self) -> dict[str, torch.Tensor]:

@@ -6,8 +6,6 @@ Validation happens once, here; every component downstream receives its own secti
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +14,14 @@ from typing import Any, Literal
 import yaml
 
 from zoff.errors import ConfigError, UserError
+from zoff.schema import build, kind, range_meta, strip_optional, suggest, to_dict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_ROOT / "recipes"
 CONFIGS_DIR = REPO_ROOT / "configs"
 
 
-def _rng(lo: float | None = None, hi: float | None = None, *, gt: bool = False) -> dict:
-    """Field metadata: allowed range; `gt` makes the lower bound exclusive."""
-    return {"lo": lo, "hi": hi, "gt": gt}
+_rng = range_meta
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,7 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
     path = Path(path)
     raw = _read_yaml(path)
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {_kind(raw)}")
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {kind(raw)}")
     return config_from_dict(raw, overrides, source=str(path))
 
 
@@ -172,7 +169,7 @@ def config_from_dict(raw: dict, overrides: typing.Sequence[str] = (), source: st
         raw["zero"] = {"recipe": raw["zero"]}
     if "zero" in raw:
         raw["zero"] = resolve_recipe(raw["zero"], "zero")
-    cfg = _build(Config, raw, "")
+    cfg = build(Config, raw, "")
     _check_cross_section(cfg)
     return cfg
 
@@ -201,12 +198,12 @@ def resolve_recipe(section: Any, key: str, _seen: tuple[str, ...] = ()) -> Any:
         return section
     name = section["recipe"]
     if not isinstance(name, str):
-        raise ConfigError(f"{key}.recipe: expected a recipe name (string), got {_kind(name)}")
+        raise ConfigError(f"{key}.recipe: expected a recipe name (string), got {kind(name)}")
     if name in _seen:
         raise ConfigError(f"{key}.recipe: recipe cycle {' -> '.join(_seen + (name,))}")
     path = RECIPES_DIR / f"{name}.yaml"
     if not path.is_file():
-        hint = _suggest(name, list_recipes())
+        hint = suggest(name, list_recipes())
         raise ConfigError(f"{key}: unknown recipe '{name}'{hint} (recipes are in {RECIPES_DIR})")
     base = _read_yaml(path)
     if isinstance(base, dict) and "zero" in base:
@@ -258,109 +255,13 @@ def _check_path_exists(keys: list[str], item: str) -> Any:
         if k not in names:
             path = ".".join(keys[: i + 1])
             raise ConfigError(
-                f"override '{item}': unknown key {path}{_suggest(k, list(names), '.'.join(keys[:i]))}"
+                f"override '{item}': unknown key {path}{suggest(k, list(names), '.'.join(keys[:i]))}"
             )
-        cls = _strip_optional(typing.get_type_hints(cls)[k])
+        cls = strip_optional(typing.get_type_hints(cls)[k])
     return cls
 
 
 # ------------------------------------------------------------------------------------------- validation
-
-
-def _build(cls: type, raw: Any, path: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {_kind(raw)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k in raw:
-        if k not in fields:
-            where = f"{path}.{k}" if path else str(k)
-            raise ConfigError(f"unknown key {where}{_suggest(str(k), list(fields), path)}")
-    values = {}
-    for name, f in fields.items():
-        if name in raw:
-            where = f"{path}.{name}" if path else name
-            values[name] = _coerce(hints[name], raw[name], where, f.metadata)
-    return cls(**values)
-
-
-def _coerce(tp: Any, value: Any, where: str, meta: typing.Mapping = {}) -> Any:  # noqa: B006
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        return _coerce(_strip_optional(tp), value, where, meta)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if origin is Literal:
-        if value not in args:
-            choices = ", ".join(str(a) for a in args)
-            raise ConfigError(
-                f"{where}: expected one of {choices}, got {value!r}{_suggest(str(value), args)}"
-            )
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        value = _as_number(value, where, "an integer")
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise ConfigError(f"{where}: expected an integer, got {value!r}")
-            value = int(value)
-        return _check_range(value, where, meta)
-    if tp is float:
-        return _check_range(float(_as_number(value, where, "a number")), where, meta)
-    if tp is str:
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{where}: expected a string, got {_kind(value)}")
-        return str(value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if origin is list:
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {_kind(value)}")
-        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is dict:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {_kind(value)}")
-        return value
-    raise TypeError(f"unsupported config type {tp} at {where}")  # a bug in the schema, not user input
-
-
-def _as_number(value: Any, where: str, what: str) -> int | float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected {what}, got {value!r}")
-    given = value
-    if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string; accept it as a number
-        try:
-            value = float(value.replace("_", ""))
-        except ValueError:
-            raise ConfigError(f"{where}: expected {what}, got {value!r}") from None
-    if not isinstance(value, (int, float)):
-        raise ConfigError(f"{where}: expected {what}, got {_kind(value)}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ConfigError(f"{where}: expected a finite number, got {given!r}")
-    return value
-
-
-def _check_range(value: int | float, where: str, meta: typing.Mapping) -> int | float:
-    lo, hi, gt = meta.get("lo"), meta.get("hi"), meta.get("gt", False)
-    if lo is not None and (value <= lo if gt else value < lo):
-        raise ConfigError(f"{where}: must be {'>' if gt else '>='} {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ConfigError(f"{where}: must be <= {hi}, got {value}")
-    return value
 
 
 def _check_cross_section(cfg: Config) -> None:
@@ -407,38 +308,8 @@ def derive_grad_accum(train: TrainConfig, micro_batch: int, world_size: int) -> 
 # ------------------------------------------------------------------------------------------------ utils
 
 
-def to_dict(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [to_dict(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
-    return obj
-
-
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
-
-
-def _strip_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        rest = [a for a in typing.get_args(tp) if a is not type(None)]
-        return rest[0] if len(rest) == 1 else tp
-    return tp
-
-
-def _suggest(word: str, options: typing.Iterable[Any], prefix: str = "") -> str:
-    close = difflib.get_close_matches(word, [str(o) for o in options], n=1, cutoff=0.6)
-    if not close:
-        return ""
-    return f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)"
-
-
-def _kind(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", type(None): "nothing"}.get(
-        type(value), type(value).__name__
-    )
 
 
 def _merge(base: dict, top: dict) -> dict:

@@ -109,7 +109,8 @@ def time_step(fn: Callable[[], None], reps: int) -> float:
 
 def bench_size(n: int, rounds: int, threads: int) -> dict:
     variants = make_variants(n, threads)
-    reps = max(2, int(4e8 / (n * 28)))  # ~0.4 GB of Adam traffic per measurement
+    # Enough steps per measurement for ~0.3 s of the probe (timer and scheduler noise), at least 3.
+    reps = min(200, max(3, round(0.3 / time_step(variants["probe"], 2))))
     times: dict[str, list[float]] = {k: [] for k in ORDER}
     for r in range(rounds):
         for name in ORDER:

@@ -109,7 +109,7 @@ inline void prefetch_ahead(const float* p, const G* g, const float* m, const flo
 }
 
 template <typename G, typename O>
-void adam_scalar(float* p, const G* g, float* m, float* v, O* out, int64_t n, const Consts& c) {
+void adam_scalar(float* p, const G* g, float* m, float* v, O* out, int64_t n, Consts c) {
   for (int64_t i = 0; i < n; ++i) adam_elem(p, g, m, v, out, i, c);
 }
 
@@ -166,7 +166,7 @@ ZOFF_AVX512 inline void adam16(float* p, const G* g, float* m, float* v, O* out,
 }
 
 template <typename G, typename O>
-ZOFF_AVX512 void adam_avx512(float* p, const G* g, float* m, float* v, O* out, int64_t n, const Consts& c) {
+ZOFF_AVX512 void adam_avx512(float* p, const G* g, float* m, float* v, O* out, int64_t n, Consts c) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     prefetch_ahead(p, g, m, v, i);
@@ -210,7 +210,7 @@ ZOFF_AVX2 inline void store8_out(O* out, __m256 x) {
 }
 
 template <typename G, typename O>
-ZOFF_AVX2 void adam_avx2(float* p, const G* g, float* m, float* v, O* out, int64_t n, const Consts& c) {
+ZOFF_AVX2 void adam_avx2(float* p, const G* g, float* m, float* v, O* out, int64_t n, Consts c) {
   const __m256 decay = _mm256_set1_ps(c.decay), wd = _mm256_set1_ps(c.wd), w1 = _mm256_set1_ps(c.w1_coeff);
   const __m256 b2 = _mm256_set1_ps(c.b2), c2 = _mm256_set1_ps(c.c2), bc2s = _mm256_set1_ps(c.bc2s);
   const __m256 eps = _mm256_set1_ps(c.eps), ns = _mm256_set1_ps(c.neg_step);
@@ -297,7 +297,8 @@ void for_tiles(int64_t n, int nthreads, F&& body) {
 template <typename G, typename O>
 void run_typed(Simd s, float* p, const G* g, float* m, float* v, O* out, int64_t n, const Consts& c,
                int nthreads) {
-  using Fn = void (*)(float*, const G*, float*, float*, O*, int64_t, const Consts&);
+  // Consts by value: a local copy cannot alias the arrays, so the compiler keeps it in registers.
+  using Fn = void (*)(float*, const G*, float*, float*, O*, int64_t, Consts);
   Fn fn = s == Simd::kAvx512 ? &adam_avx512<G, O> : s == Simd::kAvx2 ? &adam_avx2<G, O> : &adam_scalar<G, O>;
   for_tiles(n, nthreads, [&](int64_t lo, int64_t hi) {
     fn(p + lo, g + lo, m + lo, v + lo, out ? out + lo : nullptr, hi - lo, c);

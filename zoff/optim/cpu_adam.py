@@ -82,13 +82,17 @@ def _build(directory: Path) -> Any:
     directory.mkdir(parents=True, exist_ok=True)
     ok, failed = directory / "ok", directory / "failed.txt"
     if ok.exists():
-        return _import_built(directory)
+        try:
+            return _import_built(directory)
+        except (ImportError, OSError):
+            pass  # a damaged or foreign build: rebuild it under the lock
     started = time.time()
     with open(directory / "zoff.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # released by the kernel even if this process dies
         try:
-            if ok.exists():
-                return _import_built(directory)
+            if ok.exists() and ok.stat().st_mtime >= started:
+                return _import_built(directory)  # another rank built it while we waited
+            ok.unlink(missing_ok=True)
             if failed.exists() and failed.stat().st_mtime >= started:
                 # Another rank failed while we waited: same error, don't compile (and print) it again.
                 raise _SharedBuildError(failed.read_text())

@@ -65,6 +65,7 @@ class OffloadParamConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     recipe: str | None = None  # the preset this section was built from, kept for the record
+    auto: bool = False  # `zero: auto`: zoff train picks the fastest policy that fits (zoff.estimate)
     stage: int = field(default=0, metadata=_rng(0, 3))
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
@@ -162,16 +163,20 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Confi
 def config_from_dict(raw: dict, overrides: typing.Sequence[str] = (), source: str = "<dict>") -> Config:
     raw = _deepcopy(raw)
     if isinstance(raw.get("zero"), str):
-        raw["zero"] = {"recipe": raw["zero"]}
+        raw["zero"] = _zero_from_name(raw["zero"])
     for item in overrides:
         _apply_override(raw, item)
     if isinstance(raw.get("zero"), str):  # `zero=zero3` on the command line swaps the whole policy
-        raw["zero"] = {"recipe": raw["zero"]}
+        raw["zero"] = _zero_from_name(raw["zero"])
     if "zero" in raw:
         raw["zero"] = resolve_recipe(raw["zero"], "zero")
     cfg = build(Config, raw, "")
     _check_cross_section(cfg)
     return cfg
+
+
+def _zero_from_name(name: str) -> dict:
+    return {"auto": True} if name == "auto" else {"recipe": name}
 
 
 def _read_yaml(path: Path) -> Any:
@@ -235,7 +240,7 @@ def _apply_override(raw: dict, item: str) -> None:
     for i, k in enumerate(keys[:-1]):
         child = node.get(k)
         if isinstance(child, str) and i == 0 and k == "zero":
-            child = {"recipe": child}
+            child = _zero_from_name(child)
         if not isinstance(child, dict):
             child = {}
         node[k] = child

@@ -62,6 +62,9 @@ class ZeroEngine:
             persistence_threshold=zero.param_persistence_threshold,
         )
         self.model = model.to(self.device)
+        for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)]:
+            if t.is_floating_point():  # frozen params and buffers compute in the same dtype as the rest
+                t.data = t.data.to(self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self._params = self._distinct_params(model)
         self.offload = zero.offload_optimizer.device == "cpu"
@@ -128,7 +131,7 @@ class ZeroEngine:
                 s = self.plan.slots[si]
                 self._params[si].data = full[s.offset : s.offset + s.numel].view(s.shape)
             lo, hi = self.plan.shard_range(u.index, self.rank)
-            if self.stage < 3:
+            if self.stage < 3 or u.persistent:  # the full buffer stays: the shard is a view, not a copy
                 shard = full[lo:hi]
             elif (
                 self.offload_params and not u.persistent

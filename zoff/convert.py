@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from zoff.checkpoint import find_checkpoint, read_manifest
 from zoff.errors import UserError
+from zoff.units import parse_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ST_NAMES = {
@@ -28,22 +28,6 @@ ST_NAMES = {
     torch.bool: "BOOL",
 }  # fmt: skip
 ST_DTYPES = {v: k for k, v in ST_NAMES.items()}
-
-
-def parse_size(text: str) -> int:
-    """'500MB', '2GiB', '1e9' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*", text)
-    if not m:
-        raise UserError(f"--max-shard-size: cannot parse '{text}' (expected e.g. 500MB or 2GiB)")
-    try:
-        value = float(m.group(1))
-    except ValueError:
-        raise UserError(f"--max-shard-size: cannot parse '{text}' (expected e.g. 500MB or 2GiB)") from None
-    base = 1024 if m.group(3) else 1000
-    size = int(value * base ** " KMGT".index(m.group(2).upper() or " "))
-    if size <= 0:
-        raise UserError(f"--max-shard-size: must be positive, got '{text}'")
-    return size
 
 
 class _Source:
@@ -102,7 +86,7 @@ def convert(
         )
     if dtype not in DTYPES:
         raise UserError(f"--dtype: expected one of fp32, bf16, fp16, got '{dtype}'")
-    limit = parse_size(max_shard_size) if max_shard_size else None
+    limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     if out.exists():
         raise UserError(f"{out}: already exists (zoff convert never overwrites; choose another OUT)")
     ckpt = find_checkpoint(str(checkpoint), Path("."), label="CHECKPOINT")

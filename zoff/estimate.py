@@ -1,461 +1,50 @@
-"""Memory needs per GPU and per CPU node for every ZeRO policy: pure functions of the config sections.
+"""`zoff estimate`: the memory table for every ZeRO policy on the given or detected hardware.
 
-Model states come from the engine's own partition plan, computed on a meta-device model with the arguments
-ZeroEngine uses, so padding and stage-3 persistent units match `memory_report()` to the byte. Activations
-come from the builtin GPT's shapes (a closed form calibrated with saved-tensor hooks) or, for other models,
-from a saved-tensor probe forward on the meta device. No process group, no real memory.
+The numbers come from zoff.memory (pure functions shared with `zero: auto` and the trainer's plan); this
+module detects the hardware budget and prints the table or JSON.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
-from zoff.engine.partition import PartitionPlan, plan_partition
-from zoff.engine.precision import DTYPES
-from zoff.engine.zero import MAX_IN_FLIGHT
+from zoff.config import TrainConfig, ZeroConfig
+from zoff.engine.precision import DTYPES  # noqa: F401 - re-exported
 from zoff.errors import UserError
+from zoff.memory import (  # noqa: F401 - the estimate's arithmetic, re-exported for callers and tests
+    CPU_KEYS,
+    GPU_KEYS,
+    Budget,
+    Estimate,
+    Policy,
+    PolicyEstimate,
+    _budget_text,
+    _label,
+    count_params,
+    engine_plan,
+    estimate,
+    gpt_activations,
+    meta_model,
+    model_states,
+    probe_activations,
+    resolve_auto,
+    saved_bytes,
+    suggest_policy,
+)  # fmt: skip
+from zoff.units import human
+from zoff.units import parse_size as _parse_size
 
-GPU_KEYS = ("params", "grads", "optimizer_states", "buffers", "activations")
-CPU_KEYS = ("params", "grads", "optimizer_states")
-
-
-# ---------------------------------------------------------------------------------------------- policies
-
-
-@dataclass(frozen=True)
-class Policy:
-    stage: int
-    offload_optimizer: str = "none"  # none | cpu
-    offload_param: str = "none"  # none | cpu (stage 3 only)
-    activation_checkpointing: bool = False
-
-    @property
-    def name(self) -> str:
-        """The recipe names: zero2-offload, zero3-offload (both offloads); zero3-offload-opt (optimizer only)."""
-        if self.offload_optimizer == "none":
-            return f"zero{self.stage}"
-        return f"zero{self.stage}-offload" + (
-            "-opt" if self.stage == 3 and self.offload_param == "none" else ""
-        )
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _policies(ac: bool) -> list[Policy]:
-    """Every policy the engine accepts: offload needs stage >= 1, parameter offload also optimizer offload."""
-    out = [Policy(0, activation_checkpointing=ac)]
-    for stage in (1, 2, 3):
-        out += [Policy(stage, "none", "none", ac), Policy(stage, "cpu", "none", ac)]
-    return out + [Policy(3, "cpu", "cpu", ac)]
-
-
-POLICIES = tuple(_policies(False) + _policies(True))
-
-# Fastest first. Stages 0-2 move the same 2 psi per step, so all three without recompute beat any of them with
-# it; from there on each step costs more than activation checkpointing's extra forward (~1/3 of compute), so
-# a policy is tried with recompute before falling to the next one.
-_ORDER = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none")]
-_SLOW = [(2, "cpu", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]
-SUGGEST_ORDER = tuple(
-    [Policy(*p, False) for p in _ORDER]
-    + [Policy(*p, True) for p in _ORDER]
-    + [Policy(*p, ac) for p in _SLOW for ac in (False, True)]
-)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Memory to fit in. shared: no CUDA, the ranks' "GPU" is the host, so all of a node's bytes share one pool."""
-
-    gpu: int
-    cpu: int
-    shared: bool = False
-    gpu_source: str = "given"
-    cpu_source: str = "given"
-
-
-@dataclass(frozen=True)
-class PolicyEstimate:
-    policy: Policy
-    gpu: dict[str, int]  # per rank
-    cpu: dict[str, int]  # per node: the sum over its local ranks
-    local_ranks: int
-
-    @property
-    def gpu_bytes(self) -> int:
-        return sum(self.gpu.values())
-
-    @property
-    def cpu_bytes_per_node(self) -> int:
-        return sum(self.cpu.values())
-
-    def fits(self, budget: Budget) -> bool:
-        if budget.shared:
-            return self.local_ranks * self.gpu_bytes + self.cpu_bytes_per_node <= budget.cpu
-        return self.gpu_bytes <= budget.gpu and self.cpu_bytes_per_node <= budget.cpu
-
-
-@dataclass(frozen=True)
-class Estimate:
-    params: int  # distinct parameters (tied weights once), frozen included
-    trainable_params: int
-    world_size: int
-    gpus_per_node: int
-    nodes: int
-    precision: str
-    activation_method: str
-    policies: tuple[PolicyEstimate, ...]
-    # Today's trainer builds the whole fp32 model on each rank's host and moves it to the device before
-    # sharding it: transient, but it must fit too. Keys cpu_bytes_per_node, gpu_bytes.
-    startup: dict[str, int]
-    notes: tuple[str, ...] = field(default=())
-
-    def get(self, policy: Policy) -> PolicyEstimate:
-        return next(p for p in self.policies if p.policy == policy)
-
-
-# ---------------------------------------------------------------------------------------- model states
-
-
-def meta_model(model_cfg: ModelConfig) -> nn.Module:
-    """The configured model with shapes only: a 70B config costs nothing."""
-    from zoff.models import build_model
-
-    with torch.device("meta"):
-        return build_model(model_cfg)
-
-
-def count_params(model: nn.Module) -> tuple[int, int, int]:
-    """(distinct params, trainable params, frozen bytes); named_parameters() yields a tied weight once."""
-    params = list(model.parameters())
-    frozen = [p for p in params if not p.requires_grad]
-    return (
-        sum(p.numel() for p in params),
-        sum(p.numel() for p in params if p.requires_grad),
-        sum(p.numel() * p.element_size() for p in frozen),
-    )
-
-
-def engine_plan(model: nn.Module, stage: int, world: int, zero: ZeroConfig) -> PartitionPlan:
-    """The plan ZeroEngine.__init__ builds: stage 0 is one partition that every rank owns."""
-    return plan_partition(
-        model,
-        world if stage >= 1 else 1,
-        zero.reduce_bucket_size,
-        per_module=stage == 3,
-        persistence_threshold=zero.param_persistence_threshold,
-    )
-
-
-def model_states(
-    plan: PartitionPlan,
-    policy: Policy,
-    precision: str,
-    *,
-    frozen_bytes: int = 0,
-    device_type: str = "cuda",
-    fp32_grad_staging: bool = True,
-    delay_update: bool = False,
-) -> tuple[dict[str, int], dict[str, int]]:
-    """(device bytes, host bytes) of one rank's params, grads and optimizer states, as ZeroEngine allocates them.
-
-    The device numbers equal memory_report()'s params (+ frozen_params), grads and optimizer_states; the host
-    numbers its cpu_params, cpu_grads and cpu_optimizer_states. Stage 3 reports persistent units whole and
-    the other units' shards. With optimizer offload the fp32 master + m + v live on the host and the reduced
-    gradient shard is staged there (pinned), in fp32 when clipping or fp16 loss scaling rescales it
-    (`fp32_grad_staging`), else in the compute dtype; the device keeps its gradient shard. With parameter
-    offload the non-persistent parameter shards live on the host too.
-    """
-    c = DTYPES[precision].itemsize
-    padded = sum(u.padded for u in plan.units)
-    shard = sum(u.shard for u in plan.units)
-    persistent = sum(u.padded for u in plan.units if u.persistent)
-    shard_np = sum(u.shard for u in plan.units if not u.persistent)
-    opt_off, par_off = policy.offload_optimizer == "cpu", policy.offload_param == "cpu"
-    # A CPU-only run needs no host copies of what already is in host memory (the engine aliases them).
-    host_is_device = device_type == "cpu" and not delay_update
-    gpu = {"params": frozen_bytes, "grads": 0, "optimizer_states": 0}
-    cpu = {"params": 0, "grads": 0, "optimizer_states": 0}
-    if policy.stage < 3:
-        gpu["params"] += c * padded
-    else:
-        gpu["params"] += c * (persistent + (0 if par_off else shard_np))
-        cpu["params"] = c * shard_np if par_off else 0
-    # Stages 0-1 keep the full gradient as views in flat buffers; 2-3 keep only their reduced shard.
-    gpu["grads"] = c * (padded if policy.stage <= 1 else shard)
-    if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
-        gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
-    else:
-        cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
-        cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging else c) * shard
-    return gpu, cpu
-
-
-def device_buffers(plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str) -> int:
-    """Transient device buffers: reduce buckets, the all-gather staging, stage 3's gathered working set."""
-    c = DTYPES[precision].itemsize
-    sizes = sorted((u.padded for u in plan.units), reverse=True)
-    shard = sum(u.shard for u in plan.units)
-    out = 0
-    if policy.stage >= 2:  # full-size buckets: the one filling plus MAX_IN_FLIGHT being reduced
-        out += c * sum(sizes[: MAX_IN_FLIGHT + 1])
-    if policy.stage in (1, 2):  # updated shards staged for the all-gather of the params
-        out += c * min(zero.allgather_bucket_size, shard)
-    if policy.stage == 3:
-        out += c * stage3_working_set(plan, zero, policy.activation_checkpointing)
-    return out
-
-
-def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig, checkpointing: bool) -> int:
-    """Elements gathered at once in stage 3 (an upper bound).
-
-    The unit in use, a tied unit that stays gathered from its last use in forward until its gradient is
-    complete (the embedding), and prefetch: up to prefetch_bucket_size ahead plus what an earlier prefetch
-    already started. With activation checkpointing a recomputed block gathers all of its units at once.
-    """
-    managed = [u for u in plan.units if not u.persistent]
-    if not managed:
-        return 0
-    sizes = sorted((u.padded for u in managed), reverse=True)
-    ws = sum(sizes[:2]) + min(2 * zero.prefetch_bucket_size, sum(sizes[2:]))
-    if checkpointing:
-        regions: dict[str, int] = {}
-        for u in managed:
-            for key in {_region(m) for m in u.modules}:
-                regions[key] = regions.get(key, 0) + u.padded
-        ws += max(0, max(regions.values(), default=0) - sizes[0])
-    return ws
-
-
-def _region(module: str) -> str:
-    """'blocks.3.attn.qkv' -> 'blocks.3': the repeated layer a module belongs to (a checkpointed region)."""
-    m = re.match(r"(.*?\.\d+)(\.|$)", module)
-    return m.group(1) if m else module
-
-
-# ------------------------------------------------------------------------------------------ activations
-
-
-@dataclass(frozen=True)
-class Activations:
-    saved: int  # bytes saved for backward after the forward of one micro-batch (loss included)
-    peak: int  # saved, plus with checkpointing one block's recomputed activations
-    method: str
-
-
-def gpt_activations(
-    m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, device_type: str = "cuda"
-) -> Activations:
-    """Bytes the builtin GPT saves for backward, op by op (per token, d = d_model, e = compute bytes):
-
-    block: ln1 input d, ln1 output d, qkv output 3d (SDPA saves q, k, v as views of it), attention output d
-    (laid out so the proj input is a view of it), residual d, ln2 output d, fc output 4d, GELU output 4d:
-    16d elements; plus LayerNorm mean/rstd (4 values; fp32 on CUDA, the input dtype on CPU), the attention
-    logsumexp (fp32 per head) and dropout masks when dropout > 0 (flash attention keeps no seq^2 terms; CPU
-    attention with dropout does).
-    tail: ln_f input and output 2d, log-softmax of the logits in fp32 (vocab x 4 B), target ids (8 B).
-    With checkpointing a block keeps only its input (d) and its other 15d are recomputed one block at a time.
-    """
-    e = DTYPES[precision].itemsize
-    stat = 4 if device_type == "cuda" else e
-    mask = (1 if device_type == "cuda" else e) if m.dropout > 0 else 0
-    d, tokens = m.d_model, batch * seq
-    # CPU attention with dropout runs the math kernel in fp32: probabilities, dropout noise and output per
-    # score, and fp32 copies of q, k, v in place of the 16-bit qkv output.
-    math_attn = device_type == "cpu" and m.dropout > 0
-    attn = 12 * m.n_head * seq + 3 * d * (4 - e) if math_attn else 4 * m.n_head
-    block = 16 * d * e + 4 * stat + attn + 2 * d * mask
-    tail = 2 * d * e + 2 * stat + 4 * m.vocab_size + 8 + 8 + d * mask  # + the input ids
-    fixed = 8 * seq + 4  # position ids and the scalar loss
-    kept = d * e if checkpointing else block
-    saved = tokens * (m.n_layer * kept + tail) + fixed
-    peak = saved + (tokens * (block - d * e) if checkpointing else 0)
-    how = "builtin GPT closed form" + (
-        " (flash-attention kernels)" if device_type == "cuda" else " (CPU kernels)"
-    )
-    return Activations(saved, peak, how)
-
-
-def saved_bytes(model: nn.Module, fn) -> int:
-    """Bytes of the distinct storages autograd saves while `fn()` runs; parameters and buffers are model state."""
-    state = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s._cdata not in state:
-            seen[s._cdata] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
-def probe_activations(
-    m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool
-) -> Activations:
-    """Any model: forward + loss on the meta device at batch 1 and 2 and the real sequence length.
-
-    Two batch sizes separate what grows with the batch from what does not (the scalar loss); probing at the
-    real length keeps whatever grows faster than linearly in seq (the meta device runs the math attention
-    kernel, so this over-estimates models that use flash attention on GPUs).
-    """
-    from zoff.train import lm_loss
-
-    model = meta_model(m).to(DTYPES[precision]).train()
-    switch = hasattr(model, "activation_checkpointing")
-    if switch:
-        model.activation_checkpointing = checkpointing
-
-    def probe(b: int) -> int:
-        idx = torch.zeros(b, seq, dtype=torch.long, device="meta")
-        return saved_bytes(model, lambda: lm_loss(model(idx), torch.zeros_like(idx)))
-
-    try:
-        one, two = probe(1), probe(2)
-    except Exception as e:  # data-dependent ops cannot run on meta: say so instead of guessing
-        return Activations(0, 0, f"not available: the meta-device probe failed ({type(e).__name__}: {e})")
-    how = f"measured: meta-device forward at batch 1 and 2 x seq {seq}, scaled to batch {batch}"
-    if checkpointing and not switch:
-        how += " (the model has no activation_checkpointing switch)"
-    total = (2 * one - two) + batch * (two - one)
-    return Activations(total, total, how)
-
-
-def activations(
-    m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda"
-) -> Activations:
-    if m.name == "gpt":
-        return gpt_activations(m, d.batch_size, d.seq_len, precision, checkpointing, device_type)
-    return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing)
-
-
-# --------------------------------------------------------------------------------------------- estimate
-
-
-def estimate(
-    model_cfg: ModelConfig,
-    data_cfg: DataConfig,
-    train_cfg: TrainConfig,
-    zero_cfg: ZeroConfig,
-    gpus_per_node: int,
-    nodes: int = 1,
-    device_type: str = "cuda",
-) -> Estimate:
-    """Every policy's per-rank device bytes and per-node host bytes for this config on gpus_per_node x nodes."""
-    world, precision = gpus_per_node * nodes, train_cfg.precision
-    model = meta_model(model_cfg)
-    total, trainable, frozen_bytes = count_params(model)
-    plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
-    acts = {ac: activations(model_cfg, data_cfg, precision, ac, device_type) for ac in (False, True)}
-    out = []
-    for pol in POLICIES:
-        plan = plans[{2: 1}.get(pol.stage, pol.stage)]  # stages 1 and 2 share one plan
-        gpu, cpu = model_states(
-            plan, pol, precision, frozen_bytes=frozen_bytes, device_type=device_type,
-            fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
-            delay_update=zero_cfg.offload_optimizer.delay_update,
-        )  # fmt: skip
-        gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision)
-        gpu["activations"] = acts[pol.activation_checkpointing].peak
-        out.append(PolicyEstimate(pol, gpu, {k: v * gpus_per_node for k, v in cpu.items()}, gpus_per_node))
-    fp32_model = sum(p.numel() * p.element_size() for p in model.parameters())
-    on_device = fp32_model if device_type == "cuda" else 0  # .to("cpu") of a host model moves nothing
-    notes = []
-    if acts[False].method.startswith("not available"):
-        notes.append(f"activations {acts[False].method}; counted as 0")
-    return Estimate(
-        total, trainable, world, gpus_per_node, nodes, precision, acts[False].method, tuple(out),
-        {"cpu_bytes_per_node": gpus_per_node * fp32_model, "gpu_bytes": on_device}, tuple(notes),
-    )  # fmt: skip
-
-
-def suggest_policy(est: Estimate, budget: Budget) -> tuple[PolicyEstimate | None, str]:
-    """The fastest policy that fits (SUGGEST_ORDER) and a one-line reason naming the next faster one's needs."""
-    faster = None
-    for pol in SUGGEST_ORDER:
-        pe = est.get(pol)
-        if pe.fits(budget):
-            why = f"; {_label(faster.policy)} needs {_needs(faster)}" if faster else ""
-            return (
-                pe,
-                f"{_label(pol)}: the fastest policy that fits {_budget_text(budget)} ({_needs(pe)}){why}",
-            )
-        faster = pe
-    least = min(est.policies, key=lambda p: p.gpu_bytes)
-    return None, (
-        f"no policy fits {_budget_text(budget)}: the smallest, {_label(least.policy)}, needs {_needs(least)}; "
-        "use more GPUs or a smaller data.batch_size / data.seq_len"
-    )
-
-
-def _label(p: Policy) -> str:
-    return p.name + (" + activation checkpointing" if p.activation_checkpointing else "")
-
-
-def _needs(pe: PolicyEstimate) -> str:
-    return f"{human(pe.gpu_bytes)} per GPU, {human(pe.cpu_bytes_per_node)} CPU per node"
-
-
-def resolve_auto(
-    model_cfg: ModelConfig,
-    data_cfg: DataConfig,
-    train_cfg: TrainConfig,
-    zero_cfg: ZeroConfig,
-    world: int,
-    gpu_bytes: int,
-    cpu_bytes: int,
-    *,
-    local_ranks: int | None = None,
-    shared: bool = False,
-    device_type: str = "cuda",
-) -> tuple[int, str, str, bool, str]:
-    """`zero: auto`: (stage, offload_optimizer device, offload_param device, activation checkpointing, reason).
-
-    local_ranks defaults to world (one node); shared means the ranks run on the host (no GPU) and share
-    cpu_bytes. Raises UserError when nothing fits.
-    """
-    local = local_ranks or world
-    if world % local:
-        raise UserError(f"zero: auto: world size {world} is not a multiple of {local} ranks per node")
-    est = estimate(model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type)
-    pe, reason = suggest_policy(est, Budget(gpu_bytes, cpu_bytes, shared))
-    if pe is None:
-        raise UserError(f"zero: auto: {reason}")
-    p = pe.policy
-    return p.stage, p.offload_optimizer, p.offload_param, p.activation_checkpointing, reason
-
-
-# ------------------------------------------------------------------------------------ sizes and hardware
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 MIN_MEMORY, MAX_MEMORY = 2**26, 2**50  # 64 MiB .. 1 PiB: anything outside is a typo
 
 
 def parse_size(text: str, flag: str) -> int:
-    """'80GB' (decimal), '24GiB' (binary), '1.5T', '1e9' -> bytes; a UserError naming `flag` otherwise."""
-    hint = "expected e.g. 80GB or 24GiB"
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([kKmMgGtTpP]?)(i?)[bB]?\s*", text or "")
-    if not m:
-        raise UserError(f"{flag}: cannot parse '{text}' ({hint})")
-    unit = _UNITS[m.group(2).lower()]
-    if m.group(3):
-        unit = 1024 ** list(_UNITS).index(m.group(2).lower())
-    size = float(m.group(1)) * unit  # 1e400 is inf: caught by the range check, never int()-ed
-    if not MIN_MEMORY <= size <= MAX_MEMORY:
-        raise UserError(f"{flag}: {text} is not a plausible memory size (64 MiB to 1 PiB; {hint})")
-    return int(size)
+    """A memory size flag's value in bytes (64 MiB to 1 PiB)."""
+    return _parse_size(text, flag, MIN_MEMORY, MAX_MEMORY)
 
 
 def parse_count(text: str | None, flag: str, hi: int) -> int | None:
@@ -491,20 +80,6 @@ def detect_budget(gpu_memory: str | None, cpu_memory: str | None) -> tuple[Budge
 
 
 # ---------------------------------------------------------------------------------------------- output
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return ""  # unreachable
-
-
-def _budget_text(b: Budget) -> str:
-    if b.shared:
-        return f"{human(b.cpu)} of host memory shared by the ranks"
-    return f"{human(b.gpu)} per GPU and {human(b.cpu)} CPU per node"
 
 
 def _is_configured(p: Policy, zero: ZeroConfig, train: TrainConfig) -> bool:

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zoff.config import CheckpointConfig
 from zoff.engine import ZeroEngine
 from zoff.engine.partition import PartitionPlan
 from zoff.errors import UserError
+from zoff.safetensors_io import SafetensorsReader
 
 FORMAT_VERSION = 1
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -239,12 +239,12 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
         state["scaler"] = manifest["scaler"]
         engine.load_state_dict(state)
         extra = readers.get("extra.safetensors")
-        model_state = {k: extra.get_tensor(k) for k in extra.keys() if k != "__empty__"}
+        model_state = {k: extra.read(k) for k in extra.keys() if k != "__empty__"}
         if model_state:
             engine.model.load_state_dict(model_state, strict=False)
         rng_file = path / f"rng_{engine.comm.rank:05d}.safetensors"
         if manifest["world_size"] == engine.comm.world and rng_file.is_file():
-            torch.set_rng_state(readers.get(rng_file.name).get_tensor("cpu"))
+            torch.set_rng_state(readers.get(rng_file.name).read("cpu"))
     return manifest["trainer"]
 
 
@@ -266,30 +266,29 @@ def _assemble_shard(
             if qa >= qb:
                 continue
             src = piece["start"] + (qa - piece["param_start"])
-            data = readers.get(piece["file"]).get_slice(f"u{piece['unit']}.{kind}")[src : src + (qb - qa)]
+            data = readers.get(piece["file"]).read(f"u{piece['unit']}.{kind}", src, qb - qa)
             dst = s.offset + qa - lo
             out[dst : dst + (qb - qa)] = data
     return out
 
 
 class _Readers:
-    """Opens each shard file once, lazily, memory-mapped: reading a slice touches only its bytes."""
+    """Opens each checkpoint file once, lazily; reads touch only the byte ranges asked for."""
 
     def __init__(self, root: Path):
         self.root, self.open = root, {}
 
-    def get(self, name: str):
+    def get(self, name: str) -> SafetensorsReader:
         if name not in self.open:
-            try:
-                self.open[name] = safe_open(str(self.root / name), framework="pt").__enter__()
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                raise UserError(f"{self.root / name}: unreadable checkpoint file ({e})") from None
+            self.open[name] = SafetensorsReader(self.root / name)
         return self.open[name]
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
+        for r in self.open.values():
+            r.close()
         self.open.clear()
 
 

@@ -19,55 +19,44 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from zoff.checkpoint import find_checkpoint, read_manifest
 from zoff.errors import UserError
+from zoff.safetensors_io import SafetensorsReader, write_streaming
 from zoff.units import parse_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ST_NAMES = {
-    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}  # fmt: skip
-ST_DTYPES = {v: k for k, v in ST_NAMES.items()}
 
 
 class _Source:
     """Where each output tensor comes from: its shape and dtype up front, its data on demand."""
 
     def __init__(self, ckpt: Path, manifest: dict):
-        from safetensors import safe_open
-
         self.ckpt, self.manifest = ckpt, manifest
         self.params = {n: p for p in manifest["params"] for n in p["names"]}
-        self._open = {}
-        self._safe_open = safe_open
+        self._open: dict[str, SafetensorsReader] = {}
         extra = self._file("extra.safetensors")
-        self.extra = {
-            k: (extra.get_slice(k).get_shape(), extra.get_slice(k).get_dtype()) for k in extra.keys()
-        }
-        self.extra.pop("__empty__", None)
+        self.extra = {k: (extra.shape(k), extra.dtype(k)) for k in extra.keys() if k != "__empty__"}
         keys = manifest.get("state_dict_keys") or list(self.params) + list(self.extra)
         self.keys = [k for k in keys if k in self.params or k in self.extra]
 
-    def _file(self, name: str):
+    def _file(self, name: str) -> SafetensorsReader:
         if name not in self._open:
-            self._open[name] = self._safe_open(str(self.ckpt / name), framework="pt").__enter__()
+            self._open[name] = SafetensorsReader(self.ckpt / name)
         return self._open[name]
 
     def meta(self, key: str) -> tuple[list[int], torch.dtype]:
         if key in self.params:
             return self.params[key]["shape"], torch.float32
-        shape, dt = self.extra[key]
-        return list(shape), ST_DTYPES[dt]
+        return self.extra[key]
 
     def tensor(self, key: str) -> torch.Tensor:
         if key in self.extra:
-            return self._file("extra.safetensors").get_tensor(key)
+            return self._file("extra.safetensors").read(key)
         p = self.params[key]
         flat = torch.empty(_numel(p["shape"]), dtype=torch.float32)
         for piece in p["pieces"]:
             s, n = piece["start"], piece["length"]
-            data = self._file(piece["file"]).get_slice(f"u{piece['unit']}.master")[s : s + n]
-            flat[piece["param_start"] : piece["param_start"] + n] = data
+            flat[piece["param_start"] : piece["param_start"] + n] = self._file(piece["file"]).read(
+                f"u{piece['unit']}.master", s, n
+            )
         return flat.view(p["shape"])
 
 
@@ -89,6 +78,8 @@ def convert(
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     if out.exists():
         raise UserError(f"{out}: already exists (zoff convert never overwrites; choose another OUT)")
+    if not out.parent.is_dir():
+        raise UserError(f"{out}: its folder {out.parent} does not exist")
     ckpt = find_checkpoint(str(checkpoint), Path("."), label="CHECKPOINT")
     src = _Source(ckpt, read_manifest(ckpt, verify=True))
     target = DTYPES[dtype]
@@ -123,29 +114,9 @@ def _write_one(path: Path, fmt: str, src: _Source, keys: list[str], out_dtype, a
     if fmt == "pt":
         torch.save(dict(_counted(tensors, advance)), path)  # a pt file is one pickle: one shard in memory
     else:
-        _stream_safetensors(
+        write_streaming(
             path, [(k, src.meta(k)[0], out_dtype(src.meta(k)[1])) for k in keys], _counted(tensors, advance)
         )
-
-
-def _stream_safetensors(
-    path: Path, layout: list[tuple[str, list[int], torch.dtype]], tensors: Iterator
-) -> None:
-    header, offset = {}, 0
-    for key, shape, dt in layout:
-        n = _numel(shape) * dt.itemsize
-        header[key] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for _, t in tensors:
-            if t.numel():
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _counted(tensors: Iterator, advance) -> Iterator:

@@ -1,0 +1,119 @@
+"""The safetensors file format, read and written by hand where the library's API costs memory.
+
+Reading: `SafetensorsReader` parses the header and reads element ranges with pread. The library's safe_open
+memory-maps the file, and every page a slice touches stays resident (and counted in RSS) until the file is
+closed, so converting a checkpoint would grow to the size of the model. pread keeps only what is asked for.
+
+Writing: `write_streaming` lays the header out from shapes alone and then writes tensors one at a time, so a
+consolidated file never has to be in memory whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from zoff.errors import UserError
+
+ST_NAMES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}  # fmt: skip
+ST_DTYPES = {v: k for k, v in ST_NAMES.items()}
+MAX_HEADER = 100 * 2**20  # a larger header is a corrupted length field, not a real file
+
+
+class SafetensorsReader:
+    """Header of one safetensors file, and reads of element ranges of its tensors."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise UserError(f"{path}: cannot open checkpoint file ({e.strerror})") from None
+        size = os.fstat(self.fd).st_size
+        raw = os.pread(self.fd, 8, 0)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 < n <= min(MAX_HEADER, size - 8):
+            self.close()
+            raise UserError(f"{path}: not a safetensors file (bad header length)")
+        try:
+            header = json.loads(os.pread(self.fd, n, 8))
+            self.base = 8 + n
+            self.meta = {k: v for k, v in header.items() if k != "__metadata__"}
+            for k, v in self.meta.items():
+                if v["dtype"] not in ST_DTYPES or v["data_offsets"][1] + self.base > size:
+                    raise ValueError(f"tensor {k!r} has dtype {v['dtype']} or lies past the end of the file")
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            self.close()
+            raise UserError(f"{path}: corrupted safetensors header ({e})") from None
+
+    def keys(self) -> list[str]:
+        return list(self.meta)
+
+    def shape(self, key: str) -> list[int]:
+        return list(self.meta[key]["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return ST_DTYPES[self.meta[key]["dtype"]]
+
+    def read(self, key: str, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """Elements [start, start+length) of the flattened tensor `key` (the whole tensor by default)."""
+        if key not in self.meta:
+            raise UserError(f"{self.path}: checkpoint file has no tensor '{key}'")
+        m = self.meta[key]
+        dt = ST_DTYPES[m["dtype"]]
+        item = torch.empty(0, dtype=dt).element_size()
+        lo, hi = m["data_offsets"]
+        numel = (hi - lo) // item
+        length = numel - start if length is None else length
+        if start < 0 or start + length > numel:
+            raise UserError(
+                f"{self.path}: tensor '{key}' has {numel} elements, asked for [{start}, {start + length})"
+            )
+        buf = bytearray(length * item)
+        got = os.preadv(self.fd, [buf], self.base + lo + start * item) if length else 0
+        if got != len(buf):
+            raise UserError(f"{self.path}: truncated while reading '{key}'")
+        flat = torch.frombuffer(buf, dtype=dt) if length else torch.empty(0, dtype=dt)
+        return flat if length != numel else flat.view(m["shape"])
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def write_streaming(path: Path, layout: list[tuple[str, list[int], torch.dtype]], tensors: Iterable) -> None:
+    """Write (key, tensor) pairs in `layout` order; the header comes from `layout` before any data is read."""
+    header, offset = {}, 0
+    for key, shape, dt in layout:
+        n = _numel(shape) * torch.empty(0, dtype=dt).element_size()
+        header[key] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for _, t in tensors:
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -35,17 +35,23 @@ class ModelConfig:
     dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))
     tie_embeddings: bool = True
     args: dict = field(default_factory=dict)  # free-form keyword arguments for python: factories
+    config: dict = field(default_factory=dict)  # hf: models: keyword arguments of the transformers config
+    path: str | None = None  # hf: models: a local Hugging Face model directory to start from
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: Literal["stdlib-source", "text", "synthetic"] = "stdlib-source"
+    name: Literal["stdlib-source", "text", "synthetic", "jsonl", "parquet", "hf"] = "stdlib-source"
     seq_len: int = field(default=128, metadata=_rng(1))
     batch_size: int = field(default=8, metadata=_rng(1))  # per-rank micro-batch
-    paths: list[str] = field(default_factory=list)  # files or globs for name: text
+    paths: list[str] = field(default_factory=list)  # files or globs for name: text, jsonl, parquet, hf
     val_fraction: float = field(default=0.05, metadata=_rng(0.0, 0.5))
     max_bytes: int = field(default=0, metadata=_rng(0))  # 0: no cap on the corpus size
     synthetic_tokens: int = field(default=200_000, metadata=_rng(1))
+    text_field: str = "text"  # jsonl, parquet, hf: the field (column) holding each document's text
+    tokenizer: str = "bytes"  # bytes, or a local Hugging Face tokenizer directory
+    hf_dataset: dict = field(default_factory=dict)  # name hf: keyword arguments of datasets.load_dataset
+    cache_dir: str | None = None  # tokenized corpora; default $ZOFF_CACHE_DIR or ~/.cache/zoff
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ class LaunchConfig:
 class LogConfig:
     run_dir: str | None = None  # default: runs/<config name>-<timestamp>
     progress: bool = True
+    tensorboard: bool = False  # also write the metrics as TensorBoard scalars under <run_dir>/tensorboard
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,16 @@ def zoff_rank(
     }
 
 
+def zoff_rank_many(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
+    """Several runs one after the other in the same ranks: one process start-up for a whole test matrix."""
+    return [zoff_rank(rank, world, cfg) for cfg in cfgs]
+
+
+def run_zoff_many(cfgs: list[dict], world: int) -> list[dict]:
+    """Rank 0's result of each config in `cfgs`, all run in one spawn of `world` ranks."""
+    return spawn(zoff_rank_many, world, cfgs)[0]
+
+
 def run_zoff(
     cfg: dict, world: int, run_dir: str | Path | None = None, resume: str | None = None
 ) -> list[dict]:

@@ -4,45 +4,61 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import reference_run, run_zoff, tiny_cfg
+from tests.harness import reference_run, run_zoff_many, tiny_cfg
 from zoff.config import config_from_dict
 
 pytestmark = pytest.mark.slow
+STAGES = [0, 1, 2, 3]
 
 
-def _assert_close_losses(got: list[float], want: list[float], rtol: float) -> None:
+def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
     assert len(got) == len(want)
     for step, (a, b) in enumerate(zip(got, want), start=1):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: zoff {a!r} vs reference {b!r}"
 
 
-def _assert_close_params(got: dict, want: dict, rtol: float) -> None:
+def assert_close_params(got: dict, want: dict, rtol: float = 1e-5) -> None:
     assert set(got) == set(want)
     for name, ref in want.items():
         err = (got[name] - ref).abs().max().item()
         assert err <= rtol * max(ref.abs().max().item(), 1.0), f"{name}: max abs diff {err}"
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_stage_matches_reference(stage: int, world: int) -> None:
-    # persistence threshold 64 puts LayerNorm gains/biases in persistent units and the rest in gathered ones
-    cfg = tiny_cfg(zero={"stage": stage, "param_persistence_threshold": 64, "reduce_bucket_size": 3000})
-    results = run_zoff(cfg, world)
-    ref = reference_run(config_from_dict(cfg), world)
-    for r in results:
-        _assert_close_losses(r["losses"], ref["losses"], 1e-5)
-    _assert_close_params(results[0]["params"], ref["params"], 1e-5)
-    assert ref["losses"][-1] < ref["losses"][0]  # the comparison is over a run that actually learns
+def _gpt(stage: int) -> dict:
+    # persistence threshold 64 puts LayerNorm gains/biases in persistent units and the rest in gathered ones;
+    # a small bucket makes several units, so buckets fill and reduce while backward is still running.
+    return tiny_cfg(zero={"stage": stage, "param_persistence_threshold": 64, "reduce_bucket_size": 3000})
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_user_model_with_tied_and_frozen_weights(stage: int) -> None:
-    cfg = tiny_cfg(
+def _user(stage: int) -> dict:
+    return tiny_cfg(
         model={"name": "python:tests.fixtures_models:tied_frozen", "d_model": 32, "vocab_size": 256},
         zero={"stage": stage, "param_persistence_threshold": 64},
     )
-    results = run_zoff(cfg, 2)
-    ref = reference_run(config_from_dict(cfg), 2)
-    _assert_close_losses(results[0]["losses"], ref["losses"], 1e-5)
-    _assert_close_params(results[0]["params"], ref["params"], 1e-5)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def gpt_runs(request) -> tuple[int, list[dict], dict]:
+    world = request.param
+    results = run_zoff_many([_gpt(s) for s in STAGES], world)
+    return world, results, reference_run(config_from_dict(_gpt(0)), world)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_matches_reference(gpt_runs, stage: int) -> None:
+    world, results, ref = gpt_runs
+    assert_close_losses(results[stage]["losses"], ref["losses"])
+    assert_close_params(results[stage]["params"], ref["params"])
+    assert ref["losses"][-1] < ref["losses"][0]  # the comparison is over a run that actually learns
+
+
+@pytest.fixture(scope="module")
+def user_runs() -> tuple[list[dict], dict]:
+    return run_zoff_many([_user(s) for s in STAGES], 2), reference_run(config_from_dict(_user(0)), 2)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_user_model_with_tied_frozen_and_reused_modules(user_runs, stage: int) -> None:
+    results, ref = user_runs
+    assert_close_losses(results[stage]["losses"], ref["losses"])
+    assert_close_params(results[stage]["params"], ref["params"])

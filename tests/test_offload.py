@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import reference_run, run_zoff, tiny_cfg
+from tests.harness import reference_run, run_zoff, run_zoff_many, tiny_cfg
 from zoff.config import config_from_dict
 
 pytestmark = pytest.mark.slow
@@ -22,23 +22,38 @@ def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
         assert abs(a - b) <= rtol * abs(b), f"step {step}: zoff {a!r} vs reference {b!r}"
 
 
-@pytest.mark.parametrize(
-    "zero",
-    [
-        {"stage": 1, "offload_optimizer": {"device": "cpu"}},
-        {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-        {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-        {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-    ],
-    ids=["zero1-offload", "zero2-offload", "zero3-offload-optimizer", "zero3-offload-params"],
-)
-def test_offload_matches_reference(zero: dict) -> None:
-    cfg = tiny_cfg(zero={**zero, "param_persistence_threshold": 64})
-    got = run_zoff(cfg, 2)[0]
-    ref = reference_run(config_from_dict(cfg), 2)
+OFFLOAD = {
+    "zero1-offload": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+    "zero2-offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "zero3-offload-optimizer": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    "zero3-offload-params": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+    },
+}
+
+
+def _cfg(zero: dict) -> dict:
+    return tiny_cfg(zero={**zero, "param_persistence_threshold": 64})
+
+
+@pytest.fixture(scope="module")
+def offload_runs() -> tuple[dict, dict]:
+    names = list(OFFLOAD)
+    results = run_zoff_many([_cfg(OFFLOAD[n]) for n in names], 2)
+    return dict(zip(names, results)), reference_run(config_from_dict(_cfg(OFFLOAD[names[0]])), 2)
+
+
+@pytest.mark.parametrize("name", list(OFFLOAD))
+def test_offload_matches_reference(offload_runs, name: str) -> None:
+    results, ref = offload_runs
+    got = results[name]
     _close(got["losses"], ref["losses"])
-    for name, p in ref["params"].items():
-        assert (got["params"][name] - p).abs().max().item() <= 1e-5 * max(p.abs().max().item(), 1.0), name
+    for pname, p in ref["params"].items():
+        assert (got["params"][pname] - p).abs().max().item() <= 1e-5 * max(p.abs().max().item(), 1.0), pname
+    assert got["stats"]["offload_optimizer"] and got["memory"]["optimizer_states"] == 0
+    assert got["memory"]["cpu_optimizer_states"] > 0
 
 
 def test_delayed_parameter_update_is_one_step_stale() -> None:

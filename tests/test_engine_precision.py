@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.harness import reference_run, run_zoff, spawn, tiny_cfg
+from tests.harness import reference_run, run_zoff_many, spawn, tiny_cfg
 from zoff.config import config_from_dict
 from zoff.train import build_session, lm_loss, train_loop
 
@@ -20,12 +20,23 @@ pytestmark = pytest.mark.slow
 TOLERANCE = {"bf16": 0.005, "fp16": 0.003}
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_tracks_fp32(precision: str, stage: int) -> None:
-    cfg = tiny_cfg(train={"precision": precision}, zero={"stage": stage, "param_persistence_threshold": 64})
-    got = run_zoff(cfg, 2)[0]["losses"]
-    want = reference_run(config_from_dict(tiny_cfg()), 2)["losses"]
+CASES = [(p, s) for p in ("bf16", "fp16") for s in (1, 3)]
+
+
+@pytest.fixture(scope="module")
+def mixed_runs() -> tuple[dict, list[float]]:
+    cfgs = [
+        tiny_cfg(train={"precision": p}, zero={"stage": s, "param_persistence_threshold": 64})
+        for p, s in CASES
+    ]
+    results = run_zoff_many(cfgs, 2)
+    return dict(zip(CASES, results)), reference_run(config_from_dict(tiny_cfg()), 2)["losses"]
+
+
+@pytest.mark.parametrize("precision,stage", CASES)
+def test_mixed_precision_tracks_fp32(mixed_runs, precision: str, stage: int) -> None:
+    results, want = mixed_runs
+    got = results[(precision, stage)]["losses"]
     worst = max(abs(a - b) / b for a, b in zip(got, want))
     assert worst < TOLERANCE[precision], f"{precision} stage {stage}: worst relative loss gap {worst:.4%}"
     assert want[0] - want[-1] > 3 * TOLERANCE[precision] * want[0]

@@ -214,7 +214,7 @@ def verify_file(path: Path, meta: dict) -> None:
 
 def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict:
     """Load into `engine` whatever its world size and stage; returns the trainer state. Every rank calls it."""
-    manifest = read_manifest(path, verify=verify)
+    manifest = read_manifest(path, verify=False)
     by_name = {n: p for p in manifest["params"] for n in p["names"]}
     plan = engine.plan
     for s in plan.slots:
@@ -227,7 +227,9 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
             )
     if len(by_name) != len({n for s in plan.slots for n in s.names}):
         raise UserError(f"{path}: checkpoint of a different model (parameter sets differ)")
-    with _Readers(path) as readers:
+    # Each rank checks the size and checksum of exactly the files it opens, once: N ranks do not hash the
+    # whole checkpoint N times over (the launcher already checked everything once before starting them).
+    with _Readers(path, manifest["files"] if verify else None) as readers:
         state = {
             "masters": [],
             "optimizer": {"step": manifest["optimizer_step"], "exp_avg": [], "exp_avg_sq": []},
@@ -273,13 +275,17 @@ def _assemble_shard(
 
 
 class _Readers:
-    """Opens each checkpoint file once, lazily; reads touch only the byte ranges asked for."""
+    """Opens each checkpoint file once, lazily (verified against `files` first when given)."""
 
-    def __init__(self, root: Path):
-        self.root, self.open = root, {}
+    def __init__(self, root: Path, files: dict | None = None):
+        self.root, self.files, self.open = root, files, {}
 
     def get(self, name: str) -> SafetensorsReader:
         if name not in self.open:
+            if self.files is not None:
+                if name not in self.files:
+                    raise UserError(f"{self.root / name}: not listed in the manifest")
+                verify_file(self.root / name, self.files[name])
             self.open[name] = SafetensorsReader(self.root / name)
         return self.open[name]
 

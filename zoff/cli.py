@@ -111,7 +111,9 @@ def convert(
         ..., help="A checkpoint folder (step_*) or a checkpoint dir (its latest)"
     ),
     out: Path = typer.Argument(..., help="Output file, or folder when --max-shard-size splits it"),
-    fmt: str = typer.Option("safetensors", "--format", help="safetensors or pt"),
+    fmt: str = typer.Option(
+        "safetensors", "--format", help="safetensors, pt, or hf (a Hugging Face model folder; hf: models)"
+    ),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (floating tensors only)"),
     max_shard_size: str = typer.Option(
         None, "--max-shard-size", help="Split into files of at most SIZE (e.g. 2GB)"
@@ -143,6 +145,43 @@ def doctor() -> None:
         "cpu_adam": backend_info(),
     }
     print(json.dumps(report, indent=2, default=str))
+
+
+@app.command("ls")
+def ls() -> None:
+    """List the shipped configs and recipes with their one-line descriptions."""
+    from zoff.catalog import listing
+
+    print(listing())
+
+
+@app.command("cp")
+def cp(
+    name: str = typer.Argument(
+        ..., help="A config or recipe name from `zoff ls` (recipes/NAME if ambiguous)"
+    ),
+    dest: Path = typer.Argument(..., help="File to create, or an existing folder to copy into"),
+) -> None:
+    """Copy a shipped config or recipe out for editing (never overwrites)."""
+    from zoff.catalog import copy
+
+    print(f"zoff: wrote {copy(name, dest)}")
+
+
+@app.command()
+def plot(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories (each holds a metrics.jsonl)"),
+    out: Path = typer.Option(
+        None, "--out", help="PNG to write (default: RUN_DIR/plot.png for one run, zoff-plot.png for several)"
+    ),
+) -> None:
+    """Plot loss, val loss and tokens/s against step, comparing runs, into one PNG."""
+    from zoff.plot import plot_runs
+
+    if out is None:
+        out = run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("zoff-plot.png")
+    plot_runs(run_dirs, out)
+    print(f"zoff: wrote {out}")
 
 
 def _preflight(cfg: Config) -> None:

@@ -1,0 +1,95 @@
+"""`zoff plot`: loss, val loss and tokens/s against step for one or more run directories, as one PNG.
+
+matplotlib is an optional extra (`pip install zoff[plot]`). `plot_runs` returns the data of every curve it
+drew, read back from the figure, so what the picture shows can be checked against metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zoff.errors import UserError
+
+
+@dataclass
+class RunSeries:
+    """One run's curves: (steps, values) per metric."""
+
+    label: str
+    curves: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+
+
+def read_series(run_dir: Path) -> RunSeries:
+    """loss, val_loss and tokens_per_s against step, from the run's metrics.jsonl (events skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run_dir}: no metrics.jsonl (not a zoff run directory, or no step logged yet)")
+    out = RunSeries(str(run_dir))
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{path}:{n}: not valid JSON") from None
+        if "event" in rec or "step" not in rec:
+            continue
+        for key in ("loss", "val_loss", "tokens_per_s"):
+            if isinstance(rec.get(key), (int, float)):
+                steps, values = out.curves.setdefault(key, ([], []))
+                steps.append(rec["step"])
+                values.append(rec[key])
+    return out
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> dict[str, RunSeries]:
+    """Draw every run into one PNG at `out`; returns {label: curves as drawn}."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("zoff plot: needs matplotlib: pip install zoff[plot]") from None
+    if not out.parent.is_dir():
+        raise UserError(f"--out: its folder {out.parent} does not exist")
+    runs = [read_series(Path(d)) for d in run_dirs]
+    labels = _labels([Path(d) for d in run_dirs])
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(12, 4.5))
+    drawn: dict[str, RunSeries] = {}
+    for i, (run, label) in enumerate(zip(runs, labels)):
+        color = f"C{i % 10}"
+        drawn[label] = RunSeries(label)
+        styles = {
+            "loss": (ax_loss, "-", None),
+            "val_loss": (ax_loss, "--", "o"),
+            "tokens_per_s": (ax_tps, "-", None),
+        }
+        for key, (ax, ls, marker) in styles.items():
+            if key not in run.curves:
+                continue
+            steps, values = run.curves[key]
+            name = label if key == "loss" or key == "tokens_per_s" else f"{label} (val)"
+            (line,) = ax.plot(steps, values, ls, marker=marker, color=color, label=name, markersize=4)
+            drawn[label].curves[key] = (
+                [float(x) for x in line.get_xdata()],
+                [float(y) for y in line.get_ydata()],
+            )
+    ax_loss.set(title="loss", xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax_tps.set(title="throughput", xlabel="step", ylabel="tokens/s")
+    for ax in (ax_loss, ax_tps):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return drawn
+
+
+def _labels(dirs: list[Path]) -> list[str]:
+    """Run folder names, with their parent folder where two runs share a name."""
+    names = [d.resolve().name for d in dirs]
+    return [f"{d.resolve().parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(dirs, names)]

@@ -5,8 +5,9 @@ Not a test. In one process and per size, every round runs each variant in turn (
 CPUAdam, torch AdamW foreach=True and fused=True, the mixed-precision pair (zoff bf16 grad in + bf16 copy out
 in one pass vs torch fused + a separate .to(bfloat16)), and two bandwidth ceilings: a STREAM triad and a probe
 with exactly an Adam step's traffic (read 4 arrays, write 3). This host's memory bandwidth switches between
-modes ~1.7x apart and other work shares it, so only ratios within a round mean something: the table reports
-medians of per-round ratios (and median times for scale).
+modes ~1.7x apart and other work shares it, so only ratios within a round mean something: each round takes
+the fastest of several steps per variant, and the table reports medians of per-round ratios (and median
+times for scale).
 
     python scripts/bench_adam.py [--sizes 1M,16M,64M] [--rounds 7] [--threads 2] [--out runs/bench/bench_adam.json]
 """
@@ -100,17 +101,21 @@ def make_variants(n: int, threads: int) -> dict[str, Callable[[], None]]:
 
 
 def time_step(fn: Callable[[], None], reps: int) -> float:
+    """Fastest of `reps` steps after a warm-up. Other processes share this host's 2 cores and a preempted
+    OpenMP thread stalls the whole step, so noise only ever adds time: the minimum is the robust estimate."""
     fn()  # warm-up: brings the variant's own working set to its steady cache state
-    t0 = time.perf_counter()
+    best = float("inf")
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / reps
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def bench_size(n: int, rounds: int, threads: int) -> dict:
     variants = make_variants(n, threads)
-    # Enough steps per measurement for ~0.3 s of the probe (timer and scheduler noise), at least 3.
-    reps = min(200, max(3, round(0.3 / time_step(variants["probe"], 2))))
+    # Enough steps per measurement for ~0.3 s of the probe, at least 3.
+    reps = min(100, max(3, round(0.3 / time_step(variants["probe"], 2))))
     times: dict[str, list[float]] = {k: [] for k in ORDER}
     for r in range(rounds):
         for name in ORDER:

@@ -1,5 +1,9 @@
 """Datasets and the global-batch sampler.
 
+Documents come from the Python standard library, text files, JSON lines, Parquet files or a `datasets` spec on
+local files; they are tokenized once per machine into a cached token stream (zoff.tokenize) with an
+end-of-document token after each, and every k-th document goes to the validation split.
+
 The sample order is a pure function of (seed, step) for the *global* batch, and rank r takes its contiguous
 slice. So a run is reproducible, resumes mid-epoch from the step alone, and the same global batch split over
 a different number of ranks sees exactly the same samples (elastic restarts depend on this).
@@ -8,7 +12,10 @@ a different number of ranks sees exactly the same samples (elastic restarts depe
 from __future__ import annotations
 
 import glob
+import json
+import os
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,65 +23,212 @@ import torch
 
 from zoff.config import DataConfig
 from zoff.errors import UserError
+from zoff.tokenize import cache_key, cache_root, cached_corpus, load_tokenizer
 
 VOCAB_BYTES = 256
 
 
 @dataclass(frozen=True)
 class Corpus:
-    train: torch.Tensor  # 1-D uint8/int64 token ids
+    train: torch.Tensor  # 1-D uint8/int32/int64 token ids
     val: torch.Tensor
     description: str
+    vocab_size: int = VOCAB_BYTES  # the tokenizer's: every id is below it
+    eos_id: int | None = None
 
 
 def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
+    if cfg.name == "synthetic":
+        return _synthetic(cfg, seed)
+    tok = load_tokenizer(cfg.tokenizer)
+    files, what = _source_files(cfg)
+    parts = {
+        "source": cfg.name, "files": [_stat(f) for f in files], "text_field": cfg.text_field,
+        "hf_dataset": cfg.hf_dataset, "tokenizer": tok.fingerprint, "max_bytes": cfg.max_bytes,
+        "val_fraction": cfg.val_fraction,
+    }  # fmt: skip
+    root = cache_root(cfg.cache_dir)
+    docs = lambda: _split(_capped(_documents(cfg, files), cfg.max_bytes), cfg.val_fraction)  # noqa: E731
+    got = cached_corpus(root, cache_key(parts), tok, docs, cfg.val_fraction, what)
+    need = cfg.seq_len + 1
+    if len(got.train) < need or len(got.val) < need:
+        raise UserError(
+            f"data: {what} hold too little text for data.seq_len {cfg.seq_len} "
+            f"({len(got.train)} train / {len(got.val)} val tokens)"
+        )
+    unit = "bytes" if tok.name == "bytes" else f"tokens ({tok.name})"
+    desc = (
+        f"{what}: {len(got.train):,} train / {len(got.val):,} val {unit}, "
+        f"{'tokenized now' if got.built else 'cached'} in {root / 'tokens'}"
+    )
+    return Corpus(got.train, got.val, desc, tok.vocab_size, tok.eos_id)
+
+
+def check_vocab(corpus: Corpus, model_vocab: int) -> None:
+    """The model must embed every id the tokenizer can emit (call after building the model)."""
+    if corpus.vocab_size > model_vocab:
+        raise UserError(
+            f"data.tokenizer: its vocabulary has {corpus.vocab_size} tokens but the model embeds only "
+            f"{model_vocab} (raise model.vocab_size, or model.config.vocab_size for hf: models)"
+        )
+
+
+def preflight(cfg: DataConfig) -> None:
+    """Fail early, before any rank starts: the files exist and the tokenizer loads."""
+    if cfg.name != "synthetic":
+        _source_files(cfg)
+        load_tokenizer(cfg.tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def _source_files(cfg: DataConfig) -> tuple[list[Path], str]:
     if cfg.name == "stdlib-source":
-        return _split_files(_stdlib_files(), cfg, "the Python standard library's .py sources")
-    if cfg.name == "text":
-        return _split_files(_expand(cfg.paths), cfg, f"{len(cfg.paths)} text path(s)")
-    return _synthetic(cfg, seed)
+        return _stdlib_files(), "the Python standard library's .py sources"
+    if cfg.name == "hf":
+        spec = cfg.hf_dataset
+        if not spec.get("path"):
+            raise UserError(
+                "data.hf_dataset.path: needed for data.name hf (json, parquet, text, csv or a local dataset folder)"
+            )
+        files = _expand(cfg.paths, "data.paths") if cfg.paths else []
+        files += _expand(_strings(spec.get("data_files")), "data.hf_dataset.data_files")
+        if Path(str(spec["path"])).exists():
+            root = Path(str(spec["path"]))
+            files += sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root]
+        return files, f"datasets.load_dataset({spec.get('path')!r})"
+    if not cfg.paths:
+        raise UserError(f"data.paths: data.name '{cfg.name}' needs at least one file or glob")
+    files = _expand(cfg.paths)
+    if not files:
+        raise UserError(f"data.paths: {cfg.paths} match no file")
+    return files, f"{len(files)} {cfg.name} file(s)"
 
 
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "idlelib", "dist-packages"}
-    return sorted(f for f in root.rglob("*.py") if not skip.intersection(f.relative_to(root).parts))
+    files = []
+    for top, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]  # pruned, not filtered: site-packages can be huge
+        files.extend(Path(top) / n for n in names if n.endswith(".py"))
+    return sorted(files)
 
 
-def _expand(patterns: list[str]) -> list[Path]:
+def _expand(patterns: list[str], key: str = "data.paths") -> list[Path]:
     files: list[Path] = []
     for pat in patterns:
-        hits = sorted(glob.glob(pat, recursive=True))
+        hits = sorted(glob.glob(str(Path(pat).expanduser()), recursive=True))
         if not hits:
-            raise UserError(f"data.paths: '{pat}' matches no file")
+            raise UserError(f"{key}: '{pat}' matches no file")
         files.extend(Path(h) for h in hits if Path(h).is_file())
     return files
 
 
-def _split_files(files: list[Path], cfg: DataConfig, what: str) -> Corpus:
-    """Every k-th file goes to validation, so both splits sample the whole corpus, not its alphabetical tail."""
-    if not files:
-        raise UserError(f"data: {what} gave no files")
-    k = max(2, round(1 / cfg.val_fraction)) if cfg.val_fraction > 0 else 0
-    train, val, size = bytearray(), bytearray(), 0
-    for i, f in enumerate(files):
-        data = f.read_bytes()
-        if cfg.max_bytes and size + len(data) > cfg.max_bytes:
-            data = data[: cfg.max_bytes - size]
-        size += len(data)
-        (val if k and i % k == k - 1 else train).extend(data)
-        if cfg.max_bytes and size >= cfg.max_bytes:
-            break
-    if len(files) == 1 or not val:  # one file: its tail is the validation split
-        cut = int(len(train) * (1 - cfg.val_fraction))
-        train, val = train[:cut], train[cut:] + val
-    need = cfg.seq_len + 1
-    if len(train) < need or len(val) < need:
+def _strings(value) -> list[str]:
+    """The paths in a load_dataset data_files value: a string, a list, or a dict of split -> either."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    return [str(v) for v in value]
+
+
+def _stat(f: Path) -> tuple[str, int, int]:
+    st = f.stat()
+    return str(f.resolve()), st.st_size, st.st_mtime_ns
+
+
+def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str | bytes]:
+    if cfg.name in ("stdlib-source", "text"):
+        for f in files:  # bytes: the byte tokenizer keeps them exact; others decode them
+            yield f.read_bytes()
+    elif cfg.name == "jsonl":
+        for f in files:
+            yield from _jsonl(f, cfg.text_field)
+    elif cfg.name == "parquet":
+        for f in files:
+            yield from _parquet(f, cfg.text_field)
+    else:
+        yield from _hf_dataset(cfg)
+
+
+def _jsonl(path: Path, key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            text = obj.get(key) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise UserError(f"{path}:{lineno}: no text field '{key}' (data.text_field)")
+            yield text
+
+
+def _parquet(path: Path, key: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError("data.name: parquet needs pyarrow: pip install zoff[data]") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid/OSError family for a bad file
+        raise UserError(f"{path}: not a Parquet file ({e})") from None
+    if key not in pf.schema_arrow.names:
         raise UserError(
-            f"data: {what} hold too little text for data.seq_len {cfg.seq_len} ({len(train)} bytes)"
+            f"{path}: no column '{key}' (data.text_field); columns: {', '.join(pf.schema_arrow.names)}"
         )
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
-    return Corpus(as_tensor(train), as_tensor(val), f"{what}: {len(train):,} train / {len(val):,} val bytes")
+    for batch in pf.iter_batches(columns=[key], batch_size=1024):
+        yield from (t for t in batch.column(0).to_pylist() if t is not None)
+
+
+def _hf_dataset(cfg: DataConfig) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("data.name: hf needs the datasets package: pip install zoff[data]") from None
+    args = dict(cfg.hf_dataset)
+    if "data_files" not in args and cfg.paths:
+        args["data_files"] = [str(f) for f in _expand(cfg.paths)]
+    try:
+        ds = datasets.load_dataset(**args)
+    except Exception as e:  # datasets raises many kinds: FileNotFoundError, ValueError, its own errors
+        raise UserError(f"data.hf_dataset: load_dataset failed: {str(e).splitlines()[0]}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+    if cfg.text_field not in ds.column_names:
+        raise UserError(
+            f"data.text_field: the dataset has no column '{cfg.text_field}' (columns: {', '.join(ds.column_names)})"
+        )
+    for batch in ds.select_columns([cfg.text_field]).iter(batch_size=1024):
+        yield from (t for t in batch[cfg.text_field] if t is not None)
+
+
+def _capped(docs: Iterable[str | bytes], max_bytes: int) -> Iterator[str | bytes]:
+    """Stop after max_bytes of text (0: no cap); the last document is cut at the cap."""
+    size = 0
+    for d in docs:
+        raw = d if isinstance(d, bytes) else d.encode()
+        if max_bytes and size + len(raw) > max_bytes:
+            raw = raw[: max_bytes - size]
+            d = raw if isinstance(d, bytes) else raw.decode(errors="ignore")
+        size += len(raw)
+        yield d
+        if max_bytes and size >= max_bytes:
+            return
+
+
+def _split(docs: Iterable[str | bytes], val_fraction: float) -> Iterator[tuple[bool, str | bytes]]:
+    """Every k-th document goes to validation, so both splits sample the whole corpus, not its tail."""
+    k = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
+    for i, d in enumerate(docs):
+        yield bool(k and i % k == k - 1), d
 
 
 def _synthetic(cfg: DataConfig, seed: int) -> Corpus:

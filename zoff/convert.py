@@ -1,5 +1,7 @@
 """`zoff convert`: merge a sharded checkpoint into one state dict, streaming tensor by tensor.
 
+`--format hf` writes a Hugging Face model folder instead (config.json, safetensors shards, tokenizer files).
+
 Peak memory is about the largest tensor (plus one output shard for the `pt` format): each parameter is
 assembled from the byte ranges of the shard files that hold it and written out before the next is read.
 Safetensors output is written by hand (8-byte header length, JSON header, raw data) so that the header can
@@ -68,11 +70,8 @@ def convert(
     max_shard_size: str | None = None,
 ) -> list[Path]:
     """Write the consolidated state dict (keys exactly model.state_dict()'s) to `out`; returns files written."""
-    if fmt not in ("safetensors", "pt"):
-        raise UserError(
-            f"--format: expected safetensors or pt, got '{fmt}'"
-            + (" (hf export comes later)" if fmt == "hf" else "")
-        )
+    if fmt not in ("safetensors", "pt", "hf"):
+        raise UserError(f"--format: expected safetensors, pt or hf, got '{fmt}'")
     if dtype not in DTYPES:
         raise UserError(f"--dtype: expected one of fp32, bf16, fp16, got '{dtype}'")
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
@@ -82,6 +81,8 @@ def convert(
         raise UserError(f"{out}: its folder {out.parent} does not exist")
     ckpt = find_checkpoint(str(checkpoint), Path("."), label="CHECKPOINT")
     src = _Source(ckpt, read_manifest(ckpt, verify=True))
+    if fmt == "hf":
+        return _convert_hf(ckpt, src, out, DTYPES[dtype], limit)
     target = DTYPES[dtype]
     out_dtype = lambda dt: target if dt.is_floating_point else dt  # noqa: E731
     sizes = {k: _numel(src.meta(k)[0]) * out_dtype(src.meta(k)[1]).itemsize for k in src.keys}
@@ -107,6 +108,52 @@ def convert(
         (tmp / f"{stem}.{ext}.index.json").write_text(json.dumps(index, indent=2) + "\n")
         os.replace(tmp, out)
     return written + [out / f"{stem}.{ext}.index.json"]
+
+
+def _convert_hf(ckpt: Path, src: _Source, out: Path, target: torch.dtype, limit: int | None) -> list[Path]:
+    """A Hugging Face model folder: config.json from the run's config, safetensors shards, tokenizer files."""
+    import yaml
+
+    from zoff.config import config_from_dict
+    from zoff.models.hf import save_hf_config
+    from zoff.tokenize import load_tokenizer
+
+    cfg = config_from_dict(
+        yaml.safe_load((ckpt / "config.yaml").read_text()), source=str(ckpt / "config.yaml")
+    )
+    if not cfg.model.name.startswith("hf:"):
+        raise UserError(f"--format hf: the checkpoint's model is '{cfg.model.name}', not an hf: model")
+    # Tied weights are stored once, under the first name, as save_pretrained does; loading re-ties them.
+    keys = [k for k in src.keys if k not in src.params or src.params[k]["names"][0] == k]
+    out_dtype = lambda dt: target if dt.is_floating_point else dt  # noqa: E731
+    sizes = {k: _numel(src.meta(k)[0]) * out_dtype(src.meta(k)[1]).itemsize for k in keys}
+    groups = _group(keys, sizes, limit)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok = cfg.data.tokenizer  # its files travel with the model; a folder gone since training is skipped
+    known = cfg.data.name != "synthetic" and (tok == "bytes" or Path(tok).expanduser().is_dir())
+    tokenizer = load_tokenizer(tok) if known else None
+    save_hf_config(cfg.model, tmp, target, tokenizer.eos_id if tokenizer else None)
+    written = [out / "config.json"]
+    for f in tokenizer.files() if tokenizer else []:
+        shutil.copy2(f, tmp / f.name)
+        written.append(out / f.name)
+    weight_map = {}
+    with _progress(sum(sizes.values())) as advance:
+        for i, group in enumerate(groups, start=1):
+            name = (
+                "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            )
+            _write_one(tmp / name, "safetensors", src, group, out_dtype, advance)
+            weight_map.update({k: name for k in group})
+            written.append(out / name)
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        written.append(out / "model.safetensors.index.json")
+    os.replace(tmp, out)
+    return written
 
 
 def _write_one(path: Path, fmt: str, src: _Source, keys: list[str], out_dtype, advance) -> None:

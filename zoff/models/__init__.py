@@ -1,4 +1,5 @@
-"""Model registry: `build_model(model_cfg)` for builtin names and `python:pkg.module:factory` user factories."""
+"""Model registry: `build_model(model_cfg)` for builtin names, `hf:<ClassName>` transformers models and
+`python:pkg.module:factory` user factories."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         )
     if cfg.name.startswith("python:"):
         return _from_factory(cfg)
+    if cfg.name.startswith("hf:"):
+        from zoff.models.hf import build_hf_model  # transformers is optional and slow to import
+
+        return build_hf_model(cfg)
     raise UserError(
-        f"model.name: unknown model '{cfg.name}' (expected one of {', '.join(BUILTIN)} or python:pkg.mod:fn)"
+        f"model.name: unknown model '{cfg.name}' (expected one of {', '.join(BUILTIN)}, hf:ClassName or python:pkg.mod:fn)"
     )
 
 

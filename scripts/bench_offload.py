@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -71,7 +72,6 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.bench_engine import machine  # noqa: E402
 from tests.harness import spawn  # noqa: E402
 from zoff.config import Config, config_from_dict  # noqa: E402
 from zoff.data import GlobalBatches, load_corpus  # noqa: E402
@@ -461,6 +461,19 @@ def print_table(result: dict) -> None:
         con.print(line)
 
 
+def machine() -> dict:
+    """CPU model, cores, torch and zoff's CPU Adam backend (here, so the script needs only zoff and tests)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    models = [ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")]
+    return {
+        "cpu": models[0] if models else platform.processor(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_adam": backend_info(),  # builds/loads the kernel once, before the ranks start
+    }
+
+
 def mem_available() -> int:
     for ln in Path("/proc/meminfo").read_text().splitlines():
         if ln.startswith("MemAvailable:"):
@@ -491,10 +504,7 @@ def main() -> None:
     with torch.device("meta"):  # count parameters without allocating them
         psi = sum(p.numel() for p in build_model(make_cfg(args, "fp32", "stage2").model).parameters())
     result: dict = {
-        "machine": {
-            **machine(),
-            "cpu_adam": backend_info(),
-        },  # builds/loads the kernel once, before the ranks
+        "machine": machine(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "params": psi,
         "jobs": [],

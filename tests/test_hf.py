@@ -148,13 +148,3 @@ def test_hf_config_keys_and_errors():
         UserError, match=r"^data.tokenizer: token id 64 does not fit the model's vocabulary of 64"
     ):
         m(torch.tensor([[1, 64]]))
-
-
-def test_missing_transformers_is_a_one_line_error(tmp_path):
-    code = (
-        "import sys; sys.modules['transformers'] = None\n"
-        "from zoff.config import ModelConfig\nfrom zoff.models import build_model\n"
-        "build_model(ModelConfig(name='hf:LlamaForCausalLM'))\n"
-    )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "model.name: hf: models need transformers: pip install zoff[hf]" in p.stderr

@@ -1,14 +1,21 @@
-"""What a run reports: rank 0's console (progress bar or log lines), metrics.jsonl, per-rank log files, summary."""
+"""What a run reports: rank 0's console (progress bar or log lines), metrics.jsonl, TensorBoard scalars,
+per-rank log files, summary.
+
+Each logged step carries loss, grad_norm, lr, tokens_per_s, step_time_s, rank 0's peak host memory
+(peak_rss_mib; on CUDA also peak_alloc_mib) and, where the GPU's peak throughput is known, mfu.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -29,10 +36,30 @@ def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
 class MetricsWriter:
     """Rank 0 only: appends one JSON object per logged step to metrics.jsonl and drives the console."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress: bool, log: logging.Logger):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int,
+        progress: bool,
+        log: logging.Logger,
+        *,
+        tensorboard: bool | None = None,
+        flops_per_token: float | None = None,
+        device: torch.device | None = None,
+    ):
+        """tensorboard None: as the run directory's config.yaml says (log.tensorboard)."""
         self.path = run_dir / "metrics.jsonl"
         if start_step > 0:
             self._truncate_after(start_step)
+        self.device = device or _current_device()
+        self.peak_flops = peak_flops(self.device, _run_config(run_dir).get("train", {}).get("precision"))
+        self.flops_per_token = flops_per_token
+        if self.peak_flops and flops_per_token is None:  # only where MFU can be reported at all
+            self.flops_per_token = _flops_from_run_config(run_dir)
+        if tensorboard is None:
+            tensorboard = bool(_run_config(run_dir).get("log", {}).get("tensorboard", False))
+        self.tb = _tensorboard_writer(run_dir, start_step) if tensorboard else None
         self.console = Console(stderr=False)
         self.log = log
         self.records: list[dict] = []
@@ -48,16 +75,25 @@ class MetricsWriter:
             self.bar.start()
 
     def step(self, record: dict, write: bool) -> None:
+        record = {**record, **self._resources(record)}
         info = (
             f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
             f"{record['tokens_per_s']:,.0f} tok/s  {record['step_time_s'] * 1e3:.0f} ms/step"
         )
+        if record.get("grad_norm") is not None:
+            info += f"  gnorm {record['grad_norm']:.3f}"
+        info += f"  {record['peak_rss_mib']:,.0f} MiB RSS"
+        if "peak_alloc_mib" in record:
+            info += f"  {record['peak_alloc_mib']:,.0f} MiB GPU"
+        if "mfu" in record:
+            info += f"  MFU {record['mfu']:.1%}"
         if self.bar is not None:
             self.bar.update(self.task, completed=record["step"], info=info)
         if write:
             self.records.append(record)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            self._scalars(record)
             self.log.info("step %d %s", record["step"], info)
             if not self.live:
                 print(f"step {record['step']:>6}  {info}", flush=True)
@@ -83,10 +119,28 @@ class MetricsWriter:
         self.log.info("event %s", json.dumps(record))
         print(f"zoff: {kind} at step {step}" + "".join(f", {k} {v}" for k, v in info.items()), flush=True)
 
+    def _resources(self, record: dict) -> dict:
+        """Memory high-water marks of this process, and MFU where the device's peak is known."""
+        out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+        if self.device.type == "cuda":
+            out["peak_alloc_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.peak_flops and self.flops_per_token:
+            out["mfu"] = self.flops_per_token * record["tokens_per_s"] / (self.peak_flops * _world())
+        return out
+
+    def _scalars(self, record: dict) -> None:
+        """The record's numbers as TensorBoard scalars at its step, under the same keys as metrics.jsonl."""
+        if self.tb is None:
+            return
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self.tb.add_scalar(k, float(v), record["step"])
+
     def eval(self, step: int, val_loss: float) -> None:
         record = {"step": step, "val_loss": val_loss}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self._scalars(record)
         self.records.append(record)
         msg = f"step {step:>6}  val_loss {val_loss:.4f}"
         self.log.info(msg)
@@ -95,6 +149,8 @@ class MetricsWriter:
     def close(self) -> dict:
         if self.bar is not None:
             self.bar.stop()
+        if self.tb is not None:
+            self.tb.close()
         train = [r for r in self.records if "loss" in r and "event" not in r]
         val = [r for r in self.records if "val_loss" in r]
         summary = {
@@ -114,3 +170,85 @@ class MetricsWriter:
         self.console.print(table)
         sys.stdout.flush()
         return summary
+
+
+# ------------------------------------------------------------------------------------- MFU and plumbing
+
+# Dense tensor-core peaks per GPU from the vendors' datasheets, TFLOP/s: (bf16/fp16, fp32 via TF32 or plain).
+# Matched by substring of torch.cuda.get_device_name, most specific first.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H100 PCIe", 756.0, 378.0), ("H100", 989.0, 494.0), ("H200", 989.0, 494.0), ("GH200", 989.0, 494.0),
+    ("B200", 2250.0, 1100.0), ("A100", 312.0, 156.0), ("L40S", 362.0, 183.0), ("L4", 121.0, 60.0),
+    ("A6000", 155.0, 77.4), ("RTX 4090", 165.0, 82.6), ("RTX 3090", 71.0, 35.6), ("V100", 125.0, 15.7),
+    ("T4", 65.0, 8.1),
+)  # fmt: skip
+
+
+def peak_flops(device: torch.device, precision: str | None) -> float | None:
+    """The device's peak FLOP/s for the run's precision, or None where it is not known (every CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, half, single in GPU_PEAK_TFLOPS:
+        if key in name:
+            return (single if precision in (None, "fp32") else half) * 1e12
+    return None
+
+
+def flops_per_token(n_params: int, n_layer: int = 0, d_model: int = 0, seq_len: int = 0) -> float:
+    """Training FLOPs per token: 6N for the matmuls forward and backward, plus 12 L d T for attention (PaLM)."""
+    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def _flops_from_run_config(run_dir: Path) -> float | None:
+    """Model FLOPs per token from the run's config.yaml, the model built on the meta device (no memory)."""
+    raw = _run_config(run_dir)
+    if not raw:
+        return None
+    from zoff.config import config_from_dict
+    from zoff.models import build_model
+
+    cfg = config_from_dict(raw)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    hf = getattr(model, "config", None)
+    layers = getattr(hf, "num_hidden_layers", None) or cfg.model.n_layer
+    width = getattr(hf, "hidden_size", None) or cfg.model.d_model
+    return flops_per_token(n, layers, width, cfg.data.seq_len)
+
+
+def _run_config(run_dir: Path) -> dict:
+    import yaml
+
+    path = run_dir / "config.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except yaml.YAMLError:
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _tensorboard_writer(run_dir: Path, start_step: int):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from zoff.errors import UserError
+
+        raise UserError(
+            "log.tensorboard: needs the tensorboard package: pip install zoff[tensorboard]"
+        ) from None
+    # A resumed run re-runs the steps after its checkpoint: purge_step drops their old events.
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+
+def _current_device() -> torch.device:
+    if torch.cuda.is_available():  # the launcher has set this rank's device
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -90,6 +90,10 @@ def plot_runs(run_dirs: list[Path], out: Path) -> dict[str, RunSeries]:
 
 
 def _labels(dirs: list[Path]) -> list[str]:
-    """Run folder names, with their parent folder where two runs share a name."""
+    """Run folder names, with their parent folder where two runs share a name, numbered if still equal."""
     names = [d.resolve().name for d in dirs]
-    return [f"{d.resolve().parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(dirs, names)]
+    labels = [f"{d.resolve().parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(dirs, names)]
+    return [
+        f"{lab} #{labels[:i].count(lab) + 1}" if labels.count(lab) > 1 else lab
+        for i, lab in enumerate(labels)
+    ]

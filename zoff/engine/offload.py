@@ -58,6 +58,16 @@ class OffloadAdam:
         # Gradients: the device shard is read directly when it already is in host memory and nothing will
         # overwrite it while the step runs (DPU's next backward would).
         self.copy_grads = not on_host or self.delay
+        # 16-bit training with host-resident shards and no DPU: the kernel writes the new 16-bit parameters
+        # straight into the live shards in the same pass (saves the separate fp32 -> 16-bit copy, ~30-50%).
+        self.out16 = None
+        if (
+            on_host
+            and not self.delay
+            and not alias_masters
+            and shard_params[0].dtype in (torch.bfloat16, torch.float16)
+        ):
+            self.out16 = list(shard_params)
         self.host_grads: list[torch.Tensor | None] = [None] * len(self.masters)
         self.step_count = 0
         self._thread: threading.Thread | None = None
@@ -106,6 +116,7 @@ class OffloadAdam:
     def _update(self, grads: list[torch.Tensor], lr: float, step: int) -> None:
         c = self.cfg
         for i, runs in enumerate(self.runs):
+            out = self.out16[i] if self.out16 is not None else None
             for a, b, decay in runs:
                 if b <= a:
                     continue
@@ -113,7 +124,7 @@ class OffloadAdam:
                     self.masters[i][a:b], grads[i][a:b], self.exp_avg[i][a:b], self.exp_avg_sq[i][a:b],
                     step=step, lr=lr, beta1=c.betas[0], beta2=c.betas[1], eps=c.eps,
                     weight_decay=c.weight_decay if decay else 0.0, adamw_mode=c.name == "adamw",
-                    threads=self.threads,
+                    threads=self.threads, out16=None if out is None else out[a:b],
                 )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ state

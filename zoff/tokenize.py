@@ -191,8 +191,9 @@ def cached_corpus(
 def _build(
     entry: Path, tok: Tokenizer, docs: Iterable[tuple[bool, str | bytes]], val_fraction: float, what: str
 ) -> None:
+    for stale in entry.parent.glob(f".tmp-{entry.name}-*"):  # a build that crashed; we hold the key's lock
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = entry.with_name(f".tmp-{entry.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     t0 = time.perf_counter()
     eos = np.asarray([tok.eos_id], dtype=tok.dtype)

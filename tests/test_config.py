@@ -314,7 +314,7 @@ def test_yaml_string_3e_minus_4_is_accepted_as_a_float(tmp_path):
         ({"train": {"precision": "fp8"}}, "train.precision: expected one of fp32, bf16, fp16, got 'fp8'"),
         (
             {"data": {"name": "synthetc"}},
-            "data.name: expected one of stdlib-source, text, synthetic, got 'synthetc' (did you mean 'synthetic'?)",
+            "data.name: expected one of stdlib-source, text, synthetic, jsonl, parquet, hf, got 'synthetc' (did you mean 'synthetic'?)",
         ),
         (
             {"zero": {"overlap_comm": "yes please"}},
@@ -437,6 +437,7 @@ def test_dump_has_every_section_fully_resolved():
     assert list(d) == [f.name for f in dataclasses.fields(Config)]
     assert d["zero"] == {
         "recipe": "zero2-offload",
+        "auto": False,
         "stage": 2,
         "offload_optimizer": {
             "device": "cpu",

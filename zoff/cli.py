@@ -188,13 +188,19 @@ def _preflight(cfg: Config) -> None:
     """Catch what would otherwise fail inside every worker: the model factory and the data files."""
     import torch
 
-    from zoff.data import _expand
+    from zoff.data import preflight as preflight_data
     from zoff.models import build_model
 
     with torch.device("meta"):
         build_model(cfg.model)
-    if cfg.data.name == "text":
-        _expand(cfg.data.paths)
+    preflight_data(cfg.data)
+    if cfg.log.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError(
+                "log.tensorboard: needs the tensorboard package (pip install zoff[tensorboard])"
+            ) from None
 
 
 def _choose_policy(cfg: Config) -> Config:

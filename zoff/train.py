@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from zoff.checkpoint import Checkpointer
 from zoff.config import Config, ScheduleConfig, TrainConfig, derive_grad_accum, dump_yaml
-from zoff.data import GlobalBatches, load_corpus
+from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
-from zoff.metrics import MetricsWriter, rank_logger
+from zoff.metrics import MetricsWriter, flops_per_token, rank_logger
 from zoff.models import build_model
 from zoff.preempt import STOP, StopRequest
 from zoff.schedule import lr_at
@@ -55,6 +55,8 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     )
     accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
     corpus = load_corpus(cfg.data, cfg.train.seed)
+    if cfg.model.name == "gpt":  # hf: models check their own embedding size; factories are the user's
+        check_vocab(corpus, cfg.model.vocab_size)
     batches = GlobalBatches(
         corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
     )
@@ -78,7 +80,12 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     writer = None
     if s.comm.rank == 0:
         print("\n".join(plan), flush=True)
-        writer = MetricsWriter(run_dir, cfg.train.max_steps, start, cfg.log.progress, log)
+        n = s.engine.plan.numel
+        fpt = flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.data.seq_len)
+        writer = MetricsWriter(
+            run_dir, cfg.train.max_steps, start, cfg.log.progress, log,
+            tensorboard=cfg.log.tensorboard, flops_per_token=fpt, device=device,
+        )  # fmt: skip
         if state is not None:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             writer.event("resume", start, checkpoint=str(ckpt.dir), restart=restart, world_size=s.comm.world)

@@ -1,0 +1,637 @@
+"""Fault tolerance with real processes on loopback: `python -m zoff train configs/tiny.yaml` agents.
+
+1. Kill: SIGKILL a worker twice in a 2-rank run with --max-restarts 3; it resumes by itself each time and ends
+   bit-identical to an uninterrupted run (losses, final checkpoint tensors, converted weights).
+2. Shrinking restart: two agents (--nnodes 1:2, 2 ranks each) form a 4-rank job; one agent is killed for
+   good; the survivor re-forms a 2-rank job from the last checkpoint with twice the gradient accumulation.
+3. Preemption: SIGTERM (exit 143), then SIGINT (exit 130) to the launcher; each leaves a checkpoint at the
+   step reached and prints the resume command, which continues to the uninterrupted run's losses.
+4. Timeout: SIGSTOP one rank; the other names the collective and the stopped rank within launch.timeout_s.
+5. Multi-node on loopback: two agents --nnodes 2 --node-rank 0/1 form one 2-rank job.
+
+Only processes these tests start are ever signalled: each agent runs in its own session (process group),
+its workers are found by walking the process tree down from the agent's pid, and a worker's rank is read
+from the `logs/rank<r>.log` file it holds open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zoff.convert import convert
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+# One rank thread everywhere: the same arithmetic whatever the ranks per node, and no oversubscription.
+COMMON = ("zero=zero2", "launch.threads_per_rank=1", "train.log_every=1")
+STEPS = 300
+KILL_CFG = (*COMMON, f"train.max_steps={STEPS}", "checkpoint.every_steps=5")
+RNG = random.Random(7)
+
+
+# ------------------------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# torch >= 2.5 shares the rendezvous TCPStore with the workers and keeps it across elastic restarts, without
+# a per-attempt key prefix (pytorch/pytorch#135712): a restarted rank can read its peer's previous gloo
+# address and fail or hang in init_process_group. zoff's launch.py does not opt out yet (reported); the
+# restart tests opt out the way the README tells users to, so that they test zoff and not that race.
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _env(extra: dict | None = None) -> dict:
+    drop = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    drop += tuple(RESTART_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("ZOFF_TEST_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return {**env, **(extra or {})}
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, command line) of every process, from /proc (read-only)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])  # fields after "(comm)": state, ppid, ...
+        table[int(entry)] = (ppid, cmd.strip())
+    return table
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid` (children, grandchildren, ...) with its command line."""
+    table = _process_table()
+    kids: dict[int, list[int]] = {}
+    for p, (pp, _) in table.items():
+        kids.setdefault(pp, []).append(p)
+    out, todo = {}, [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out[c] = table[c][1]
+            todo.append(c)
+    return out
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[3])  # state, ppid, pgrp, session
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def rank_of(pid: int, run_dir: Path) -> int | None:
+    """The global rank of a worker: the logs/rank<r>.log of `run_dir` it has open (None before it opens it)."""
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            m = re.fullmatch(re.escape(str(run_dir / "logs")) + r"/rank(\d+)\.log", target)
+            if m:
+                return int(m.group(1))
+    except OSError:
+        pass
+    return None
+
+
+class Agent:
+    """One `zoff train` launcher in its own session; stdout/stderr go to files (no pipe can fill up)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *args: str,
+        name: str = "agent",
+        argv: list[str] | None = None,
+        env: dict | None = None,
+    ):
+        """`zoff train configs/tiny.yaml ARGS --run-dir RUN_DIR`, or `argv` (a printed `zoff ...` command)."""
+        self.run_dir = run_dir
+        out_dir = run_dir.parent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_path = out_dir / f"{name}.stdout"
+        self.err_path = out_dir / f"{name}.stderr"
+        if argv is None:
+            argv = ["zoff", "train", str(TINY), *args, "--run-dir", str(run_dir)]
+        assert argv[0] == "zoff", argv
+        self.argv = [sys.executable, "-m", *argv]
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=REPO, env=_env(env), stdout=out, stderr=err, start_new_session=True
+            )
+        self.pid = self.proc.pid
+        self.seen: set[int] = set()  # every pid found below the agent
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def workers(self) -> dict[int, int]:
+        """rank -> pid of this agent's live workers that have opened their rank log."""
+        out = {}
+        below = descendants(self.pid)
+        self.seen.update(below)
+        for pid, cmd in below.items():
+            if "spawn_main" in cmd:
+                r = rank_of(pid, self.run_dir)
+                if r is not None:
+                    out[r] = pid
+        return out
+
+    def wait_workers(self, n: int, timeout: float = 120, exclude: set[int] = frozenset()) -> dict[int, int]:
+        """Wait until `n` workers (none of the pids in `exclude`) have their rank; return rank -> pid."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            w = {r: p for r, p in self.workers().items() if p not in exclude}
+            if len(w) >= n:
+                return w
+            self.check_running()
+            time.sleep(0.1)
+        raise AssertionError(f"{n} workers did not start within {timeout}s\n{self.report()}")
+
+    def check_running(self) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"agent exited early ({self.proc.returncode})\n{self.report()}")
+
+    def wait(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent did not finish within {timeout}s\n{self.report()}") from None
+
+    def ok(self, timeout: float = 240, failures: bool = False) -> Agent:
+        """Exit 0; without `failures` (workers the test killed, which torch logs with tracebacks), no traceback."""
+        code = self.wait(timeout)
+        assert code == 0, f"exit {code}\n{self.report()}"
+        assert failures or "Traceback" not in self.stderr, self.report()
+        return self
+
+    def report(self) -> str:
+        return (
+            f"--- {' '.join(self.argv)}\n--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-6000:]}"
+        )
+
+    def cleanup(self) -> None:
+        """SIGCONT then SIGKILL whatever is left of this agent's session (the agent, its workers, their helpers).
+
+        Members are the processes whose session id is the agent's pid (start_new_session made it a session
+        leader). While the agent is not reaped its pid cannot be reused, so that set is exactly ours; after
+        that only pids seen under the agent and still in its session are signalled.
+        """
+        if self.proc.returncode is None:  # running, or a zombie whose pid is still held
+            members = {p for p in _process_table() if _sid(p) == self.pid}
+        else:
+            members = {p for p in self.seen if _sid(p) == self.pid}
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            for p in members:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture
+def agents():
+    """Collects the agents a test starts and kills whatever is left of them afterwards."""
+    started: list[Agent] = []
+
+    def start(*args, **kw) -> Agent:
+        a = Agent(*args, **kw)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.cleanup()
+
+
+# -------------------------------------------------------------------------------------------- metrics
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's complete lines (a line being written is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    steps = [r for r in records(run_dir) if "loss" in r and "event" not in r]
+    assert len({r["step"] for r in steps}) == len(steps), "a step is logged twice"
+    return {r["step"]: r["loss"] for r in steps}
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    return [r for r in records(run_dir) if r.get("event") == kind]
+
+
+def last_step(run_dir: Path) -> int:
+    steps = [r["step"] for r in records(run_dir) if "loss" in r]
+    return steps[-1] if steps else 0
+
+
+def wait_for(pred, what: str, agent: Agent | None = None, timeout: float = 120, every: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        if agent is not None:
+            agent.check_running()
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{agent.report()}" if agent else ""))
+
+
+def checkpoint_steps(ckpt_dir: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in ckpt_dir.glob("step_*") if (p / "manifest.json").is_file())
+
+
+def final_tensors(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint at `step`: every shard's masters and Adam moments, and `extra`."""
+    ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        if f.name.startswith(("shard_", "extra")):
+            out.update({f"{f.name}:{k}": v for k, v in load_file(f).items()})
+    return out
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), f"{k} differs (max |diff| {(a[k] - b[k]).abs().max().item()})"
+
+
+class Reference:
+    """The uninterrupted 2-rank run (one agent, 2 ranks) the kill, preemption and multi-node runs must equal.
+
+    It starts when first requested and runs alongside the scenario that requested it (whose restarts and
+    shutdowns leave the cores idle for seconds); `path()` waits for it.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.agent, self.done = run_dir, Agent(run_dir, *KILL_CFG, name="ref2"), False
+
+    def path(self) -> Path:
+        if not self.done:
+            self.agent.ok(timeout=400)
+            assert sorted(losses(self.run_dir)) == list(range(1, STEPS + 1))
+            self.done = True
+        return self.run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref = Reference(tmp_path_factory.mktemp("ref2") / "run")
+    yield ref
+    ref.agent.cleanup()
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+def test_sigkill_a_worker_twice_and_the_run_resumes_by_itself_bit_identically(agents, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    a = agents(run_dir, *KILL_CFG, "--max-restarts", "3", env=RESTART_ENV)
+    first_kill = RNG.randint(8, 60)  # a checkpoint (every 5 steps) exists after step 7
+    w = a.wait_workers(2)
+    wait_for(lambda: last_step(run_dir) >= first_kill, f"step {first_kill}", a)
+    os.kill(w[1], signal.SIGKILL)
+    killed_at = [last_step(run_dir)]
+
+    # The group restarts by itself and resumes from the latest checkpoint (restart 1).
+    wait_for(lambda: events(run_dir, "resume"), "the first resume event", a)
+    resumed = events(run_dir, "resume")[0]["step"]
+    second_kill = resumed + RNG.randint(8, 40)  # past at least one more checkpoint
+    w2 = a.wait_workers(2, exclude=set(w.values()))
+    wait_for(lambda: last_step(run_dir) >= second_kill, f"step {second_kill}", a)
+    assert second_kill < STEPS - 5, "the run is too short for a second kill: raise STEPS"
+    os.kill(w2[0], signal.SIGKILL)  # rank 0 this time: the one writing metrics.jsonl
+    killed_at.append(last_step(run_dir))
+
+    a.ok(failures=True)
+    ref = reference.path()
+    got, want = losses(run_dir), losses(ref)
+    assert sorted(got) == list(range(1, STEPS + 1)), "every step logged exactly once"
+    assert [got[s] for s in range(STEPS - 9, STEPS + 1)] == [want[s] for s in range(STEPS - 9, STEPS + 1)]
+    assert got == want  # in fact every loss, bit for bit
+    resumes = events(run_dir, "resume")
+    assert [r["restart"] for r in resumes] == [1, 2], resumes
+    assert all(r["world_size"] == 2 for r in resumes)
+    for r, k in zip(resumes, killed_at):
+        assert r["step"] % 5 == 0 and 5 <= r["step"] <= k, (resumes, killed_at)
+    # Final parameters: every tensor of the final checkpoint, and the converted state dict.
+    assert_bit_identical(final_tensors(run_dir, STEPS), final_tensors(ref, STEPS))
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    convert(run_dir / "checkpoints", ours)
+    convert(ref / "checkpoints", theirs)
+    assert_bit_identical(load_file(ours), load_file(theirs))
+
+
+def _listening(port: int) -> bool:
+    """Someone listens on 127.0.0.1:port / 0.0.0.0:port (read from /proc/net/tcp*, no connection made)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def test_shrinking_restart_continues_on_two_ranks_with_doubled_accumulation(agents, tmp_path):
+    steps = 120
+    cfg = (*COMMON, f"train.max_steps={steps}", "checkpoint.every_steps=10", "train.global_batch_size=16")
+    ref_dir = tmp_path / "ref4" / "run"
+
+    run_dir = tmp_path / "elastic" / "run"
+    port = free_port()
+    flags = ("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    survivor = agents(run_dir, *cfg, *flags, "--max-restarts", "1", name="agent-a", env=RESTART_ENV)
+    # The first agent hosts the rendezvous store (as the node at --rdzv-endpoint does on a cluster).
+    wait_for(lambda: _listening(port), "the rendezvous store", survivor)
+    doomed = agents(run_dir, *cfg, *flags, "--max-restarts", "1", name="agent-b", env=RESTART_ENV)
+
+    workers = {**survivor.wait_workers(2, timeout=180), **doomed.wait_workers(2, timeout=180)}
+    assert sorted(workers) == [0, 1, 2, 3], workers
+    kill_after = RNG.randint(12, 40)
+    wait_for(lambda: last_step(run_dir) >= kill_after, f"step {kill_after}", survivor)
+    os.killpg(doomed.pid, signal.SIGKILL)  # the whole agent with its workers, for good
+    killed_at = last_step(run_dir)
+    started = time.monotonic()
+    # The uninterrupted 4-rank run (one agent): it runs while the survivor's rendezvous waits out the dead
+    # node's heartbeats and its last call, which leaves the cores idle.
+    ref = agents(ref_dir, *cfg, "--nproc-per-node", "4", name="ref4")
+    wait_for(lambda: events(run_dir, "resume"), "the 2-rank resume", survivor, timeout=180)
+    reform_s = time.monotonic() - started
+    survivor.ok(timeout=300, failures=True)
+    ref.ok(timeout=300)
+
+    (resume,) = events(run_dir, "resume")
+    assert resume["world_size"] == 2 and resume["restart"] == 1, resume
+    assert resume["step"] % 10 == 0 and 10 <= resume["step"] <= killed_at, (resume, killed_at)
+    text = survivor.stdout + (run_dir / "logs" / "rank0.log").read_text()
+    assert "4 x 1 accum x 4 ranks = 16 sequences" in text, text[-3000:]
+    assert "4 x 2 accum x 2 ranks = 16 sequences" in text, text[-3000:]
+    got, want = losses(run_dir), losses(ref_dir)
+    assert sorted(got) == list(range(1, steps + 1))
+    for s in range(1, steps + 1):
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s], resume)
+    print(
+        f"shrinking restart: killed after step {killed_at}, resumed at {resume['step']} on 2 ranks "
+        f"{reform_s:.1f}s later"
+    )
+
+
+def _resume_command(stderr: str) -> list[str]:
+    m = re.search(r"continue with:\n\s*(zoff train .*)", stderr)
+    assert m, stderr
+    return shlex.split(m.group(1))
+
+
+# The preempted workers return after their checkpoint but then wait in torch's worker wrapper for the agent to
+# collect their return value, which its shutdown path never does: the agent SIGKILLs them only after
+# launch.shutdown_timeout_s (300 s by default). The scenario shortens that wait so that it runs in
+# reasonable time; test_a_preempted_launcher_exits_soon_after_the_checkpoint holds the bug.
+PREEMPT_SHUTDOWN_S = 15
+
+
+@pytest.fixture(scope="module")
+def preemption(tmp_path_factory, reference) -> dict:
+    """SIGTERM the launcher at step >= 40, rerun the printed command, SIGINT it at step >= 150, rerun it again.
+
+    The first run also passes launch flags (--nproc-per-node, --max-restarts) that a resume must keep.
+    """
+    run_dir = tmp_path_factory.mktemp("preempt") / "run"
+    # No periodic checkpoints: the only ones are the stops'.
+    cfg = (*COMMON, f"train.max_steps={STEPS}", f"launch.shutdown_timeout_s={PREEMPT_SHUTDOWN_S}")
+    out: dict = {"run_dir": run_dir, "stops": []}
+    started: list[Agent] = []
+    try:
+        argv = None
+        for sig, at in ((signal.SIGTERM, 40), (signal.SIGINT, 150)):
+            name = f"stop{len(started)}"
+            if argv is None:
+                a = Agent(run_dir, *cfg, "--nproc-per-node", "2", "--max-restarts", "1", name=name)
+            else:
+                a = Agent(run_dir, argv=argv, name=name)
+            started.append(a)
+            a.wait_workers(2)
+            wait_for(lambda at=at: last_step(run_dir) >= at, f"step {at}", a)
+            os.kill(a.pid, sig)  # the launcher only, as a scheduler's SIGTERM or a Ctrl-C (SIGINT) reaches it
+            n_stops = len(out["stops"])
+            wait_for(
+                lambda n=n_stops: len(events(run_dir, "preempted")) > n, "the preempted event", timeout=120
+            )
+            checkpointed = time.monotonic()
+            code = a.wait(timeout=PREEMPT_SHUTDOWN_S + 120)
+            stop = events(run_dir, "preempted")[-1]
+            out["stops"].append(
+                {
+                    "signal": sig,
+                    "asked_at": at,
+                    "code": code,
+                    "exit_after_checkpoint_s": time.monotonic() - checkpointed,
+                    "event": stop,
+                    "checkpoints": checkpoint_steps(run_dir / "checkpoints"),
+                    "latest": (run_dir / "checkpoints" / "latest").read_text().strip(),
+                    "last_step": last_step(run_dir),
+                    "stderr": a.stderr,
+                    "report": a.report(),
+                }
+            )
+            argv = _resume_command(a.stderr)
+        final = Agent(run_dir, argv=argv, name="final")
+        started.append(final)
+        final.ok()
+        out["final"] = final
+    finally:
+        for a in started:
+            a.cleanup()
+    return out
+
+
+def test_sigterm_then_sigint_checkpoint_and_the_printed_command_resumes(preemption, reference):
+    run_dir = preemption["run_dir"]
+    for stop, (sig, code) in zip(preemption["stops"], ((signal.SIGTERM, 143), (signal.SIGINT, 130))):
+        assert stop["signal"] == sig
+        assert stop["code"] == code, f"{sig!r}: exit {stop['code']}\n{stop['report']}"
+        assert "Traceback" not in stop["stderr"], stop["report"]
+        step = stop["event"]["step"]
+        assert step >= stop["asked_at"]
+        # The checkpoint is at the step reached, it is the latest, and nothing was logged after it.
+        assert stop["checkpoints"][-1] == step and stop["latest"] == f"step_{step:08d}", stop
+        assert stop["last_step"] == step
+        m = re.search(
+            r"zoff: stopped by signal (\d+) after checkpointing; continue with:\n  zoff train ",
+            stop["stderr"],
+        )
+        assert m and int(m.group(1)) == sig, stop["stderr"]
+        argv = _resume_command(stop["stderr"])
+        assert argv[-2:] == ["--resume", "auto"] and f"--run-dir {run_dir}" in " ".join(argv), argv
+    ref = reference.path()
+    got, want = losses(run_dir), losses(ref)
+    assert sorted(got) == list(range(1, STEPS + 1)), "every step logged exactly once"
+    assert got == want  # bit for bit, across both stops
+    stops = [s["event"]["step"] for s in preemption["stops"]]
+    assert [e["step"] for e in events(run_dir, "resume")] == stops
+    assert_bit_identical(final_tensors(run_dir, STEPS), final_tensors(ref, STEPS))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="zoff/launch.py worker(): after a preempted stop the worker returns normally and then blocks in "
+    "torch's _wrap on queue_finished_reading_event, which the agent's shutdown path never sets; the launcher "
+    "SIGKILLs it only after launch.shutdown_timeout_s (300 s by default)",
+)
+def test_a_preempted_launcher_exits_soon_after_the_checkpoint(preemption):
+    waits = [round(s["exit_after_checkpoint_s"], 1) for s in preemption["stops"]]
+    assert all(w < PREEMPT_SHUTDOWN_S / 2 for w in waits), f"exit {waits} s after the checkpoint"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="zoff/cli.py train(): the printed resume command keeps the config and overrides but drops the "
+    "launch flags (--nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint, --max-restarts)",
+)
+def test_the_printed_resume_command_keeps_the_launch_flags(preemption):
+    argv = _resume_command(preemption["stops"][0]["stderr"])
+    text = " ".join(argv)
+    assert "--nproc-per-node 2" in text and "--max-restarts 1" in text, text
+
+
+def test_a_stopped_rank_makes_the_other_fail_naming_the_collective_within_the_timeout(agents, tmp_path):
+    run_dir = tmp_path / "run"
+    timeout_s = 5
+    a = agents(run_dir, *COMMON, "train.max_steps=100000", f"launch.timeout_s={timeout_s}")
+    w = a.wait_workers(2)
+    wait_for(lambda: last_step(run_dir) >= 5, "step 5", a)
+    stopped = 1
+    os.kill(w[stopped], signal.SIGSTOP)
+    t0 = time.monotonic()
+    pattern = re.compile(
+        r"CollectiveError: (all_reduce|reduce_scatter|all_gather|broadcast) failed on rank 0 of 2 within the "
+        rf"{timeout_s}s timeout; rank\(s\) not answering: {stopped}\b"
+    )
+
+    def found() -> str | None:
+        texts = [a.stderr, a.stdout]
+        for f in run_dir.glob("logs/**/*"):
+            if f.is_file():
+                texts.append(f.read_text(errors="replace"))
+        return next((m.group(0) for t in texts if (m := pattern.search(t))), None)
+
+    msg = wait_for(found, "the CollectiveError", timeout=timeout_s + 60, every=0.1)
+    elapsed = time.monotonic() - t0
+    assert elapsed < timeout_s + 15, f"{elapsed:.1f}s: {msg}"
+    # Rank 0 raises and exits; the agent then stops the (still stopped) rank 1: let it go, then kill it.
+    wait_for(lambda: not alive(w[0]), "rank 0 to exit", timeout=60, every=0.1)
+    os.kill(w[stopped], signal.SIGCONT)
+    os.kill(w[stopped], signal.SIGKILL)
+    code = a.wait(timeout=120)
+    assert code != 0, a.report()
+    err = a.stderr
+    assert "zoff: training failed: rank 0 failed" in err, err
+    assert pattern.search(err.split("zoff: training failed:")[1]), err
+    print(f"timeout: '{msg}' {elapsed:.1f}s after SIGSTOP")
+
+
+def test_two_agents_with_nnodes_2_form_one_job_equal_to_a_single_agent(agents, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    both = []
+    for node in (0, 1):
+        flags = ("--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}")
+        both.append(agents(run_dir, *KILL_CFG, *flags, "--nproc-per-node", "1", name=f"node{node}"))
+        if node == 0:
+            wait_for(lambda: _listening(port), "the rendezvous store", both[0])
+    for a in both:
+        a.ok()
+    assert "world size 2" in both[0].stdout + both[1].stdout
+    ref = reference.path()
+    assert losses(run_dir) == losses(ref)
+    assert_bit_identical(final_tensors(run_dir, STEPS), final_tensors(ref, STEPS))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="zoff/cli.py _make_run_dir(): every agent writes and then unlinks the same "
+    "<run_dir>/.zoff-write-probe; agents started together on a shared run directory (srun) interleave, "
+    "and the later unlink fails -> 'zoff: error: --run-dir: cannot write'; use a per-process probe name",
+)
+def test_agents_starting_together_can_share_a_run_directory(tmp_path, monkeypatch):
+    from zoff import cli
+
+    run_dir = tmp_path / "run"
+    real_write = Path.write_text
+    other = (
+        "import sys; from pathlib import Path; from zoff.cli import _make_run_dir; "
+        "_make_run_dir(Path(sys.argv[1]), Path('tiny.yaml'))"
+    )
+
+    def write_text(self, *args, **kwargs):
+        out = real_write(self, *args, **kwargs)
+        if self.parent == run_dir and self.name.startswith(".zoff"):
+            # The other node's agent probes the same directory between this agent's write and unlink.
+            subprocess.run([sys.executable, "-c", other, str(run_dir)], cwd=REPO, env=_env(), check=True)
+        return out
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    assert cli._make_run_dir(run_dir, TINY) == run_dir

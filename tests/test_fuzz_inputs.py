@@ -401,13 +401,13 @@ def test_every_failing_config_message_names_a_key_or_the_file(config_outcomes):
         assert any(w in msg for w in where) or msg.startswith(("unknown key", "config:")), (o["name"], msg)
 
 
-# Minimal reproductions of the zoff bugs the fuzzing found (config.py); strict: they fail until fixed.
+# Minimal reproductions of the zoff bugs the fuzzing found (config.py, schema.py); strict: they fail until fixed.
 
 
 @pytest.mark.xfail(
     strict=True,
     raises=OverflowError,
-    reason="zoff/config.py _coerce(): `float(_as_number(...))` raises OverflowError for an integer beyond "
+    reason="zoff/schema.py _coerce(): `float(_as_number(...))` raises OverflowError for an integer beyond "
     "float range (e.g. optim.lr: 1 followed by 400 zeros); _as_number should reject it as not finite",
 )
 @pytest.mark.parametrize("how", ["yaml", "override"])
@@ -447,7 +447,8 @@ def test_pathologically_nested_yaml_is_a_user_error(tmp_path, text):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="zoff/config.py _build()/_check_path_exists() put key names in messages as is: a key with a "
+    reason="zoff/schema.py build() and zoff/config.py _check_path_exists() put key names in messages as "
+    "is: a key with a "
     "newline (YAML \"a\\nb\": 1, or override 'a\\nb=1') makes a two-line error; quote keys with !r",
 )
 @pytest.mark.parametrize("how", ["yaml", "override"])
@@ -535,7 +536,7 @@ def test_bad_train_flags_are_one_line_errors_without_starting(tmp_path):
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="zoff/config.py does not validate launch.rdzv_endpoint: --rdzv-endpoint 127.0.0.1:notaport passes "
+    reason="zoff/config.py/schema.py do not validate launch.rdzv_endpoint: --rdzv-endpoint 127.0.0.1:notaport passes "
     "validation, creates the run directory and dies in torch's parse_rendezvous_endpoint with a traceback "
     "(exit 1); _check_cross_section should require HOST:PORT with an integer port in [0, 65535]",
 )

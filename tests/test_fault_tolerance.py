@@ -535,22 +535,11 @@ def test_sigterm_then_sigint_checkpoint_and_the_printed_command_resumes(preempti
     assert_bit_identical(final_tensors(run_dir, STEPS), final_tensors(ref, STEPS))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zoff/launch.py worker(): after a preempted stop the worker returns normally and then blocks in "
-    "torch's _wrap on queue_finished_reading_event, which the agent's shutdown path never sets; the launcher "
-    "SIGKILLs it only after launch.shutdown_timeout_s (300 s by default)",
-)
 def test_a_preempted_launcher_exits_soon_after_the_checkpoint(preemption):
     waits = [round(s["exit_after_checkpoint_s"], 1) for s in preemption["stops"]]
     assert all(w < PREEMPT_SHUTDOWN_S / 2 for w in waits), f"exit {waits} s after the checkpoint"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zoff/cli.py train(): the printed resume command keeps the config and overrides but drops the "
-    "launch flags (--nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint, --max-restarts)",
-)
 def test_the_printed_resume_command_keeps_the_launch_flags(preemption):
     argv = _resume_command(preemption["stops"][0]["stderr"])
     text = " ".join(argv)
@@ -610,12 +599,6 @@ def test_two_agents_with_nnodes_2_form_one_job_equal_to_a_single_agent(agents, r
     assert_bit_identical(final_tensors(run_dir, STEPS), final_tensors(ref, STEPS))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zoff/cli.py _make_run_dir(): every agent writes and then unlinks the same "
-    "<run_dir>/.zoff-write-probe; agents started together on a shared run directory (srun) interleave, "
-    "and the later unlink fails -> 'zoff: error: --run-dir: cannot write'; use a per-process probe name",
-)
 def test_agents_starting_together_can_share_a_run_directory(tmp_path, monkeypatch):
     from zoff import cli
 

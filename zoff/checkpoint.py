@@ -188,6 +188,9 @@ def read_manifest(path: Path, verify: bool = True) -> dict:
         raise UserError(f"{mf}: corrupted manifest ({e})") from None
     if not isinstance(manifest, dict) or "format_version" not in manifest or "files" not in manifest:
         raise UserError(f"{mf}: not a zoff checkpoint manifest")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{mf}: corrupted manifest ({problem})")
     if manifest["format_version"] > FORMAT_VERSION:
         raise UserError(
             f"{mf}: format version {manifest['format_version']} is newer than this zoff reads ({FORMAT_VERSION})"
@@ -196,6 +199,45 @@ def read_manifest(path: Path, verify: bool = True) -> dict:
         for name, meta in manifest["files"].items():
             verify_file(path / name, meta)
     return manifest
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is structurally wrong with a manifest (None if nothing): checked once, so readers can trust it."""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if not is_int(m.get("format_version")):
+        return "format_version is not a whole number"
+    for k in ("step", "world_size", "partitions", "optimizer_step"):
+        if not is_int(m.get(k)):
+            return f"'{k}' is missing or not a whole number"
+    files = m.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and is_int(v.get("bytes")) and isinstance(v.get("sha256"), str)
+        for v in files.values()
+    ):
+        return "'files' must map file names to their bytes and sha256"
+    if not isinstance(m.get("scaler"), dict) or not isinstance(m.get("trainer"), dict):
+        return "'scaler' or 'trainer' is missing"
+    params = m.get("params")
+    if not isinstance(params, list):
+        return "'params' is missing"
+    for p in params:
+        ok = (
+            isinstance(p, dict)
+            and isinstance(p.get("names"), list) and p["names"] and all(isinstance(n, str) for n in p["names"])
+            and isinstance(p.get("shape"), list) and all(is_int(d) for d in p["shape"])
+            and isinstance(p.get("pieces"), list)
+            and all(
+                isinstance(q, dict) and q.get("file") in files
+                and all(is_int(q.get(k)) for k in ("unit", "start", "length", "param_start"))
+                for q in p["pieces"]
+            )
+        )  # fmt: skip
+        if not ok:
+            return f"entry {str(p)[:60]!r} of 'params' is malformed"
+    keys = m.get("state_dict_keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return "'state_dict_keys' must be a list of names"
+    return None
 
 
 def verify_file(path: Path, meta: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,9 +65,7 @@ def train(
         print(f"zoff: training failed: {e}\nzoff: per-rank logs are in {out / 'logs'}", file=sys.stderr)
         raise typer.Exit(1) from None
     except Preempted as e:
-        again = f"zoff train {config} {' '.join(overrides or [])} --run-dir {out} --resume auto".replace(
-            "  ", " "
-        )
+        again = _resume_command(out)
         print(
             f"zoff: stopped by signal {e.signal} after checkpointing; continue with:\n  {again}",
             file=sys.stderr,
@@ -230,6 +229,24 @@ def _choose_policy(cfg: Config) -> Config:
     return dataclasses.replace(cfg, zero=zero, train=train)
 
 
+def _resume_command(run_dir: Path) -> str:
+    """This very command line with --run-dir fixed and --resume auto: what continues the run."""
+    import shlex
+
+    args, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a in ("--resume", "--run-dir"):
+            skip = True
+            continue
+        if a.startswith(("--resume=", "--run-dir=")):
+            continue
+        args.append(a)
+    return shlex.join(["zoff", *args, "--run-dir", str(run_dir), "--resume", "auto"])
+
+
 def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> None:
     """Find and fully verify the checkpoint now: a bad one is a one-line error before any rank starts."""
     from zoff.checkpoint import find_checkpoint, read_manifest
@@ -255,7 +272,7 @@ def _make_run_dir(run_dir: str | Path | None, config: Path) -> Path:
     out = Path(run_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".zoff-write-probe"
+        probe = out / f".zoff-write-probe-{os.getpid()}"  # per process: agents may share a run dir
         probe.write_text("")
         probe.unlink()
     except OSError as e:

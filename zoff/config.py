@@ -190,7 +190,7 @@ def _read_yaml(path: Path) -> Any:
     if not path.is_file():
         raise UserError(f"{path}: config file not found")
     try:
-        return yaml.safe_load(path.read_text())
+        return _acyclic(yaml.safe_load(path.read_text()), str(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -198,6 +198,23 @@ def _read_yaml(path: Path) -> Any:
         raise UserError(f"{path}: YAML syntax error{where}: {problem}") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a text file (expected UTF-8 YAML)") from None
+    except RecursionError:
+        raise UserError(f"{path}: YAML nested too deeply") from None
+
+
+def _acyclic(obj: Any, where: str, depth: int = 0) -> Any:
+    """YAML aliases can make a mapping contain itself; such a config (or a 100-deep one) is refused."""
+    if depth > 100:
+        raise UserError(
+            f"{where}: YAML nested too deeply or refers to itself (an alias inside its own anchor)"
+        )
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _acyclic(v, where, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _acyclic(v, where, depth + 1)
+    return obj
 
 
 def list_recipes() -> list[str]:
@@ -214,7 +231,7 @@ def resolve_recipe(section: Any, key: str, _seen: tuple[str, ...] = ()) -> Any:
     if name in _seen:
         raise ConfigError(f"{key}.recipe: recipe cycle {' -> '.join(_seen + (name,))}")
     path = RECIPES_DIR / f"{name}.yaml"
-    if not path.is_file():
+    if name not in list_recipes():  # also keeps odd names (slashes, 300 characters) away from the filesystem
         hint = suggest(name, list_recipes())
         raise ConfigError(f"{key}: unknown recipe '{name}'{hint} (recipes are in {RECIPES_DIR})")
     base = _read_yaml(path)
@@ -299,6 +316,13 @@ def _check_cross_section(cfg: Config) -> None:
         len(parts) == 2 and int(parts[0]) > int(parts[1])
     ):
         raise ConfigError(f"launch.nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX, got {nn!r}")
+    ep = cfg.launch.rdzv_endpoint
+    if ep is not None:
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"launch.rdzv_endpoint: expected HOST:PORT with a port from 1 to 65535, got {ep!r}"
+            )
     for i, b in enumerate(cfg.optim.betas):
         if not 0.0 <= b < 1.0:
             raise ConfigError(f"optim.betas[{i}]: must be in [0, 1), got {b}")

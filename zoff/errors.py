@@ -4,6 +4,10 @@
 class UserError(Exception):
     """Bad input from the user (config, CLI argument, checkpoint). The message names the key or file."""
 
+    def __init__(self, message: object = "") -> None:
+        # Always one line, whatever it quotes (a key or a path with a newline in it).
+        super().__init__(str(message).replace("\r", "\\r").replace("\n", "\\n"))
+
 
 class ConfigError(UserError):
     """A config key is unknown, mistyped or out of range."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -61,6 +62,9 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         shutdown_timeout=lc.shutdown_timeout_s,  # on SIGTERM/SIGINT, ranks finish the step and checkpoint first
     )
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
+    # torch 2.13 reuses the rendezvous store across restarts without a per-attempt prefix, so a restarted
+    # rank can read the previous attempt's addresses and hang or be refused; a fresh store per attempt avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume)
     except SignalException as e:
@@ -114,3 +118,9 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
         raise SystemExit(f"zoff: error: {e}") from None
     finally:
         dist.destroy_process_group()
+    if STOP.requested:
+        # Checkpointed and done: leave now. torch's worker wrapper would otherwise wait for an event the
+        # agent's shutdown path never sets, until launch.shutdown_timeout_s runs out and it is killed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

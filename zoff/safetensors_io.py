@@ -33,6 +33,7 @@ class SafetensorsReader:
 
     def __init__(self, path: Path):
         self.path = path
+        self.fd = -1  # set first: __del__ runs even when the open below fails
         try:
             self.fd = os.open(path, os.O_RDONLY)
         except OSError as e:

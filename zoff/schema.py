@@ -100,8 +100,13 @@ def _as_number(value: Any, where: str, what: str) -> int | float:
             raise ConfigError(f"{where}: expected {what}, got {value!r}") from None
     if not isinstance(value, (int, float)):
         raise ConfigError(f"{where}: expected {what}, got {kind(value)}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ConfigError(f"{where}: expected a finite number, got {given!r}")
+    if (
+        value != value
+        or value in (float("inf"), float("-inf"))
+        or (isinstance(value, int) and abs(value) > 2**1000)
+    ):
+        shown = given if not isinstance(given, int) else f"{str(given)[:12]}... ({len(str(given))} digits)"
+        raise ConfigError(f"{where}: expected a finite number, got {shown!r}")
     return value
 
 

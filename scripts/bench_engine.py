@@ -27,6 +27,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -291,6 +292,12 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform()}
 
 
+def zoff_version() -> str:
+    """The commit measured (+ 'dirty' when zoff/ has uncommitted edits): the engine changes under benchmarks."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return git("rev-parse", "--short", "HEAD") + (" dirty" if git("status", "--porcelain", "zoff") else "")
+
+
 def load() -> str:
     """Other work shares this host; its load average says how noisy the absolute times are."""
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
@@ -308,7 +315,8 @@ def print_tables(result: dict) -> None:
     con.print(
         f"[bold]zoff engine benchmark[/]: GPT {psi / 1e6:.1f}M params, fp32, {WORLD} ranks over gloo, "
         f"{result['args']['threads']} thread(s)/rank; {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']}; "
-        f"load average (1/5/15 min) {result['loadavg_start']} at start, {result['loadavg_end']} at end"
+        f"zoff {result['zoff_commit']}; load average (1/5/15 min) {result['loadavg_start']} at start, "
+        f"{result['loadavg_end']} at end"
     )
     if t:
         tab = Table(
@@ -382,6 +390,7 @@ def main() -> None:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "params": psi,
         "loadavg_start": load(),
+        "zoff_commit": zoff_version(),
     }
     result["timing"] = result["memory"] = None
     if not args.skip_timing:

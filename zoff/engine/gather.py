@@ -114,12 +114,13 @@ class UnitGatherer:
         seq = self.order[::-1] if backward else self.order
         budget = self.prefetch_numel
         for nxt in seq[seq.index(u) + 1 :]:
-            if self.gathered[nxt]:
-                continue
+            # Units already held count against the window too, or each gather would reach another
+            # prefetch_bucket_size further and the gathered set would grow toward the whole model.
             budget -= self.plan.units[nxt].padded
             if budget < 0:
                 break
-            self._start(nxt)
+            if not self.gathered[nxt]:
+                self._start(nxt)
 
     def release(self, u: int) -> None:
         if not self.managed[u] or not self.gathered[u]:

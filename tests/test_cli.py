@@ -143,8 +143,6 @@ def test_resume_from_a_missing_checkpoint_fails_before_any_run_directory(tmp_pat
     assert not run.exists()
 
 
-
-
 def test_convert_of_a_missing_checkpoint(tmp_path):
     ckpt, out = tmp_path / "no-such-ckpt", tmp_path / "out.safetensors"
     assert_user_error(zoff("convert", ckpt, out), str(ckpt))

@@ -54,6 +54,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
+
+from benchlib import print_targets  # noqa: E402
 
 from tests.harness import spawn  # noqa: E402
 from zoff.checkpoint import load_checkpoint, save_checkpoint, step_dir_name  # noqa: E402
@@ -426,15 +429,7 @@ def print_tables(result: dict) -> None:
         )  # fmt: skip
     con.print(tab)
     con.print("  * sampled every 2 ms (RssAnon / RssFile); peak growth is the kernel's exact VmHWM")
-    tab = Table(title="targets (issue 5)")
-    for col in ("target", "value", "limit", "result"):
-        tab.add_column(col)
-    for row in result["targets"]:
-        style = {"PASS": "green", "MISS": "red"}.get(row["result"], "dim")
-        tab.add_row(
-            row["target"], f"{row['value']:.2f}", f"<= {row['limit']:.2f}", f"[{style}]{row['result']}"
-        )
-    con.print(tab)
+    print_targets(con, "targets (issue 5)", result["targets"])
 
 
 # -------------------------------------------------------------------------------------- main

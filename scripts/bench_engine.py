@@ -47,9 +47,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
+
+from benchlib import gpt_config, print_targets  # noqa: E402
 
 from tests.harness import spawn  # noqa: E402
-from zoff.config import Config, config_from_dict  # noqa: E402
+from zoff.config import Config  # noqa: E402
 from zoff.data import GlobalBatches, load_corpus  # noqa: E402
 from zoff.engine.partition import default_decay  # noqa: E402
 from zoff.models import build_model  # noqa: E402
@@ -68,20 +71,7 @@ def predicted_bytes_per_param(stage: int, n: int) -> float:
 
 # ------------------------------------------------------------------------------------------ variants
 def make_cfg(args: argparse.Namespace, stage: int = 0) -> Config:
-    return config_from_dict(
-        {
-            "model": {
-                "name": "gpt",
-                "n_layer": args.layers,
-                "n_head": max(1, args.d_model // 64),
-                "d_model": args.d_model,
-                "seq_len": args.seq_len,
-            },
-            "data": {"name": "synthetic", "seq_len": args.seq_len, "batch_size": args.batch},
-            "zero": {"stage": stage},
-            "train": {"grad_clip": 1.0, "precision": "fp32", "seed": 0},
-        }
-    )
+    return gpt_config(args, {"stage": stage}, {"grad_clip": 1.0, "precision": "fp32", "seed": 0})
 
 
 def make_batches(cfg: Config, rank: int, world: int) -> GlobalBatches:
@@ -347,15 +337,7 @@ def print_tables(result: dict) -> None:
             pred, saved = mk["predicted_model_state"] / MiB, mk["predicted_saving"] / MiB
             tab.add_row(k, cells[0], f"{pred:.0f}", *cells[1:], f"{saved:.0f}")
         con.print(tab)
-    tab = Table(title="targets (issue 3)")
-    for col in ("target", "measured", "limit", "result"):
-        tab.add_column(col)
-    for row in result["targets"]:
-        style = "green" if row["result"] == "PASS" else "red"
-        tab.add_row(
-            row["target"], f"{row['value']:.3f}", f"{row['limit']:.3f}", f"[{style}]{row['result']}[/]"
-        )
-    con.print(tab)
+    print_targets(con, "targets (issue 3)", result["targets"], digits=3)
 
 
 # --------------------------------------------------------------------------------------------- main

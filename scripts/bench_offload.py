@@ -71,9 +71,12 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
+
+from benchlib import gpt_config  # noqa: E402
 
 from tests.harness import spawn  # noqa: E402
-from zoff.config import Config, config_from_dict  # noqa: E402
+from zoff.config import Config  # noqa: E402
 from zoff.data import GlobalBatches, load_corpus  # noqa: E402
 from zoff.engine import ZeroEngine  # noqa: E402
 from zoff.engine.offload import OffloadAdam  # noqa: E402
@@ -95,20 +98,8 @@ def make_cfg(args: argparse.Namespace, precision: str, variant: str) -> Config:
     offload = dict(OFFLOAD[variant])
     if offload.get("delay_update"):
         offload["delay_update_warmup"] = args.dpu_warmup
-    return config_from_dict(
-        {
-            "model": {
-                "name": "gpt",
-                "n_layer": args.layers,
-                "n_head": max(1, args.d_model // 64),
-                "d_model": args.d_model,
-                "seq_len": args.seq_len,
-            },
-            "data": {"name": "synthetic", "seq_len": args.seq_len, "batch_size": args.batch},
-            "zero": {"stage": 2, "offload_optimizer": offload},
-            "train": {"grad_clip": args.grad_clip, "precision": precision, "seed": 0},
-        }
-    )
+    train = {"grad_clip": args.grad_clip, "precision": precision, "seed": 0}
+    return gpt_config(args, {"stage": 2, "offload_optimizer": offload}, train)
 
 
 def state_bytes_per_param(precision: str, variant: str, world: int) -> float:

@@ -207,7 +207,7 @@ def device_buffers(plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precis
     sizes = sorted((u.padded for u in plan.units), reverse=True)
     shard = sum(u.shard for u in plan.units)
     out = 0
-    if policy.stage >= 2:  # full-size buckets: the one filling plus MAX_IN_FLIGHT being reduced
+    if policy.stage >= 2:  # pooled full-size buckets: the one filling plus MAX_IN_FLIGHT being reduced
         out += c * sum(sizes[: MAX_IN_FLIGHT + 1])
     if policy.stage in (1, 2):  # updated shards staged for the all-gather of the params
         out += c * min(zero.allgather_bucket_size, shard)

@@ -12,6 +12,7 @@ forward/backward proceeds with parameters one step stale; `finish()` joins it an
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -75,11 +76,13 @@ class OffloadAdam:
         self.pinned = pin and torch.cuda.is_available()
 
     # ------------------------------------------------------------------------------------------------ step
-    def step(self, grads: list[torch.Tensor], lr: float) -> bool:
+    def step(
+        self, grads: list[torch.Tensor], lr: float, on_unit: Callable[[int], None] | None = None
+    ) -> bool:
         """Update the masters from the (clipped, unscaled) gradient shards.
 
         Returns True when the update runs in the background (DPU past its warm-up of synchronous steps): the
-        caller publishes it only after finish().
+        caller publishes it only after finish(); otherwise `on_unit(i)` runs as soon as shard i is updated.
         """
         self.finish()
         if self.copy_grads:
@@ -95,7 +98,7 @@ class OffloadAdam:
             self._thread = threading.Thread(target=self._run, args=(grads, lr, self.step_count), daemon=True)
             self._thread.start()
             return True
-        self._update(grads, lr, self.step_count)
+        self._update(grads, lr, self.step_count, on_unit)
         return False
 
     def finish(self) -> None:
@@ -113,7 +116,9 @@ class OffloadAdam:
         except BaseException as e:  # surfaced by finish() on the main thread
             self._error = e
 
-    def _update(self, grads: list[torch.Tensor], lr: float, step: int) -> None:
+    def _update(
+        self, grads: list[torch.Tensor], lr: float, step: int, on_unit: Callable[[int], None] | None = None
+    ) -> None:
         c = self.cfg
         for i, runs in enumerate(self.runs):
             out = self.out16[i] if self.out16 is not None else None
@@ -126,6 +131,8 @@ class OffloadAdam:
                     weight_decay=c.weight_decay if decay else 0.0, adamw_mode=c.name == "adamw",
                     threads=self.threads, out16=None if out is None else out[a:b],
                 )  # fmt: skip
+            if on_unit is not None:
+                on_unit(i)
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -6,6 +6,8 @@ state-dict methods.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.optim.adam as torch_adam
 import torch.optim.adamw as torch_adamw
@@ -28,23 +30,23 @@ class ShardAdam:
         # same as the for-loop AdamW up to rounding of the scalar constants.
         self.fused = all(m.device.type in ("cpu", "cuda") for m in masters)
 
-    def step(self, grads: list[torch.Tensor], lr: float) -> bool:
+    def step(
+        self, grads: list[torch.Tensor], lr: float, on_unit: Callable[[int], None] | None = None
+    ) -> bool:
         """One update; `grads` are fp32 shards aligned with the masters, already unscaled and clipped.
 
-        Returns False: the update is complete on return (the offload optimizer may run it in the background).
+        `on_unit(i)` runs as soon as shard i is updated (the engine starts its all-gather there). Returns
+        False: the update is complete on return (the offload optimizer may run it in the background).
         """
         self.step_count += 1
-        for decay in (True, False):
-            views: tuple[list[torch.Tensor], ...] = ([], [], [], [])
-            for i, runs in enumerate(self.runs):
-                for a, b, d in runs:
-                    if d == decay and b > a:
-                        for out, src in zip(
-                            views, (self.masters[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i])
-                        ):
-                            out.append(src[a:b])
-            if views[0]:
-                self._adam(*views, lr=lr, weight_decay=self.cfg.weight_decay if decay else 0.0)
+        c = self.cfg
+        for i, runs in enumerate(self.runs):
+            for a, b, decay in runs:
+                if b > a:
+                    tensors = (self.masters[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i])
+                    self._adam(*([t[a:b]] for t in tensors), lr=lr, weight_decay=c.weight_decay * decay)
+            if on_unit is not None:
+                on_unit(i)
         return False
 
     def _adam(self, params, grads, m, v, *, lr: float, weight_decay: float) -> None:

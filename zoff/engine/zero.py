@@ -21,6 +21,7 @@ from zoff.engine.gather import UnitGatherer
 from zoff.engine.offload import OffloadAdam, host_buffer
 from zoff.engine.optimizer import ShardAdam
 from zoff.engine.partition import plan_partition
+from zoff.engine.pool import BufferPool
 from zoff.engine.precision import DTYPES, LossScaler
 
 # Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a bucket.
@@ -97,12 +98,14 @@ class ZeroEngine:
             self.gatherer = UnitGatherer(
                 model, self.plan, self.comm, self.full, self.shard_params, zero.prefetch_bucket_size
             )
-            for u in self.plan.units:
-                self.gatherer.release(u.index)
         self._pending_grads = [len(u.slots) for u in self.plan.units]
         self._reduced = [False] * len(self.plan.units)
         self._handles: list[Handle] = []
         self._buckets: dict[int, torch.Tensor] = {}
+        self._filled: dict[int, list[int]] = {}  # slots whose gradient is already in the unit's bucket
+        # The filling bucket plus MAX_IN_FLIGHT being reduced: what memory.device_buffers estimates.
+        largest = sorted((u.padded for u in self.plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
+        self._pool = BufferPool(self.device, budget_bytes=sum(largest) * self.dtype.itemsize)
         self._sync = True
         self._published = 0
         self.peak_bucket_bytes = 0
@@ -141,6 +144,10 @@ class ZeroEngine:
                 )
             else:
                 shard = full[lo:hi].clone()
+            if self.stage == 3 and not u.persistent:
+                # Released at once (the gatherer starts with every managed unit released): holding all the
+                # full buffers until the end would put a whole model copy into this rank's peak memory.
+                full.untyped_storage().resize_(0)
             self.full.append(full)
             self.shard_params.append(shard)
             if self.keep_full_grads:
@@ -179,13 +186,11 @@ class ZeroEngine:
 
         def hook(p: torch.Tensor) -> None:
             if self._sync and not self.keep_full_grads:
-                bucket = self._buckets.get(u.index)
-                if bucket is None:
-                    bucket = self._buckets[u.index] = torch.zeros(
-                        u.padded, dtype=self.dtype, device=self.device
-                    )
-                    self._track_buckets()
-                bucket[s.offset : s.offset + s.numel].copy_(p.grad.reshape(-1))
+                bucket = self._bucket(u.index)
+                # Averaging in the copy saves a pass over the bucket; before the sum, as DDP does, it keeps
+                # fp16 sums in range.
+                torch.div(p.grad.reshape(-1), self.comm.world, out=bucket[s.offset : s.offset + s.numel])
+                self._filled[u.index].append(slot)
                 p.grad = None
             self._pending_grads[u.index] -= 1
             if self._pending_grads[u.index] == 0:
@@ -197,25 +202,38 @@ class ZeroEngine:
 
         return hook
 
+    def _bucket(self, u: int) -> torch.Tensor:
+        """Stage 2/3: unit u's gradient bucket, taken from the pool on first use in this backward."""
+        bucket = self._buckets.get(u)
+        if bucket is None:
+            bucket = self._buckets[u] = self._pool.take(self.plan.units[u].padded, self.dtype)
+            self._filled[u] = []
+            self._track_buckets()
+        return bucket
+
     def _reduce_unit(self, u: int) -> None:
         self._reduced[u] = True
+        unit = self.plan.units[u]
         if self.keep_full_grads:
             full = self.gfull[u]
+            full.div_(self.comm.world)  # average before the sum: keeps fp16 sums in range, as DDP does
         else:
-            full = self._buckets.get(u)
-            if full is None:  # no parameter of the unit was used: its gradient is zero
-                full = self._buckets[u] = torch.zeros(
-                    self.plan.units[u].padded, dtype=self.dtype, device=self.device
-                )
-        full.div_(self.comm.world)  # average before the sum: keeps fp16 sums in range, as DDP does
+            # A pooled bucket holds stale values wherever no gradient was copied in: unused parameters, padding.
+            full = self._bucket(u)
+            filled = set(self._filled.pop(u))
+            for si in unit.slots:
+                if si not in filled:
+                    s = self.plan.slots[si]
+                    full[s.offset : s.offset + s.numel].zero_()
+            full[unit.numel :].zero_()
         async_op = self.zero.overlap_comm
         if self.stage == 0:
             handle = self.comm.all_reduce(full, async_op=async_op)
         else:
             handle = self.comm.reduce_scatter(full, self.gshard[u], async_op=async_op)
         if not self.keep_full_grads:
-            # The bucket is dropped once reduced, so stage 2/3 never hold more than the in-flight buckets.
-            handle = Handle(then=lambda: self._buckets.pop(u, None), after=handle)
+            # The bucket goes back to the pool once reduced: stage 2/3 hold at most the in-flight buckets.
+            handle = Handle(then=lambda: self._pool.give(self._buckets.pop(u)), after=handle)
         if not async_op:
             handle.wait()
             return
@@ -225,8 +243,7 @@ class ZeroEngine:
             self._handles.pop(0).wait()
 
     def _track_buckets(self) -> None:
-        live = sum(b.numel() * b.element_size() for b in self._buckets.values())
-        self.peak_bucket_bytes = max(self.peak_bucket_bytes, live)
+        self.peak_bucket_bytes = self._pool.peak_bytes
 
     # -------------------------------------------------------------------------------------------- step
     def step(self, lr: float) -> StepResult:
@@ -265,10 +282,17 @@ class ZeroEngine:
                 g = g.float()
             grads.append(g)
         t0 = time.perf_counter()
-        in_flight = self.optimizer.step(grads, lr)  # True: a delayed update runs on; published next step
+        # The fused CPU kernel may have written the 16-bit shards in its own pass.
+        copy = not (self.offload and self.optimizer.out16 is not None)
+        handles: list[Handle] = []
+        # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
+        publish = lambda u: self._publish_unit(u, copy, handles)  # noqa: E731
+        in_flight = self.optimizer.step(grads, lr, on_unit=publish)  # True: DPU, published next step
         t1 = time.perf_counter()
-        if not in_flight:  # the fused CPU kernel may have written the 16-bit shards in its own pass
-            self._publish_params(copy_masters=not (self.offload and self.optimizer.out16 is not None))
+        for h in handles:
+            h.wait()
+        if not in_flight:
+            self._published = self.optimizer.step_count
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
         self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
@@ -283,17 +307,20 @@ class ZeroEngine:
             )  # DPU: time spent waiting for the background CPU step
             self._publish_params()
 
-    def _publish_params(self, copy_masters: bool = True) -> None:
-        """Masters -> 16-bit shards (unless the step wrote them already) -> all-gathered full buffers."""
+    def _publish_params(self) -> None:
+        """Masters -> 16-bit shards -> all-gathered full buffers, for every unit."""
         self._published = self.optimizer.step_count
-        handles = []
-        for u, unit in enumerate(self.plan.units):
-            if self.masters[u] is not self.shard_params[u] and copy_masters:
-                self.shard_params[u].copy_(self.masters[u])
-            if self.stage in (1, 2) or (self.stage == 3 and unit.persistent):
-                handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
+        handles: list[Handle] = []
+        for u in range(len(self.plan.units)):
+            self._publish_unit(u, True, handles)
         for h in handles:
             h.wait()
+
+    def _publish_unit(self, u: int, copy_master: bool, handles: list[Handle]) -> None:
+        if self.masters[u] is not self.shard_params[u] and copy_master:
+            self.shard_params[u].copy_(self.masters[u])
+        if self.stage in (1, 2) or (self.stage == 3 and self.plan.units[u].persistent):
+            handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
 
     def zero_grad(self) -> None:
         for g in self.gfull:

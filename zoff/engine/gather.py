@@ -13,7 +13,6 @@ from torch.utils._pytree import tree_flatten
 
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.pool import mmap_large_allocations
 
 
 class UnitGatherer:
@@ -29,7 +28,6 @@ class UnitGatherer:
         prefetch_numel: int,
     ):
         self.plan, self.comm, self.full, self.shards = plan, comm, full, shards
-        mmap_large_allocations()  # every gather re-allocates a unit: keep the heap from fragmenting
         self.prefetch_numel = prefetch_numel
         self.managed = [not u.persistent for u in plan.units]
         self.gathered = [u.persistent for u in plan.units]

@@ -21,7 +21,7 @@ from zoff.engine.gather import UnitGatherer
 from zoff.engine.offload import OffloadAdam, host_buffer
 from zoff.engine.optimizer import ShardAdam
 from zoff.engine.partition import plan_partition
-from zoff.engine.pool import BufferPool
+from zoff.engine.pool import BufferPool, mmap_large_allocations
 from zoff.engine.precision import DTYPES, LossScaler
 
 # Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a bucket.
@@ -47,6 +47,7 @@ class ZeroEngine:
         device: torch.device | None = None,
     ):
         self.comm = comm or Comm()
+        mmap_large_allocations()  # before any buffer is built: keeps the heap from fragmenting (pool.py)
         self.stage = zero.stage
         self.zero, self.grad_clip = zero, grad_clip
         self.dtype = DTYPES[precision]

@@ -449,7 +449,7 @@ def test_dump_has_every_section_fully_resolved():
         "overlap_comm": True,
         "reduce_bucket_size": 5_000_000,
         "allgather_bucket_size": 25_000_000,
-        "prefetch_bucket_size": 5_000_000,
+        "prefetch_bucket_size": 3_000_000,
         "param_persistence_threshold": 10_000,
     }
 

@@ -81,7 +81,9 @@ class ZeroConfig:
     # elements would hold 300 MB per rank; 5M holds 60 MB and measured no slower over gloo.
     reduce_bucket_size: int = field(default=5_000_000, metadata=_rng(1))
     allgather_bucket_size: int = field(default=25_000_000, metadata=_rng(1))
-    prefetch_bucket_size: int = field(default=5_000_000, metadata=_rng(0))
+    # Stage 3 gathers up to this many elements ahead of need. 3M rather than 5M: no slower over gloo here
+    # (per-round ratio 1.01, 57M GPT) and 16 MB less per rank in fp32; GPUs with NCCL may want more.
+    prefetch_bucket_size: int = field(default=3_000_000, metadata=_rng(0))
     param_persistence_threshold: int = field(default=10_000, metadata=_rng(0))
 
 

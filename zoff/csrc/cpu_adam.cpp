@@ -96,18 +96,44 @@ inline void adam_elem(float* p, const G* g, float* m, float* v, O* out, int64_t 
   if constexpr (!std::is_same_v<O, NoOut>) out[i] = O(pi);  // c10 conversions round to nearest even
 }
 
-// Software prefetch 256 elements (1 KiB of fp32) ahead on every input stream. The divides and the sqrt of
-// an Adam step fill the out-of-order window, so without it the core stops issuing loads early enough and the
-// step reached ~85% of a streaming probe's bandwidth at 16M params (2 threads); with it, ~97%. The probe uses
-// the same prefetch, which sped it up too, so the ceiling stays honest. Prefetching past the end is harmless.
-constexpr int64_t kPrefetch = 256;
+// Software prefetch on every stream at two distances: 256 elements (1 KiB of fp32) into L1 and 2048 elements
+// (8 KiB) into L2, one prefetch per 64-byte line. The divides and the sqrt of an Adam step fill the
+// out-of-order window, so the core stops issuing loads early enough: ~85% of the probe's bandwidth at 16M
+// params (2 threads) without prefetch, ~92% with the L1 one alone. The L2 one keeps enough lines in flight
+// while the divider drains a burst of arrivals: ~96-100% (16M, 64M). Halving the divider's work instead (an
+// inexact timing experiment) gained nothing, so the gap was memory-level parallelism, not compute. The
+// write-only 16-bit copy needs its own L2 prefetch: with the other streams far ahead, its
+// read-for-ownership misses became the laggard (mixed step ~80% of the probe without it, ~93-98% with it).
+// The probe uses the same prefetch (it gains 1-5% from it), so the ceiling stays honest. Costs: up to 9
+// prefetch instructions per 16 elements, and ~40 KiB per thread prefetched past its range (harmless).
+// Non-temporal stores measured ~25% slower, for step and probe alike (p, m, v are read first, so their lines
+// are in cache anyway when written).
+constexpr int64_t kPrefetchL1 = 256;
+constexpr int64_t kPrefetchL2 = 2048;
+// always_inline: GCC split these helpers into out-of-line parts for some instantiations, judged a function
+// holding only prefetches pure, and deleted the calls (no prefetch at all in e.g. the mixed step's loop).
+#define ZOFF_PREFETCH inline __attribute__((always_inline))
 
-template <typename G>
-inline void prefetch_ahead(const float* p, const G* g, const float* m, const float* v, int64_t i) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + i + kPrefetch), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(g + i + kPrefetch), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(m + i + kPrefetch), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(v + i + kPrefetch), _MM_HINT_T0);
+template <typename T>
+ZOFF_PREFETCH void prefetch_stream(const T* x, int64_t i) {
+  // Called per 16 elements: a 16-bit stream crosses a line every other call.
+  if (sizeof(T) == 4 || (i & 31) == 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(x + i + kPrefetchL1), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(x + i + kPrefetchL2), _MM_HINT_T1);
+  }
+}
+
+// Call once per 16 elements.
+template <typename G, typename O = NoOut>
+ZOFF_PREFETCH void prefetch_ahead(const float* p, const G* g, const float* m, const float* v, int64_t i,
+                                  const O* out = nullptr) {
+  prefetch_stream(p, i);
+  prefetch_stream(g, i);
+  prefetch_stream(m, i);
+  prefetch_stream(v, i);
+  if constexpr (!std::is_same_v<O, NoOut>) {
+    if ((i & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(out + i + kPrefetchL2), _MM_HINT_T1);
+  }
 }
 
 template <typename G, typename O>
@@ -181,7 +207,7 @@ template <typename G, typename O>
 ZOFF_AVX512 void adam_avx512(float* p, const G* g, float* m, float* v, O* out, int64_t n, Consts c) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    prefetch_ahead(p, g, m, v, i);
+    prefetch_ahead(p, g, m, v, i, out);
     adam16(p, g, m, v, out, i, static_cast<__mmask16>(0xFFFF), c);
   }
   if (i < n) adam16(p, g, m, v, out, i, static_cast<__mmask16>((1u << (n - i)) - 1u), c);
@@ -229,7 +255,7 @@ ZOFF_AVX2 void adam_avx2(float* p, const G* g, float* m, float* v, O* out, int64
   const __m256 eps = _mm256_set1_ps(c.eps), ns = _mm256_set1_ps(c.neg_step);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if ((i & 15) == 0) prefetch_ahead(p, g, m, v, i);  // one prefetch per 64-byte line of fp32
+    if ((i & 15) == 0) prefetch_ahead(p, g, m, v, i, out);
     __m256 pv = _mm256_loadu_ps(p + i);
     __m256 gv = load8_g(g + i);
     __m256 mv = _mm256_loadu_ps(m + i);

@@ -80,6 +80,8 @@ class ZeroConfig:
     # Stages 2/3 keep MAX_IN_FLIGHT + 1 pooled buckets of up to this size for the whole run: 25M fp32
     # elements would hold 300 MB per rank; 5M holds 60 MB and measured no slower over gloo.
     reduce_bucket_size: int = field(default=5_000_000, metadata=_rng(1))
+    # Accepted for DeepSpeed configs but not used: parameters are all-gathered per unit, as the gradients
+    # were reduced (reduce_bucket_size), straight from each rank's shard with no staging bucket.
     allgather_bucket_size: int = field(default=25_000_000, metadata=_rng(1))
     # Stage 3 gathers up to this many elements ahead of need. 3M rather than 5M: no slower over gloo here
     # (per-round ratio 1.01, 57M GPT) and 16 MB less per rank in fp32; GPUs with NCCL may want more.

@@ -201,16 +201,24 @@ def model_states(
     return gpu, cpu
 
 
-def device_buffers(plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str) -> int:
-    """Transient device buffers: reduce buckets, the all-gather staging, stage 3's gathered working set."""
+def device_buffers(
+    plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, device_type: str = "cuda"
+) -> int:
+    """Transient device buffers: reduce buckets, reduce-scatter receive slices, stage 3's gathered set.
+
+    The receive slices are gloo's (collectives.py; NCCL's native reduce-scatter needs none): N-1 slices of a
+    unit's shard for stage 1 (its output is its own slice of the gradient), N-2 for stages 2-3, for each
+    reduction in flight.
+    """
     c = DTYPES[precision].itemsize
     sizes = sorted((u.padded for u in plan.units), reverse=True)
-    shard = sum(u.shard for u in plan.units)
+    shards = sorted((u.shard for u in plan.units), reverse=True)
     out = 0
     if policy.stage >= 2:  # pooled full-size buckets: the one filling plus MAX_IN_FLIGHT being reduced
         out += c * sum(sizes[: MAX_IN_FLIGHT + 1])
-    if policy.stage in (1, 2):  # updated shards staged for the all-gather of the params
-        out += c * min(zero.allgather_bucket_size, shard)
+    if policy.stage >= 1 and device_type == "cpu":
+        slices = plan.world_size - (1 if policy.stage == 1 else 2)
+        out += c * max(0, slices) * sum(shards[: MAX_IN_FLIGHT + 1])
     if policy.stage == 3:
         out += c * stage3_working_set(plan, zero, policy.activation_checkpointing)
     return out
@@ -367,7 +375,7 @@ def estimate(
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
             delay_update=zero_cfg.offload_optimizer.delay_update,
         )  # fmt: skip
-        gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision)
+        gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         out.append(PolicyEstimate(pol, gpu, {k: v * gpus_per_node for k, v in cpu.items()}, gpus_per_node))
     fp32_model = sum(p.numel() * p.element_size() for p in model.parameters())

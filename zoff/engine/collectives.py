@@ -90,7 +90,7 @@ class Comm:
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.backend = dist.get_backend(group) if self.distributed else "none"
         self.stats = CommStats()
-        self._scratch = BufferPool()
+        self.scratch = BufferPool()  # gloo reduce-scatter's receive slices, reused across steps
         self._tag = 0
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Handle:
@@ -120,14 +120,14 @@ class Comm:
         aliased = out.data_ptr() == mine.data_ptr()
         peers = [q for q in range(self.world) if q != self.rank]
         # The first peer's slice lands straight in `out` when it is a separate buffer: one scratch fewer.
-        scratch = [self._scratch.take(n, out.dtype) for _ in peers[0 if aliased else 1 :]]
+        scratch = [self.scratch.take(n, out.dtype) for _ in peers[0 if aliased else 1 :]]
         recv = scratch if aliased else [out, *scratch]
 
         def finish() -> None:
             acc = mine if aliased else out.add_(mine)
             for buf in scratch:
                 acc.add_(buf)
-                self._scratch.give(buf)
+                self.scratch.give(buf)
 
         sends = [(full[q * n : (q + 1) * n], q) for q in peers]
         return self._exchange("reduce_scatter", sends, list(zip(recv, peers)), finish, async_op)

@@ -107,6 +107,11 @@ class ZeroEngine:
         # The filling bucket plus MAX_IN_FLIGHT being reduced: what memory.device_buffers estimates.
         largest = sorted((u.padded for u in self.plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
         self._pool = BufferPool(self.device, budget_bytes=sum(largest) * self.dtype.itemsize)
+        # gloo's reduce-scatter receives other ranks' slices into scratch (collectives.py): N-1 slices when
+        # the output is this rank's own slice of the input (stage 1), N-2 otherwise, per reduction in flight.
+        slices = max(0, self.comm.world - (1 if self.stage == 1 else 2))
+        shards = sorted((u.shard for u in self.plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
+        self.comm.scratch.budget = slices * sum(shards) * self.dtype.itemsize
         self._sync = True
         self._published = 0
         self.peak_bucket_bytes = 0
@@ -358,7 +363,7 @@ class ZeroEngine:
             "params": params,
             "grads": grads,
             "optimizer_states": 0 if self.offload else opt,
-            "buffers": self.peak_bucket_bytes + gathered,
+            "buffers": self.peak_bucket_bytes + self.comm.scratch.peak_bytes + gathered,
             "frozen_params": frozen,
             "cpu_params": nbytes(offloaded),
             "cpu_grads": host_grads,

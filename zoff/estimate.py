@@ -154,6 +154,10 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
 def _startup_text(est: Estimate, budget: Budget) -> str:
     cpu, gpu = est.startup["cpu_bytes_per_node"], est.startup["gpu_bytes"]
     over = cpu > budget.cpu or (gpu > budget.gpu and not budget.shared)
+    if not cpu:
+        return (
+            "start-up: the model is built on the meta device and materialised shard by shard (no whole copy)"
+        )
     return (
         f"start-up: the trainer builds the full fp32 model on each rank's host ({human(cpu)} per node)"
         + (f" and moves it to the device ({human(gpu)} per GPU)" if gpu else "")

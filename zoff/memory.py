@@ -378,7 +378,11 @@ def estimate(
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         out.append(PolicyEstimate(pol, gpu, {k: v * gpus_per_node for k, v in cpu.items()}, gpus_per_node))
-    fp32_model = sum(p.numel() * p.element_size() for p in model.parameters())
+    # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
+    # are built whole, in fp32, on every rank before the engine shards them.
+    fp32_model = (
+        0 if model_cfg.name == "gpt" else sum(p.numel() * p.element_size() for p in model.parameters())
+    )
     on_device = fp32_model if device_type == "cuda" else 0  # .to("cpu") of a host model moves nothing
     notes = []
     if acts[False].method.startswith("not available"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -41,7 +42,9 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     """Model (same initial weights on every rank), engine for the ZeRO policy, this rank's data stream."""
     comm = Comm(timeout_s=cfg.launch.timeout_s)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
+    # The builtin GPT is built on the meta device and materialised shard by shard by the engine.
+    with torch.device("meta") if cfg.model.name == "gpt" else contextlib.nullcontext():
+        model = build_model(cfg.model)
     if cfg.train.activation_checkpointing and hasattr(model, "activation_checkpointing"):
         model.activation_checkpointing = True
     engine = build_engine(

@@ -63,7 +63,16 @@ class ZeroEngine:
             per_module=self.stage == 3,
             persistence_threshold=zero.param_persistence_threshold,
         )
-        self.model = model.to(self.device)
+        # A model built on the meta device is materialised unit by unit in _build_buffers: no rank ever
+        # holds the whole model unless its stage keeps it whole anyway.
+        self.deferred = any(p.is_meta for p in model.parameters())
+        if self.deferred and (
+            not hasattr(model, "init_parameter")
+            or any(t.is_meta for t in model.buffers())
+            or any(p.is_meta and not p.requires_grad for p in model.parameters())
+        ):
+            raise ValueError("a meta-device model needs init_parameter() and no frozen params or buffers")
+        self.model = model if self.deferred else model.to(self.device)
         for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)]:
             if t.is_floating_point():  # frozen params and buffers compute in the same dtype as the rest
                 t.data = t.data.to(self.dtype)
@@ -128,14 +137,21 @@ class ZeroEngine:
         return [named[s.names[0]] for s in self.plan.slots]
 
     def _build_buffers(self) -> None:
-        """Copy every parameter into its unit's flat buffer (identical on all ranks: rank 0's is broadcast)."""
+        """Put every parameter into its unit's flat buffer, identical on all ranks: rank 0's values are
+        broadcast, or a meta-device model initialises each parameter in place (deterministic by name)."""
         self.full, self.shard_params, self.gfull, self.gshard = [], [], [], []
         for u in self.plan.units:
             full = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
             for si in u.slots:
                 s = self.plan.slots[si]
-                full[s.offset : s.offset + s.numel].copy_(self._params[si].detach().reshape(-1))
-            self.comm.broadcast(full, src=0)
+                view = full[s.offset : s.offset + s.numel].view(s.shape)
+                if self.deferred:
+                    self.model.init_parameter(s.names[0], view)
+                    self._params[si] = self._replace_param(s.names, view)
+                else:
+                    view.copy_(self._params[si].detach())
+            if not self.deferred:
+                self.comm.broadcast(full, src=0)
             for si in u.slots:
                 s = self.plan.slots[si]
                 self._params[si].data = full[s.offset : s.offset + s.numel].view(s.shape)
@@ -162,6 +178,18 @@ class ZeroEngine:
                 self.gshard.append(g[lo:hi])
             else:
                 self.gshard.append(torch.zeros(u.shard, dtype=self.dtype, device=self.device))
+
+    def _replace_param(self, names: tuple[str, ...], value: torch.Tensor) -> nn.Parameter:
+        """A materialised Parameter in place of a meta one, under every (tied) name."""
+        # .data rather than Parameter(value): a Parameter made from a view shares the version counter of the
+        # whole flat buffer, and every write into the buffer (a gather, the next unit's init) would then
+        # invalidate what autograd saved of this parameter.
+        param = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device))
+        param.data = value
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            setattr(self.model.get_submodule(owner), attr, param)
+        return param
 
     def _make_master(self, u: int) -> torch.Tensor:
         shard = self.shard_params[u]

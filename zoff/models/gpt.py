@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +66,15 @@ class GPT(nn.Module):
         tie_embeddings: bool = True,
     ):
         super().__init__()
+        # One draw from the global generator seeds every parameter by name (init_parameter): the weights are
+        # the same whether the model is built whole or on the meta device and materialised unit by unit.
+        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
+        self.n_layer = n_layer
         self.seq_len = seq_len
-        self.wte = nn.Embedding(vocab_size, d_model)
-        self.wpe = nn.Embedding(seq_len, d_model)
+        # _weight skips nn.Embedding's own normal_ init, which init_parameter overwrites anyway; on the meta
+        # device that normal_ alone imports sympy & co. (~75 MB of Python per rank).
+        self.wte = nn.Embedding(vocab_size, d_model, _weight=torch.empty(vocab_size, d_model))
+        self.wpe = nn.Embedding(seq_len, d_model, _weight=torch.empty(seq_len, d_model))
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
@@ -75,18 +82,27 @@ class GPT(nn.Module):
         if tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.activation_checkpointing = False
-        self.apply(self._init)
-        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat with depth.
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+            if not p.is_meta:
+                self.init_parameter(name, p.data)
 
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    @torch.no_grad()
+    def init_parameter(self, name: str, out: torch.Tensor) -> None:
+        """Fill `out` with parameter `name`'s initial value, from its own generator (order-independent)."""
+        owner, _, kind = name.rpartition(".")
+        module = self.get_submodule(owner)
+        if isinstance(module, nn.LayerNorm):
+            out.fill_(1.0 if kind == "weight" else 0.0)
+        elif kind == "bias":
+            out.zero_()
+        else:
+            # GPT-2's scaled init of residual projections keeps the residual stream's variance flat with depth.
+            std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj.weight") else 0.02
+            gen = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
+            if out.dtype == torch.float32:
+                out.normal_(0.0, std, generator=gen)
+            else:  # drawn in fp32 and rounded: the same values as an fp32 model cast to this dtype
+                out.copy_(torch.empty(out.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

@@ -20,7 +20,7 @@ from torch import nn
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
-from zoff.engine.zero import MAX_IN_FLIGHT
+from zoff.engine.reduce import MAX_IN_FLIGHT
 from zoff.errors import UserError
 from zoff.units import human
 

@@ -21,11 +21,9 @@ from zoff.engine.gather import UnitGatherer
 from zoff.engine.offload import OffloadAdam, host_buffer
 from zoff.engine.optimizer import ShardAdam
 from zoff.engine.partition import plan_partition
-from zoff.engine.pool import BufferPool, mmap_large_allocations
+from zoff.engine.pool import mmap_large_allocations
 from zoff.engine.precision import DTYPES, LossScaler
-
-# Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a bucket.
-MAX_IN_FLIGHT = 2
+from zoff.engine.reduce import GradReducer
 
 
 @dataclass(frozen=True)
@@ -108,27 +106,16 @@ class ZeroEngine:
             self.gatherer = UnitGatherer(
                 model, self.plan, self.comm, self.full, self.shard_params, zero.prefetch_bucket_size
             )
-        self._pending_grads = [len(u.slots) for u in self.plan.units]
-        self._reduced = [False] * len(self.plan.units)
-        self._handles: list[Handle] = []
-        self._buckets: dict[int, torch.Tensor] = {}
-        self._filled: dict[int, list[int]] = {}  # slots whose gradient is already in the unit's bucket
-        # The filling bucket plus MAX_IN_FLIGHT being reduced: what memory.device_buffers estimates.
-        largest = sorted((u.padded for u in self.plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
-        self._pool = BufferPool(self.device, budget_bytes=sum(largest) * self.dtype.itemsize)
-        # gloo's reduce-scatter receives other ranks' slices into scratch (collectives.py): N-1 slices when
-        # the output is this rank's own slice of the input (stage 1), N-2 otherwise, per reduction in flight.
-        slices = max(0, self.comm.world - (1 if self.stage == 1 else 2))
-        shards = sorted((u.shard for u in self.plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
-        self.comm.scratch.budget = slices * sum(shards) * self.dtype.itemsize
-        self._sync = True
+        self.reducer = GradReducer(
+            self.plan, self.comm, self.stage, self.gfull, self.gshard, dtype=self.dtype, device=self.device,
+            overlap=zero.overlap_comm, on_unit_done=self.gatherer.release if self.gatherer else None,
+        )  # fmt: skip
         self._published = 0
-        self.peak_bucket_bytes = 0
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
         self.last_flush_s = 0.0
         for slot, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._grad_hook(slot))
+            p.register_post_accumulate_grad_hook(self.reducer.hook(slot))
         self.zero_grad()
 
     # --------------------------------------------------------------------------------------- set-up
@@ -199,85 +186,12 @@ class ZeroEngine:
     # ---------------------------------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Backward of one micro-batch; `sync` on the last micro-batch of a step reduces the gradients."""
-        self._sync = sync
-        self._pending_grads = [len(u.slots) for u in self.plan.units]
-        self._reduced = [False] * len(self.plan.units)
+        self.reducer.begin(sync)
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         if self.gatherer is not None:
             self.gatherer.end_backward()
-        if not sync:
-            return
-        for u, done in enumerate(self._reduced):
-            if not done:  # parameters that got no gradient this step (unused): reduce their zeros too
-                self._reduce_unit(u)
-        for h in self._handles:
-            h.wait()
-        self._handles.clear()
-
-    def _grad_hook(self, slot: int):
-        s = self.plan.slots[slot]
-        u = self.plan.units[s.unit]
-
-        def hook(p: torch.Tensor) -> None:
-            if self._sync and not self.keep_full_grads:
-                bucket = self._bucket(u.index)
-                # Averaging in the copy saves a pass over the bucket; before the sum, as DDP does, it keeps
-                # fp16 sums in range.
-                torch.div(p.grad.reshape(-1), self.comm.world, out=bucket[s.offset : s.offset + s.numel])
-                self._filled[u.index].append(slot)
-                p.grad = None
-            self._pending_grads[u.index] -= 1
-            if self._pending_grads[u.index] == 0:
-                # Every use of the unit's parameters is behind us: stage 3 can drop the gathered copy now.
-                if self.gatherer is not None:
-                    self.gatherer.release(u.index)
-                if self._sync:
-                    self._reduce_unit(u.index)
-
-        return hook
-
-    def _bucket(self, u: int) -> torch.Tensor:
-        """Stage 2/3: unit u's gradient bucket, taken from the pool on first use in this backward."""
-        bucket = self._buckets.get(u)
-        if bucket is None:
-            bucket = self._buckets[u] = self._pool.take(self.plan.units[u].padded, self.dtype)
-            self._filled[u] = []
-            self._track_buckets()
-        return bucket
-
-    def _reduce_unit(self, u: int) -> None:
-        self._reduced[u] = True
-        unit = self.plan.units[u]
-        if self.keep_full_grads:
-            full = self.gfull[u]
-            full.div_(self.comm.world)  # average before the sum: keeps fp16 sums in range, as DDP does
-        else:
-            # A pooled bucket holds stale values wherever no gradient was copied in: unused parameters, padding.
-            full = self._bucket(u)
-            filled = set(self._filled.pop(u))
-            for si in unit.slots:
-                if si not in filled:
-                    s = self.plan.slots[si]
-                    full[s.offset : s.offset + s.numel].zero_()
-            full[unit.numel :].zero_()
-        async_op = self.zero.overlap_comm
-        if self.stage == 0:
-            handle = self.comm.all_reduce(full, async_op=async_op)
-        else:
-            handle = self.comm.reduce_scatter(full, self.gshard[u], async_op=async_op)
-        if not self.keep_full_grads:
-            # The bucket goes back to the pool once reduced: stage 2/3 hold at most the in-flight buckets.
-            handle = Handle(then=lambda: self._pool.give(self._buckets.pop(u)), after=handle)
-        if not async_op:
-            handle.wait()
-            return
-        self._handles = [h for h in self._handles if not h.poll()]
-        self._handles.append(handle)
-        while len(self._handles) > MAX_IN_FLIGHT:  # bounds bucket memory when the network is the bottleneck
-            self._handles.pop(0).wait()
-
-    def _track_buckets(self) -> None:
-        self.peak_bucket_bytes = self._pool.peak_bytes
+        if sync:
+            self.reducer.finish()
 
     # -------------------------------------------------------------------------------------------- step
     def step(self, lr: float) -> StepResult:
@@ -391,7 +305,7 @@ class ZeroEngine:
             "params": params,
             "grads": grads,
             "optimizer_states": 0 if self.offload else opt,
-            "buffers": self.peak_bucket_bytes + self.comm.scratch.peak_bytes + gathered,
+            "buffers": self.reducer.peak_bucket_bytes + self.comm.scratch.peak_bytes + gathered,
             "frozen_params": frozen,
             "cpu_params": nbytes(offloaded),
             "cpu_grads": host_grads,
@@ -404,7 +318,7 @@ class ZeroEngine:
             "world_size": self.comm.world,
             "comm_elements": dict(self.last_step_comm),  # of the last step: zero_grad through step
             "comm_elements_total": sum(self.last_step_comm.values()),
-            "peak_bucket_bytes": self.peak_bucket_bytes,
+            "peak_bucket_bytes": self.reducer.peak_bucket_bytes,
             "skipped_steps": self.scaler.skipped,
             "params": self.plan.numel,
             "units": len(self.plan.units),

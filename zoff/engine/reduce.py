@@ -1,0 +1,134 @@
+"""Gradient reduction during backward: per-parameter hooks fill units, full units are reduced at once.
+
+Stages 0-1 keep the full gradients as views of persistent flat buffers (all-reduce / reduce-scatter them in
+place); stages 2-3 copy each gradient into a pooled bucket that lives only until its unit is reduce-scattered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from zoff.engine.collectives import Comm, Handle
+from zoff.engine.partition import PartitionPlan
+from zoff.engine.pool import BufferPool
+
+# Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a bucket.
+MAX_IN_FLIGHT = 2
+
+
+class GradReducer:
+    """Owns the hooks' state: which units are complete, the buckets, and the reductions in flight."""
+
+    def __init__(
+        self,
+        plan: PartitionPlan,
+        comm: Comm,
+        stage: int,
+        gfull: list[torch.Tensor],
+        gshard: list[torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        overlap: bool,
+        on_unit_done: Callable[[int], None] | None = None,
+    ):
+        self.plan, self.comm, self.stage, self.gfull, self.gshard = plan, comm, stage, gfull, gshard
+        self.dtype, self.overlap, self.on_unit_done = dtype, overlap, on_unit_done
+        self.keep_full_grads = stage <= 1  # p.grad lives as views in persistent flat buffers
+        self._pending = [len(u.slots) for u in plan.units]
+        self._reduced = [False] * len(plan.units)
+        self._handles: list[Handle] = []
+        self._buckets: dict[int, torch.Tensor] = {}
+        self._filled: dict[int, list[int]] = {}  # slots whose gradient is already in the unit's bucket
+        self._sync = True
+        # The filling bucket plus MAX_IN_FLIGHT being reduced: what memory.device_buffers estimates.
+        largest = sorted((u.padded for u in plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
+        self._pool = BufferPool(device, budget_bytes=sum(largest) * dtype.itemsize)
+        # gloo's reduce-scatter receives other ranks' slices into scratch (collectives.py): N-1 slices when
+        # the output is this rank's own slice of the input (stage 1), N-2 otherwise, per reduction in flight.
+        slices = max(0, comm.world - (1 if stage == 1 else 2))
+        shards = sorted((u.shard for u in plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
+        comm.scratch.budget = slices * sum(shards) * dtype.itemsize
+
+    @property
+    def peak_bucket_bytes(self) -> int:
+        return self._pool.peak_bytes
+
+    def begin(self, sync: bool) -> None:
+        """Before a micro-batch's backward; `sync` on the last micro-batch of a step reduces the gradients."""
+        self._sync = sync
+        self._pending = [len(u.slots) for u in self.plan.units]
+        self._reduced = [False] * len(self.plan.units)
+
+    def finish(self) -> None:
+        """After the last micro-batch's backward: reduce what no hook reduced, wait for every reduction."""
+        for u, done in enumerate(self._reduced):
+            if not done:  # parameters that got no gradient this step (unused): reduce their zeros too
+                self._reduce_unit(u)
+        for h in self._handles:
+            h.wait()
+        self._handles.clear()
+
+    def hook(self, slot: int) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of the parameter in `slot`."""
+        s = self.plan.slots[slot]
+        u = self.plan.units[s.unit]
+
+        def hook(p: torch.Tensor) -> None:
+            if self._sync and not self.keep_full_grads:
+                bucket = self._bucket(u.index)
+                # Averaging in the copy saves a pass over the bucket; before the sum, as DDP does, it keeps
+                # fp16 sums in range.
+                torch.div(p.grad.reshape(-1), self.comm.world, out=bucket[s.offset : s.offset + s.numel])
+                self._filled[u.index].append(slot)
+                p.grad = None
+            self._pending[u.index] -= 1
+            if self._pending[u.index] == 0:
+                # Every use of the unit's parameters is behind us: stage 3 can drop the gathered copy now.
+                if self.on_unit_done is not None:
+                    self.on_unit_done(u.index)
+                if self._sync:
+                    self._reduce_unit(u.index)
+
+        return hook
+
+    def _bucket(self, u: int) -> torch.Tensor:
+        """Stage 2/3: unit u's gradient bucket, taken from the pool on first use in this backward."""
+        bucket = self._buckets.get(u)
+        if bucket is None:
+            bucket = self._buckets[u] = self._pool.take(self.plan.units[u].padded, self.dtype)
+            self._filled[u] = []
+        return bucket
+
+    def _reduce_unit(self, u: int) -> None:
+        self._reduced[u] = True
+        unit = self.plan.units[u]
+        if self.keep_full_grads:
+            full = self.gfull[u]
+            full.div_(self.comm.world)  # average before the sum: keeps fp16 sums in range, as DDP does
+        else:
+            # A pooled bucket holds stale values wherever no gradient was copied in: unused parameters, padding.
+            full = self._bucket(u)
+            filled = set(self._filled.pop(u))
+            for si in unit.slots:
+                if si not in filled:
+                    s = self.plan.slots[si]
+                    full[s.offset : s.offset + s.numel].zero_()
+            full[unit.numel :].zero_()
+        async_op = self.overlap
+        if self.stage == 0:
+            handle = self.comm.all_reduce(full, async_op=async_op)
+        else:
+            handle = self.comm.reduce_scatter(full, self.gshard[u], async_op=async_op)
+        if not self.keep_full_grads:
+            # The bucket goes back to the pool once reduced: stage 2/3 hold at most the in-flight buckets.
+            handle = Handle(then=lambda: self._pool.give(self._buckets.pop(u)), after=handle)
+        if not async_op:
+            handle.wait()
+            return
+        self._handles = [h for h in self._handles if not h.poll()]
+        self._handles.append(handle)
+        while len(self._handles) > MAX_IN_FLIGHT:  # bounds bucket memory when the network is the bottleneck
+            self._handles.pop(0).wait()

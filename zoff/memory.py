@@ -14,14 +14,16 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
+# Re-exported: the estimate's callers and tests take every memory figure from this module.
+from zoff.activations import Activations, activations, gpt_activations, probe_activations, saved_bytes  # noqa: F401
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.reduce import MAX_IN_FLIGHT
 from zoff.errors import UserError
+from zoff.models import meta_model
 from zoff.units import human
 
 GPU_KEYS = ("params", "grads", "optimizer_states", "buffers", "activations")
@@ -125,14 +127,6 @@ class Estimate:
 
 
 # ---------------------------------------------------------------------------------------- model states
-
-
-def meta_model(model_cfg: ModelConfig) -> nn.Module:
-    """The configured model with shapes only: a 70B config costs nothing."""
-    from zoff.models import build_model
-
-    with torch.device("meta"):
-        return build_model(model_cfg)
 
 
 def count_params(model: nn.Module) -> tuple[int, int, int]:
@@ -249,104 +243,6 @@ def _region(module: str) -> str:
     """'blocks.3.attn.qkv' -> 'blocks.3': the repeated layer a module belongs to (a checkpointed region)."""
     m = re.match(r"(.*?\.\d+)(\.|$)", module)
     return m.group(1) if m else module
-
-
-# ------------------------------------------------------------------------------------------ activations
-
-
-@dataclass(frozen=True)
-class Activations:
-    saved: int  # bytes saved for backward after the forward of one micro-batch (loss included)
-    peak: int  # saved, plus with checkpointing one block's recomputed activations
-    method: str
-
-
-def gpt_activations(
-    m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, device_type: str = "cuda"
-) -> Activations:
-    """Bytes the builtin GPT saves for backward, op by op (per token, d = d_model, e = compute bytes):
-
-    block: ln1 input d, ln1 output d, qkv output 3d (SDPA saves q, k, v as views of it), attention output d
-    (laid out so the proj input is a view of it), residual d, ln2 output d, fc output 4d, GELU output 4d:
-    16d elements; plus LayerNorm mean/rstd (4 values; fp32 on CUDA, the input dtype on CPU), the attention
-    logsumexp (fp32 per head) and dropout masks when dropout > 0 (flash attention keeps no seq^2 terms; CPU
-    attention with dropout does).
-    tail: ln_f input and output 2d, log-softmax of the logits in fp32 (vocab x 4 B), target ids (8 B).
-    With checkpointing a block keeps only its input (d) and its other 15d are recomputed one block at a time.
-    """
-    e = DTYPES[precision].itemsize
-    stat = 4 if device_type == "cuda" else e
-    mask = (1 if device_type == "cuda" else e) if m.dropout > 0 else 0
-    d, tokens = m.d_model, batch * seq
-    # CPU attention with dropout runs the math kernel in fp32: probabilities, dropout noise and output per
-    # score, and fp32 copies of q, k, v in place of the 16-bit qkv output.
-    math_attn = device_type == "cpu" and m.dropout > 0
-    attn = 12 * m.n_head * seq + 3 * d * (4 - e) if math_attn else 4 * m.n_head
-    block = 16 * d * e + 4 * stat + attn + 2 * d * mask
-    tail = 2 * d * e + 2 * stat + 4 * m.vocab_size + 8 + 8 + d * mask  # + the input ids
-    fixed = 8 * seq + 4  # position ids and the scalar loss
-    kept = d * e if checkpointing else block
-    saved = tokens * (m.n_layer * kept + tail) + fixed
-    peak = saved + (tokens * (block - d * e) if checkpointing else 0)
-    how = "builtin GPT closed form" + (
-        " (flash-attention kernels)" if device_type == "cuda" else " (CPU kernels)"
-    )
-    return Activations(saved, peak, how)
-
-
-def saved_bytes(model: nn.Module, fn) -> int:
-    """Bytes of the distinct storages autograd saves while `fn()` runs; parameters and buffers are model state."""
-    state = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s._cdata not in state:
-            seen[s._cdata] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
-def probe_activations(
-    m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool
-) -> Activations:
-    """Any model: forward + loss on the meta device at batch 1 and 2 and the real sequence length.
-
-    Two batch sizes separate what grows with the batch from what does not (the scalar loss); probing at the
-    real length keeps whatever grows faster than linearly in seq (the meta device runs the math attention
-    kernel, so this over-estimates models that use flash attention on GPUs).
-    """
-    from zoff.train import lm_loss
-
-    model = meta_model(m).to(DTYPES[precision]).train()
-    switch = hasattr(model, "activation_checkpointing")
-    if switch:
-        model.activation_checkpointing = checkpointing
-
-    def probe(b: int) -> int:
-        idx = torch.zeros(b, seq, dtype=torch.long, device="meta")
-        return saved_bytes(model, lambda: lm_loss(model(idx), torch.zeros_like(idx)))
-
-    try:
-        one, two = probe(1), probe(2)
-    except Exception as e:  # data-dependent ops cannot run on meta: say so instead of guessing
-        return Activations(0, 0, f"not available: the meta-device probe failed ({type(e).__name__}: {e})")
-    how = f"measured: meta-device forward at batch 1 and 2 x seq {seq}, scaled to batch {batch}"
-    if checkpointing and not switch:
-        how += " (the model has no activation_checkpointing switch)"
-    total = (2 * one - two) + batch * (two - one)
-    return Activations(total, total, how)
-
-
-def activations(
-    m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda"
-) -> Activations:
-    if m.name == "gpt":
-        return gpt_activations(m, d.batch_size, d.seq_len, precision, checkpointing, device_type)
-    return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing)
 
 
 # --------------------------------------------------------------------------------------------- estimate

@@ -137,11 +137,11 @@ class ZeroEngine:
                     self._params[si] = self._replace_param(s.names, view)
                 else:
                     view.copy_(self._params[si].detach())
-            if not self.deferred:
+            if not self.deferred:  # a deferred model's params already are views of `full`
                 self.comm.broadcast(full, src=0)
-            for si in u.slots:
-                s = self.plan.slots[si]
-                self._params[si].data = full[s.offset : s.offset + s.numel].view(s.shape)
+                for si in u.slots:
+                    s = self.plan.slots[si]
+                    self._params[si].data = full[s.offset : s.offset + s.numel].view(s.shape)
             lo, hi = self.plan.shard_range(u.index, self.rank)
             if self.stage < 3 or u.persistent:  # the full buffer stays: the shard is a view, not a copy
                 shard = full[lo:hi]

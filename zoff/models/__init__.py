@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 
+import torch
 from torch import nn
 
 from zoff.config import ModelConfig
@@ -29,6 +30,12 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     raise UserError(
         f"model.name: unknown model '{cfg.name}' (expected one of {', '.join(BUILTIN)}, hf:ClassName or python:pkg.mod:fn)"
     )
+
+
+def meta_model(cfg: ModelConfig) -> nn.Module:
+    """The configured model with shapes only (meta device): a 70B config costs nothing."""
+    with torch.device("meta"):
+        return build_model(cfg)
 
 
 def _from_factory(cfg: ModelConfig) -> nn.Module:

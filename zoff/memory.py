@@ -198,7 +198,7 @@ def model_states(
 def device_buffers(
     plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, device_type: str = "cuda"
 ) -> int:
-    """Transient device buffers: reduce buckets, reduce-scatter receive slices, stage 3's gathered set.
+    """Transient device buffers: gradients awaiting reduction, reduce-scatter receive slices, stage 3's gathered set.
 
     The receive slices are gloo's (collectives.py; NCCL's native reduce-scatter needs none): N-1 slices of a
     unit's shard for stage 1 (its output is its own slice of the gradient), N-2 for stages 2-3, for each
@@ -208,7 +208,9 @@ def device_buffers(
     sizes = sorted((u.padded for u in plan.units), reverse=True)
     shards = sorted((u.shard for u in plan.units), reverse=True)
     out = 0
-    if policy.stage >= 2:  # pooled full-size buckets: the one filling plus MAX_IN_FLIGHT being reduced
+    # Stage 2/3 gradients waiting for their reduction, the unit filling plus MAX_IN_FLIGHT being reduced:
+    # pooled buckets on NCCL, autograd's own gradients on gloo (engine/reduce.py).
+    if policy.stage >= 2:
         out += c * sum(sizes[: MAX_IN_FLIGHT + 1])
     if policy.stage >= 1 and device_type == "cpu":
         slices = plan.world_size - (1 if policy.stage == 1 else 2)

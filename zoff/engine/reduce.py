@@ -1,7 +1,9 @@
 """Gradient reduction during backward: per-parameter hooks fill units, full units are reduced at once.
 
 Stages 0-1 keep the full gradients as views of persistent flat buffers (all-reduce / reduce-scatter them in
-place); stages 2-3 copy each gradient into a pooled bucket that lives only until its unit is reduce-scattered.
+place). Stages 2-3 keep only their reduced shard: on gloo each parameter's own gradient is sent piecewise to
+the ranks that own it (Comm.reduce_scatter_chunks) and dropped once sent; NCCL's native reduce-scatter wants
+one flat input, so there each gradient is copied into a pooled bucket that lives until its unit is reduced.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class GradReducer:
         self.plan, self.comm, self.stage, self.gfull, self.gshard = plan, comm, stage, gfull, gshard
         self.dtype, self.overlap, self.on_unit_done = dtype, overlap, on_unit_done
         self.keep_full_grads = stage <= 1  # p.grad lives as views in persistent flat buffers
+        # Stage 2/3 on gloo: no bucket; autograd's gradients wait in _held until their unit is sent.
+        self.direct = not self.keep_full_grads and comm.backend != "nccl"
+        self._held: dict[int, dict[int, torch.Tensor]] = {}
+        self._held_bytes = self._peak_held_bytes = 0
         self._pending = [len(u.slots) for u in plan.units]
         self._reduced = [False] * len(plan.units)
         self._handles: list[Handle] = []
@@ -54,7 +60,8 @@ class GradReducer:
 
     @property
     def peak_bucket_bytes(self) -> int:
-        return self._pool.peak_bytes
+        """Most bytes of gradients waiting for their reduction at once: pooled buckets, or held gradients."""
+        return self._peak_held_bytes if self.direct else self._pool.peak_bytes
 
     def begin(self, sync: bool) -> None:
         """Before a micro-batch's backward; `sync` on the last micro-batch of a step reduces the gradients."""
@@ -77,7 +84,14 @@ class GradReducer:
         u = self.plan.units[s.unit]
 
         def hook(p: torch.Tensor) -> None:
-            if self._sync and not self.keep_full_grads:
+            if self._sync and self.direct:
+                g = p.grad.reshape(-1)
+                g.div_(self.comm.world)  # average before the sum, as below
+                self._held.setdefault(u.index, {})[slot] = g
+                self._held_bytes += g.numel() * g.element_size()
+                self._peak_held_bytes = max(self._peak_held_bytes, self._held_bytes)
+                p.grad = None
+            elif self._sync and not self.keep_full_grads:
                 bucket = self._bucket(u.index)
                 # Averaging in the copy saves a pass over the bucket; before the sum, as DDP does, it keeps
                 # fp16 sums in range.
@@ -105,6 +119,9 @@ class GradReducer:
     def _reduce_unit(self, u: int) -> None:
         self._reduced[u] = True
         unit = self.plan.units[u]
+        if self.direct:
+            self._reduce_held(u)
+            return
         if self.keep_full_grads:
             full = self.gfull[u]
             full.div_(self.comm.world)  # average before the sum: keeps fp16 sums in range, as DDP does
@@ -125,7 +142,31 @@ class GradReducer:
         if not self.keep_full_grads:
             # The bucket goes back to the pool once reduced: stage 2/3 hold at most the in-flight buckets.
             handle = Handle(then=lambda: self._pool.give(self._buckets.pop(u)), after=handle)
-        if not async_op:
+        self._track(handle)
+
+    def _reduce_held(self, u: int) -> None:
+        """Stage 2/3 on gloo: send the unit's gradients as they are; zeros for parameters that got none."""
+        held = self._held.pop(u, {})
+        chunks = []
+        for si in self.plan.units[u].slots:
+            s = self.plan.slots[si]
+            g = held.get(si)
+            chunks.append(
+                (
+                    s.offset,
+                    g if g is not None else torch.zeros(s.numel, dtype=self.dtype, device=self._pool.device),
+                )
+            )
+        nbytes = sum(g.numel() * g.element_size() for g in held.values())
+        handle = self.comm.reduce_scatter_chunks(chunks, self.gshard[u], async_op=self.overlap)
+
+        def release() -> None:
+            self._held_bytes -= nbytes
+
+        self._track(Handle(then=release, after=handle))
+
+    def _track(self, handle: Handle) -> None:
+        if not self.overlap:
             handle.wait()
             return
         self._handles = [h for h in self._handles if not h.poll()]

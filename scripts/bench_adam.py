@@ -5,9 +5,9 @@ Not a test. In one process and per size, every round runs each variant in turn (
 CPUAdam, torch AdamW foreach=True and fused=True, the mixed-precision pair (zoff bf16 grad in + bf16 copy out
 in one pass vs torch fused + a separate .to(bfloat16)), and two bandwidth ceilings: a STREAM triad and a probe
 with exactly an Adam step's traffic (read 4 arrays, write 3). This host's memory bandwidth switches between
-modes ~1.7x apart and other work shares it, so only ratios within a round mean something: each round takes
-the fastest of several steps per variant, and the table reports medians of per-round ratios (and median
-times for scale).
+modes ~1.7x apart and other work shares it, so only ratios within a round mean something: within a round
+the variants alternate step by step, each round takes each variant's fastest step, and the table reports
+medians of per-round ratios (and median times for scale).
 
     python scripts/bench_adam.py [--sizes 1M,16M,64M] [--rounds 7] [--threads 2] [--out runs/bench/bench_adam.json]
 """
@@ -100,26 +100,30 @@ def make_variants(n: int, threads: int) -> dict[str, Callable[[], None]]:
     }
 
 
-def time_step(fn: Callable[[], None], reps: int) -> float:
-    """Fastest of `reps` steps after a warm-up. Other processes share this host's 2 cores and a preempted
-    OpenMP thread stalls the whole step, so noise only ever adds time: the minimum is the robust estimate."""
-    fn()  # warm-up: brings the variant's own working set to its steady cache state
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def time_step(fn: Callable[[], None]) -> float:
+    """One step, timed after an untimed one of the same variant: every timed step starts from the cache state
+    its own previous step left, whichever variant ran just before."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def bench_size(n: int, rounds: int, threads: int) -> dict:
     variants = make_variants(n, threads)
-    # Steps per measurement: ~0.6 s of each variant (so the slow foreach path doesn't dominate), 3 to 100.
-    reps = {k: min(100, max(3, round(0.6 / time_step(variants[k], 1)))) for k in ORDER}
+    # Variants alternate step by step (A B C ... A B C ...) within a round, so a bandwidth-mode switch hits
+    # every variant alike; a round takes each variant's fastest step (noise on a shared host only ever adds
+    # time). Blocks of ~0.6 s per variant were tried first: a mode switch between two blocks skewed that
+    # round's ratios by up to 1.7x, and zoff's share of the probe at 16M read 87-98% from run to run.
+    reps = min(50, max(5, round(0.1 / time_step(variants["probe"]))))
     times: dict[str, list[float]] = {k: [] for k in ORDER}
     for r in range(rounds):
+        best = dict.fromkeys(ORDER, float("inf"))
+        for _ in range(reps):
+            for name in ORDER:
+                best[name] = min(best[name], time_step(variants[name]))
         for name in ORDER:
-            times[name].append(time_step(variants[name], reps[name]))
+            times[name].append(best[name])
         print(
             f"  n={n:,} round {r + 1}/{rounds}: " + " ".join(f"{k}={times[k][-1] * 1e3:.2f}ms" for k in ORDER)
         )

@@ -18,6 +18,8 @@ from zoff.engine.pool import BufferPool
 
 # Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a bucket.
 MAX_IN_FLIGHT = 2
+# Backends whose reduce-scatter takes one flat input: stage 2/3 gradients are copied into buckets there.
+FLAT_INPUT_BACKENDS = frozenset({"nccl"})
 
 
 class GradReducer:
@@ -40,7 +42,7 @@ class GradReducer:
         self.dtype, self.overlap, self.on_unit_done = dtype, overlap, on_unit_done
         self.keep_full_grads = stage <= 1  # p.grad lives as views in persistent flat buffers
         # Stage 2/3 on gloo: no bucket; autograd's gradients wait in _held until their unit is sent.
-        self.direct = not self.keep_full_grads and comm.backend != "nccl"
+        self.direct = not self.keep_full_grads and comm.backend not in FLAT_INPUT_BACKENDS
         self._held: dict[int, dict[int, torch.Tensor]] = {}
         self._held_bytes = self._peak_held_bytes = 0
         self._pending = [len(u.slots) for u in plan.units]
@@ -57,6 +59,11 @@ class GradReducer:
         slices = max(0, comm.world - (1 if stage == 1 else 2))
         shards = sorted((u.shard for u in plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
         comm.scratch.budget = slices * sum(shards) * dtype.itemsize
+
+    @property
+    def mode(self) -> str:
+        """How gradients are reduced: 'flat' (persistent full buffers), 'buckets' or 'direct' (per parameter)."""
+        return "flat" if self.keep_full_grads else "direct" if self.direct else "buckets"
 
     @property
     def peak_bucket_bytes(self) -> int:

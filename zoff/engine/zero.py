@@ -319,6 +319,7 @@ class ZeroEngine:
             "comm_elements": dict(self.last_step_comm),  # of the last step: zero_grad through step
             "comm_elements_total": sum(self.last_step_comm.values()),
             "peak_bucket_bytes": self.reducer.peak_bucket_bytes,
+            "grad_reduction": self.reducer.mode,
             "skipped_steps": self.scaler.skipped,
             "params": self.plan.numel,
             "units": len(self.plan.units),

@@ -313,6 +313,14 @@ def test_odd_layouts_use_the_torch_path() -> None:
         o1.step()
         o2.step()
     assert_adam_close(w.detach().flatten(), ref.detach().flatten())
+    assert o1.state[w]["step"].item() == 10.0  # the torch path counts steps like the kernel does
+
+
+def test_sparse_grad_is_refused() -> None:
+    w = torch.nn.Parameter(torch.randn(4))
+    w.grad = torch.randn(4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        CPUAdam([w]).step()
 
 
 _BROKEN_BUILD_SCRIPT = textwrap.dedent(

@@ -216,8 +216,12 @@ def cpu_adam_step(
     param rounded to nearest even. ``threads`` defaults to torch.get_num_threads(); ``simd`` (avx512, avx2,
     scalar, auto) overrides $ZOFF_CPU_ADAM_SIMD. The GIL is released while the kernel runs.
     """
-    ext = _extension()
-    if ext is None or not _kernel_ok(param, grad, exp_avg, exp_avg_sq, out16):
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
+    consts = (float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode))
+    if not _kernel(
+        param, grad, exp_avg, exp_avg_sq, out16, None, int(step), consts, bias_correction, threads, simd
+    ):
         adam_step_reference(
             param,
             grad,
@@ -233,48 +237,18 @@ def cpu_adam_step(
             bias_correction=bias_correction,
             out16=out16,
         )
-        return
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
-    ext.adam_step(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        out16,
-        int(step),
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(adamw_mode),
-        bool(bias_correction),
-        int(threads) if threads else torch.get_num_threads(),
-        simd or os.environ.get("ZOFF_CPU_ADAM_SIMD", "auto") or "auto",
-    )
 
 
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+def _kernel(p, g, m, v, out16, step_t, step, consts, bias_correction, threads, simd) -> bool:
+    """Run the C++ kernel; False if it is unavailable or declines these tensors (odd dtypes, layouts, sizes).
 
-
-def _kernel_ok(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    out16: torch.Tensor | None,
-) -> bool:
-    """Whether the C++ kernel takes these tensors as they are; odd layouts/dtypes go to the torch path."""
-    if not (param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and grad.dtype in _GRAD_DTYPES):
+    Kept to one call with no torch ops around it: see adam_step in csrc/cpu_adam.cpp for what they cost.
+    """
+    ext = _extension()
+    if ext is None:
         return False
-    if out16 is not None and out16.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq, out16) if t is not None]
-    n = param.numel()
-    return all(
-        t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and t.numel() == n
-        for t in tensors
+    return bool(
+        ext.adam_step(p, g, m, v, out16, step_t, step, *consts, bias_correction, threads or 0, simd or "")
     )
 
 
@@ -340,30 +314,35 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            consts = (
+                float(group["lr"]),
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                group["adamw_mode"],
+            )
             for p in group["params"]:
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CPUAdam does not support sparse gradients")
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                cpu_adam_step(
-                    p.data,
-                    p.grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    step=int(state["step"].item()),
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    adamw_mode=group["adamw_mode"],
+                # The kernel takes the Parameter itself (not p.data) and counts the step: no torch op here.
+                m, v, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                if _kernel(
+                    p, grad, m, v, None, step_t, 0, consts, group["bias_correction"], self.threads, None
+                ):
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError("CPUAdam does not support sparse gradients")
+                step_t += 1
+                adam_step_reference(
+                    p.data, grad, m, v, step=int(step_t.item()), lr=consts[0], beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                     bias_correction=group["bias_correction"],
-                    threads=self.threads,
-                )
+                )  # fmt: skip
         return loss

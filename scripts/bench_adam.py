@@ -36,6 +36,7 @@ LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 # Bytes moved per parameter, counted as STREAM does (no write-allocate traffic).
 BYTES = {
     "zoff fp32": 28,  # read p g m v, write p m v
+    "zoff fp32 fn": 28,  # the same step through cpu_adam_step, as the offload engine calls it
     "torch fused": 28,
     # foreach AdamW, one pass per op: mul p (8), lerp m (12), mul v (8), addcmul v (12), sqrt (8), div (8),
     # add eps (8), addcdiv p (16).
@@ -80,6 +81,10 @@ def make_variants(n: int, threads: int) -> dict[str, Callable[[], None]]:
     fused = torch_opt(fused=True)
     step = [10]
 
+    def zoff_fn() -> None:
+        step[0] += 1
+        cpu_adam_step(p, g, m, v, step=step[0], lr=LR, weight_decay=WD, threads=threads)
+
     def zoff_mixed() -> None:
         step[0] += 1
         cpu_adam_step(p, g16, m, v, step=step[0], lr=LR, weight_decay=WD, out16=out16, threads=threads)
@@ -91,6 +96,7 @@ def make_variants(n: int, threads: int) -> dict[str, Callable[[], None]]:
     triad_a, triad_b = torch.empty(n), torch.randn(n, generator=gen)
     return {
         "zoff fp32": zoff.step,
+        "zoff fp32 fn": zoff_fn,
         "torch fused": fused,
         "torch foreach": torch_opt(foreach=True),
         "zoff mixed": zoff_mixed,

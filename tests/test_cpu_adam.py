@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from zoff.optim import CPUAdam, backend_info, cpu_adam_step
 from zoff.optim.adam_reference import adam_step_reference
@@ -314,6 +315,25 @@ def test_odd_layouts_use_the_torch_path() -> None:
         o2.step()
     assert_adam_close(w.detach().flatten(), ref.detach().flatten())
     assert o1.state[w]["step"].item() == 10.0  # the torch path counts steps like the kernel does
+
+
+def test_step_hooks_and_profiler_range_still_work() -> None:
+    w = torch.nn.Parameter(torch.randn(8))
+    w.grad = torch.randn(8)
+    opt = CPUAdam([w])
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: seen.append("post"))
+    handle = register_optimizer_step_post_hook(lambda o, a, k: seen.append("global"))
+    try:
+        opt.step()
+    finally:
+        handle.remove()
+    assert seen == ["pre", "post", "global"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert "Optimizer.step#CPUAdam.step" in {e.key for e in prof.key_averages()}
+    assert opt.state[w]["step"].item() == 2.0
 
 
 def test_sparse_grad_is_refused() -> None:

@@ -13,13 +13,30 @@ import torch
 from torch import nn
 
 
+class DeltaLinear(nn.Linear):
+    """A Linear whose weight is `weight + delta.view(...)` with a flat `delta`.
+
+    Autograd hands `delta` a gradient that is a view of the one `weight` has yet to receive, so a reducer
+    that scales gradients in place corrupts `weight`'s.
+    """
+
+    def __init__(self, d: int):
+        super().__init__(d, d)
+        self.delta = nn.Parameter(torch.zeros(d * d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight * 1.0 + self.delta.view(self.weight.shape)  # the view second: its gradient runs first
+        return nn.functional.linear(x, w, self.bias)
+
+
 class TiedFrozen(nn.Module):
     """The awkward cases a ZeRO engine must get right, in one small model.
 
     - `emb.weight` is shared with the output projection `head.weight` (tied: one parameter, two names);
     - `frozen` is a Linear whose parameters have requires_grad=False (never updated, never in the optimizer);
     - `shared` is one Linear called twice per forward (its gradient accumulates from two uses);
-    - `scale` is a registered buffer (state that is not a parameter).
+    - `scale` is a registered buffer (state that is not a parameter);
+    - `fc2` adds a flat parameter to its weight through a view (DeltaLinear).
     """
 
     def __init__(self, vocab_size: int, d_model: int):
@@ -29,7 +46,7 @@ class TiedFrozen(nn.Module):
         self.frozen = nn.Linear(d_model, d_model)
         self.frozen.requires_grad_(False)
         self.shared = nn.Linear(d_model, d_model)
-        self.fc2 = nn.Linear(d_model, d_model)
+        self.fc2 = DeltaLinear(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.emb.weight  # tied
         self.register_buffer("scale", torch.linspace(0.5, 1.5, d_model))

@@ -67,10 +67,22 @@ def zoff_rank(
         start, state = ckpt.resume(resume)
         if state is not None:
             s.batches.load_state_dict(state["data"])
+    norms = []
+    engine_step = s.engine.step
+
+    def step(
+        lr: float,
+    ):  # the global gradient norm of every step: Adam hides a mis-scaled gradient, this won't
+        result = engine_step(lr)
+        norms.append(result.grad_norm)
+        return result
+
+    s.engine.step = step
     losses = train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm, ckpt, start)
     return {
         "start": start,
         "losses": losses,
+        "grad_norms": norms,
         "params": s.engine.gathered_params(),
         "memory": s.engine.memory_report(),
         "stats": s.engine.stats(),
@@ -118,7 +130,7 @@ def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> d
     batches = GlobalBatches(
         load_corpus(cfg.data, cfg.train.seed), cfg.data.seq_len, global_batch, 1, 0, 1, cfg.train.seed
     )
-    losses = []
+    losses, norms = [], []
     for step in range(cfg.train.max_steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, o.lr, cfg.train.max_steps, cfg.schedule)
@@ -130,6 +142,10 @@ def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> d
         if live is not model:
             for p, q in zip(model.parameters(), live.parameters()):
                 p.grad = q.grad
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms.append(
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        )
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         previous = [p.detach().clone() for p in model.parameters()] if live is not model else None
@@ -143,7 +159,7 @@ def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> d
     params = {
         n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
     }
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "grad_norms": norms}
 
 
 def tiny_cfg(**sections) -> dict:

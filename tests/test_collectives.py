@@ -8,7 +8,7 @@ import torch
 from tests.harness import spawn
 from zoff.engine.collectives import Comm
 
-# (shard length, chunks as (start, length)): gaps, a chunk spanning every owner, chunks ending on a boundary,
+# (shard length on 3 ranks, chunks as (start, length)): gaps, a chunk spanning every owner, chunks ending on a boundary,
 # an empty chunk, and a layout with no chunk in some rank's slice.
 LAYOUTS = [
     (7, [(0, 3), (3, 4), (9, 5), (16, 2)]),
@@ -23,7 +23,8 @@ def _chunked_vs_dense(rank: int, world: int, dtype: torch.dtype) -> list[tuple[t
     out = []
     for i, (n, layout) in enumerate(LAYOUTS):
         gen = torch.Generator().manual_seed(1000 * i + rank)
-        chunks = [(s, torch.randn(k, generator=gen).to(dtype)) for s, k in layout if s + k <= n * world]
+        n = n * 3 // world  # the same logical buffer (3 ranks' worth) at every world size
+        chunks = [(s, torch.randn(k, generator=gen).to(dtype)) for s, k in layout]
         dense = torch.zeros(n * world, dtype=dtype)
         for s, t in chunks:
             dense[s : s + t.numel()] = t

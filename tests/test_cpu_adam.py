@@ -336,6 +336,29 @@ def test_step_hooks_and_profiler_range_still_work() -> None:
     assert opt.state[w]["step"].item() == 2.0
 
 
+def test_step_wrapper_bypassed_only_when_idle() -> None:
+    from zoff.optim.cpu_adam import _step_wrapper_needed
+
+    opt = CPUAdam([torch.nn.Parameter(torch.randn(4))])
+    assert not _step_wrapper_needed(opt)
+    handle = opt.register_step_pre_hook(lambda o, a, k: None)
+    assert _step_wrapper_needed(opt)
+    handle.remove()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert _step_wrapper_needed(opt)
+
+
+def test_float64_step_counter_from_torch_state() -> None:
+    """torch's AdamW counts in float64 when the default dtype is float64; the kernel keeps that counter."""
+    w = torch.nn.Parameter(torch.randn(64))
+    opt = CPUAdam([w], lr=1e-2)
+    opt.state[w] = {"step": torch.tensor(3.0, dtype=torch.float64), "exp_avg": torch.zeros(64),
+                    "exp_avg_sq": torch.zeros(64)}  # fmt: skip
+    w.grad = torch.randn(64)
+    opt.step()
+    assert opt.state[w]["step"].dtype == torch.float64 and opt.state[w]["step"].item() == 4.0
+
+
 def test_sparse_grad_is_refused() -> None:
     w = torch.nn.Parameter(torch.randn(4))
     w.grad = torch.randn(4).to_sparse()

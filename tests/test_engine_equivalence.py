@@ -49,6 +49,7 @@ def gpt_runs(request) -> tuple[int, list[dict], dict]:
 def test_stage_matches_reference(gpt_runs, stage: int) -> None:
     world, results, ref = gpt_runs
     assert_close_losses(results[stage]["losses"], ref["losses"])
+    assert_close_losses(results[stage]["grad_norms"], ref["grad_norms"])
     assert_close_params(results[stage]["params"], ref["params"])
     assert ref["losses"][-1] < ref["losses"][0]  # the comparison is over a run that actually learns
 
@@ -83,4 +84,5 @@ def user_runs() -> tuple[list[dict], dict]:
 def test_user_model_with_tied_frozen_and_reused_modules(user_runs, stage: int) -> None:
     results, ref = user_runs
     assert_close_losses(results[stage]["losses"], ref["losses"])
+    assert_close_losses(results[stage]["grad_norms"], ref["grad_norms"])
     assert_close_params(results[stage]["params"], ref["params"])

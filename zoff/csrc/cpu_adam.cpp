@@ -18,7 +18,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -383,22 +382,20 @@ std::string adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, c1
   if (gt != at::kFloat && !half_type(gt)) return "";
   if (!flat_cpu(p, n) || !flat_cpu(g, n) || !flat_cpu(m, n) || !flat_cpu(v, n)) return "";
   if (out16.has_value() && !(half_type(out16->scalar_type()) && flat_cpu(*out16, n))) return "";
-  float* count = nullptr;
   if (step_t.has_value()) {
-    if (step_t->scalar_type() != at::kFloat || step_t->numel() != 1 || !step_t->device().is_cpu()) return "";
-    count = step_t->data_ptr<float>();
-    step = static_cast<int64_t>(*count + 1.0f);
+    const auto st = step_t->scalar_type();  // float32, or float64 when torch's default dtype was float64
+    if ((st != at::kFloat && st != at::kDouble) || step_t->numel() != 1 || !step_t->device().is_cpu()) return "";
+    step = static_cast<int64_t>(step_t->item<double>() + 1.0);
   }
   TORCH_CHECK(step >= 1, "zoff cpu_adam: step must be >= 1 (the count after this update), got ", step);
-  const char* env = simd.empty() ? std::getenv("ZOFF_CPU_ADAM_SIMD") : nullptr;  // read at every call
-  const Simd s = resolve_simd(env ? std::string(env) : simd);
+  const Simd s = resolve_simd(simd);
   const Consts c = make_consts(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
   const int nt = pick_threads(threads, n);
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   if (gt == at::kFloat) run_out(s, pp, g.data_ptr<float>(), mp, vp, out16, n, c, nt);
   else if (gt == at::kBFloat16) run_out(s, pp, g.data_ptr<bf16>(), mp, vp, out16, n, c, nt);
   else run_out(s, pp, g.data_ptr<fp16>(), mp, vp, out16, n, c, nt);
-  if (count != nullptr) *count += 1.0f;  // float32, as torch's AdamW counts
+  if (step_t.has_value()) step_t->add_(1);  // in the counter's own dtype, as torch's AdamW counts
   return simd_name(s);
 }
 

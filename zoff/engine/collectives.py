@@ -146,6 +146,8 @@ class Comm:
         a few dozen per unit of a transformer block). Pieces are numbered in chunk order, the same on every
         rank, and each travels under its own tag.
         """
+        if self.backend == "nccl":
+            raise NotImplementedError("reduce_scatter_chunks is for gloo; NCCL reduce-scatters flat buckets")
         n = out.numel()
         self.stats.add("reduce_scatter", n * self.world)
         if n == 0:

@@ -2,8 +2,9 @@
 
 Stages 0-1 keep the full gradients as views of persistent flat buffers (all-reduce / reduce-scatter them in
 place). Stages 2-3 keep only their reduced shard: on gloo each parameter's own gradient is sent piecewise to
-the ranks that own it (Comm.reduce_scatter_chunks) and dropped once sent; NCCL's native reduce-scatter wants
-one flat input, so there each gradient is copied into a pooled bucket that lives until its unit is reduced.
+the ranks that own it (Comm.reduce_scatter_chunks) and dropped once sent, with no bucket held between
+steps; NCCL's native reduce-scatter wants one flat input, so there each gradient is copied into a pooled
+bucket that lives until its unit is reduced.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from zoff.engine.collectives import Comm, Handle
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.pool import BufferPool
 
-# Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a bucket.
+# Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a unit's
+# gradients (a bucket, or the held per-parameter gradients).
 MAX_IN_FLIGHT = 2
 # Backends whose reduce-scatter takes one flat input: stage 2/3 gradients are copied into buckets there.
 FLAT_INPUT_BACKENDS = frozenset({"nccl"})
@@ -73,6 +75,9 @@ class GradReducer:
     def begin(self, sync: bool) -> None:
         """Before a micro-batch's backward; `sync` on the last micro-batch of a step reduces the gradients."""
         self._sync = sync
+        if not self._handles:  # whatever a backward that raised half-way left behind must not be sent
+            self._held.clear()
+            self._held_bytes = 0
         self._pending = [len(u.slots) for u in self.plan.units]
         self._reduced = [False] * len(self.plan.units)
 
@@ -92,10 +97,20 @@ class GradReducer:
 
         def hook(p: torch.Tensor) -> None:
             if self._sync and self.direct:
-                g = p.grad.reshape(-1)
-                g.div_(self.comm.world)  # average before the sum, as below
-                self._held.setdefault(u.index, {})[slot] = g
-                self._held_bytes += g.numel() * g.element_size()
+                # Average before the sum, as below, but out of place: autograd may hand p a gradient whose
+                # memory another tensor's pending gradient shares (p used through a view, e.g. W + p.view(..)),
+                # and scaling it in place would corrupt that one (tests/fixtures_models.py: DeltaLinear).
+                g = (
+                    p.grad.reshape(-1)
+                    if self.comm.world == 1
+                    else torch.div(p.grad.reshape(-1), self.comm.world)
+                )
+                held = self._held.setdefault(u.index, {})
+                if slot in held:  # the hook fired twice in one backward (e.g. reentrant checkpointing): sum
+                    held[slot].add_(g)
+                else:
+                    held[slot] = g
+                    self._held_bytes += g.numel() * g.element_size()
                 self._peak_held_bytes = max(self._peak_held_bytes, self._held_bytes)
                 p.grad = None
             elif self._sync and not self.keep_full_grads:

@@ -249,9 +249,10 @@ def _kernel(p, g, m, v, out16, step_t, step, consts, bias_correction, threads, s
     ext = _extension()
     if ext is None:
         return False
-    return bool(
-        ext.adam_step(p, g, m, v, out16, step_t, step, *consts, bias_correction, threads or 0, simd or "")
-    )
+    simd = simd or os.environ.get(
+        "ZOFF_CPU_ADAM_SIMD", ""
+    )  # read here, under the GIL: the kernel runs without
+    return bool(ext.adam_step(p, g, m, v, out16, step_t, step, *consts, bias_correction, threads or 0, simd))
 
 
 def _step_wrapper_needed(opt: torch.optim.Optimizer) -> bool:

@@ -97,17 +97,12 @@ class GradReducer:
 
         def hook(p: torch.Tensor) -> None:
             if self._sync and self.direct:
-                # Average before the sum, as below, but out of place: autograd may hand p a gradient whose
-                # memory another tensor's pending gradient shares (p used through a view, e.g. W + p.view(..)),
-                # and scaling it in place would corrupt that one (tests/fixtures_models.py: DeltaLinear).
-                g = (
-                    p.grad.reshape(-1)
-                    if self.comm.world == 1
-                    else torch.div(p.grad.reshape(-1), self.comm.world)
-                )
+                # Sent as it is, never written: autograd may hand p a gradient whose memory another tensor's
+                # pending gradient shares (p used through a view, e.g. W + p.view(..); fixture DeltaLinear).
+                g = p.grad.reshape(-1)
                 held = self._held.setdefault(u.index, {})
                 if slot in held:  # the hook fired twice in one backward (e.g. reentrant checkpointing): sum
-                    held[slot].add_(g)
+                    held[slot] = held[slot] + g
                 else:
                     held[slot] = g
                     self._held_bytes += g.numel() * g.element_size()
@@ -115,9 +110,7 @@ class GradReducer:
                 p.grad = None
             elif self._sync and not self.keep_full_grads:
                 bucket = self._bucket(u.index)
-                # Averaging in the copy saves a pass over the bucket; before the sum, as DDP does, it keeps
-                # fp16 sums in range.
-                torch.div(p.grad.reshape(-1), self.comm.world, out=bucket[s.offset : s.offset + s.numel])
+                bucket[s.offset : s.offset + s.numel].copy_(p.grad.reshape(-1))
                 self._filled[u.index].append(slot)
                 p.grad = None
             self._pending[u.index] -= 1
@@ -146,7 +139,6 @@ class GradReducer:
             return
         if self.keep_full_grads:
             full = self.gfull[u]
-            full.div_(self.comm.world)  # average before the sum: keeps fp16 sums in range, as DDP does
         else:
             # A pooled bucket holds stale values wherever no gradient was copied in: unused parameters, padding.
             full = self._bucket(u)
@@ -164,7 +156,7 @@ class GradReducer:
         if not self.keep_full_grads:
             # The bucket goes back to the pool once reduced: stage 2/3 hold at most the in-flight buckets.
             handle = Handle(then=lambda: self._pool.give(self._buckets.pop(u)), after=handle)
-        self._track(handle)
+        self._track(handle, u)
 
     def _reduce_held(self, u: int) -> None:
         """Stage 2/3 on gloo: send the unit's gradients as they are; zeros for parameters that got none."""
@@ -185,9 +177,17 @@ class GradReducer:
         def release() -> None:
             self._held_bytes -= nbytes
 
-        self._track(Handle(then=release, after=handle))
+        self._track(Handle(then=release, after=handle), u)
 
-    def _track(self, handle: Handle) -> None:
+    def _track(self, handle: Handle, u: int) -> None:
+        # Sum, then average what this rank keeps (1/N of the elements for stages 1-3). Averaging before the
+        # sum (as DDP does) would need a pass over the full gradient, and on gloo a copy of it: the gradient
+        # autograd hands over must not be written (see hook). Cost: an fp16 sum can overflow where the mean
+        # would not; dynamic loss scaling then skips the step and lowers the scale (DeepSpeed's default
+        # post-division has the same trade).
+        if self.comm.world > 1:
+            out = self.gfull[u] if self.stage == 0 else self.gshard[u]
+            handle = Handle(then=lambda: out.div_(self.comm.world), after=handle)
         if not self.overlap:
             handle.wait()
             return

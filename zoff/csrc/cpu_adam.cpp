@@ -18,6 +18,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cctype>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -388,7 +390,16 @@ std::string adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, c1
     step = static_cast<int64_t>(step_t->item<double>() + 1.0);
   }
   TORCH_CHECK(step >= 1, "zoff cpu_adam: step must be >= 1 (the count after this update), got ", step);
-  const Simd s = resolve_simd(simd);
+  // The environment is read here, with the GIL still held (os.environ.get costs ~50 us cold); then released
+  // so a background thread (delayed parameter update) can step while Python runs.
+  if (const char* backend = std::getenv("ZOFF_CPU_ADAM_BACKEND")) {
+    std::string b(backend);
+    for (char& ch : b) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (b == "torch") return "";  // forced fallback, as _extension() honours it
+  }
+  const char* env_simd = simd.empty() ? std::getenv("ZOFF_CPU_ADAM_SIMD") : nullptr;
+  const Simd s = resolve_simd(env_simd != nullptr ? std::string(env_simd) : simd);
+  pybind11::gil_scoped_release nogil;
   const Consts c = make_consts(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
   const int nt = pick_threads(threads, n);
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
@@ -461,12 +472,12 @@ void stream_triad(at::Tensor a, at::Tensor b, at::Tensor c, double s, int64_t th
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   namespace py = pybind11;
-  // The GIL is released so a background thread (delayed parameter update) can step while Python runs.
+  // adam_step releases the GIL itself, once it has read the environment.
   mod.def("adam_step", &adam_step, "Fused in-place Adam/AdamW step", py::arg("param"), py::arg("grad"),
-          py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out16"), py::arg("step_t"), py::arg("step"), py::arg("lr"),
+          py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out16"), py::arg("step_t"), py::arg("step"),
+          py::arg("lr"),
           py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
-          py::arg("bias_correction"), py::arg("threads"), py::arg("simd"),
-          py::call_guard<py::gil_scoped_release>());
+          py::arg("bias_correction"), py::arg("threads"), py::arg("simd"));
   mod.def("simd_levels", &simd_levels, "SIMD levels this CPU supports, best first");
   mod.def("stream_probe", &stream_probe, py::call_guard<py::gil_scoped_release>());
   mod.def("stream_triad", &stream_triad, py::call_guard<py::gil_scoped_release>());

@@ -246,13 +246,14 @@ def _kernel(p, g, m, v, out16, step_t, step, consts, bias_correction, threads, s
 
     Kept to one call with no torch ops around it: see adam_step in csrc/cpu_adam.cpp for what they cost.
     """
-    ext = _extension()
+    # Once loaded, the module is used as is: the kernel itself reads ZOFF_CPU_ADAM_BACKEND/_SIMD (and declines
+    # when the torch path is forced), without os.environ's ~50 us per read when cold.
+    ext = _state["ext"] if _state["loaded"] else _extension()
     if ext is None:
         return False
-    simd = simd or os.environ.get(
-        "ZOFF_CPU_ADAM_SIMD", ""
-    )  # read here, under the GIL: the kernel runs without
-    return bool(ext.adam_step(p, g, m, v, out16, step_t, step, *consts, bias_correction, threads or 0, simd))
+    return bool(
+        ext.adam_step(p, g, m, v, out16, step_t, step, *consts, bias_correction, threads or 0, simd or "")
+    )
 
 
 def _step_wrapper_needed(opt: torch.optim.Optimizer) -> bool:
@@ -342,7 +343,6 @@ class CPUAdam(torch.optim.Optimizer):
             if "decoupled_weight_decay" in group:
                 group["adamw_mode"] = bool(group["decoupled_weight_decay"])
 
-    @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One optimizer step over every param with a grad."""
         loss = None
@@ -376,10 +376,11 @@ class CPUAdam(torch.optim.Optimizer):
                     continue
                 if grad.is_sparse:
                     raise RuntimeError("CPUAdam does not support sparse gradients")
-                step_t += 1
-                adam_step_reference(
-                    p.data, grad, m, v, step=int(step_t.item()), lr=consts[0], beta1=beta1, beta2=beta2,
-                    eps=group["eps"], weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                    bias_correction=group["bias_correction"],
-                )  # fmt: skip
+                with torch.no_grad():  # only here: the kernel needs no grad mode (~65 us cold to set it)
+                    step_t += 1
+                    adam_step_reference(
+                        p.data, grad, m, v, step=int(step_t.item()), lr=consts[0], beta1=beta1, beta2=beta2,
+                        eps=group["eps"], weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                        bias_correction=group["bias_correction"],
+                    )  # fmt: skip
         return loss

@@ -256,17 +256,20 @@ def _kernel(p, g, m, v, out16, step_t, step, consts, bias_correction, threads, s
     )
 
 
+# Private torch names, looked up once and defensively: if one is missing, torch's full step wrapper always runs.
+_PROFILING = getattr(torch._C._autograd, "_profiler_enabled", None)
+_GLOBAL_HOOKS = [getattr(torch_optimizer, f"_global_optimizer_{k}_hooks", None) for k in ("pre", "post")]
+
+
 def _step_wrapper_needed(opt: torch.optim.Optimizer) -> bool:
-    # Private torch names, looked up defensively: if one is missing, torch's full wrapper runs.
-    profiling = getattr(torch._C._autograd, "_profiler_enabled", None)
-    module = torch_optimizer
+    if _PROFILING is None or None in _GLOBAL_HOOKS:
+        return True
     return bool(
-        profiling is None
-        or profiling()
+        _PROFILING()
         or opt._optimizer_step_pre_hooks
         or opt._optimizer_step_post_hooks
-        or getattr(module, "_global_optimizer_pre_hooks", True)
-        or getattr(module, "_global_optimizer_post_hooks", True)
+        or _GLOBAL_HOOKS[0]
+        or _GLOBAL_HOOKS[1]
     )
 
 
@@ -349,8 +352,12 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # The same call as _kernel, inlined: every Python frame costs a few us when cold.
+        ext = _state["ext"] if _state["loaded"] else _extension()
+        threads = self.threads or 0
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            bc = group["bias_correction"]
             consts = (
                 float(group["lr"]),
                 beta1,
@@ -370,8 +377,8 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 # The kernel takes the Parameter itself (not p.data) and counts the step: no torch op here.
                 m, v, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                if _kernel(
-                    p, grad, m, v, None, step_t, 0, consts, group["bias_correction"], self.threads, None
+                if ext is not None and ext.adam_step(
+                    p, grad, m, v, None, step_t, 0, *consts, bc, threads, ""
                 ):
                     continue
                 if grad.is_sparse:

@@ -17,8 +17,8 @@
 #include <omp.h>
 
 #include <cmath>
-#include <cstdint>
 #include <cctype>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -370,7 +370,7 @@ bool half_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; 
 
 // In-place Adam step on flat contiguous CPU tensors. Returns the SIMD level used, or "" when the kernel does not
 // take these tensors (dtypes, layouts, sizes), for the caller to run the torch path instead. The checks live
-// here, not in Python, and so does the step count: with `step_t` (the optimizer's float32 `step` tensor) the
+// here, not in Python, and so does the step count: with `step_t` (the optimizer's `step` tensor) the
 // count is incremented here and `step` is ignored. Right after a large step has streamed through the caches,
 // the interpreter and torch's dispatcher run cold: a Python-side `step += 1`, `.item()` and layout checks cost
 // ~0.4 ms per call there (measured at 16M params, ~3% of the step), against ~13 us when warm.
@@ -384,10 +384,16 @@ std::string adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, c1
   if (gt != at::kFloat && !half_type(gt)) return "";
   if (!flat_cpu(p, n) || !flat_cpu(g, n) || !flat_cpu(m, n) || !flat_cpu(v, n)) return "";
   if (out16.has_value() && !(half_type(out16->scalar_type()) && flat_cpu(*out16, n))) return "";
+  // The counter is read and bumped through its pointer: item() and add_() would go through torch's
+  // dispatcher, which is what this call exists to avoid.
+  float* count32 = nullptr;  // torch's AdamW counts in float32, or float64 when the default dtype was float64
+  double* count64 = nullptr;
   if (step_t.has_value()) {
-    const auto st = step_t->scalar_type();  // float32, or float64 when torch's default dtype was float64
-    if ((st != at::kFloat && st != at::kDouble) || step_t->numel() != 1 || !step_t->device().is_cpu()) return "";
-    step = static_cast<int64_t>(step_t->item<double>() + 1.0);
+    if (step_t->numel() != 1 || !step_t->device().is_cpu()) return "";
+    if (step_t->scalar_type() == at::kFloat) count32 = step_t->data_ptr<float>();
+    else if (step_t->scalar_type() == at::kDouble) count64 = step_t->data_ptr<double>();
+    else return "";
+    step = count32 != nullptr ? static_cast<int64_t>(*count32 + 1.0f) : static_cast<int64_t>(*count64 + 1.0);
   }
   TORCH_CHECK(step >= 1, "zoff cpu_adam: step must be >= 1 (the count after this update), got ", step);
   // The environment is read here, with the GIL still held (os.environ.get costs ~50 us cold); then released
@@ -406,7 +412,8 @@ std::string adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, c1
   if (gt == at::kFloat) run_out(s, pp, g.data_ptr<float>(), mp, vp, out16, n, c, nt);
   else if (gt == at::kBFloat16) run_out(s, pp, g.data_ptr<bf16>(), mp, vp, out16, n, c, nt);
   else run_out(s, pp, g.data_ptr<fp16>(), mp, vp, out16, n, c, nt);
-  if (step_t.has_value()) step_t->add_(1);  // in the counter's own dtype, as torch's AdamW counts
+  if (count32 != nullptr) *count32 += 1.0f;  // in the counter's own dtype, as torch's AdamW counts
+  if (count64 != nullptr) *count64 += 1.0;
   return simd_name(s);
 }
 

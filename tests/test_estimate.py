@@ -254,7 +254,8 @@ GIB = 2**30
         ("gpt-7b.yaml", 8, 80, 512, (1, "none", "none", False)),  # 8 x 80 GB: Adam states sharded
         ("gpt-7b.yaml", 8, 40, 512, (1, "none", "none", True)),  # 40 GB: recompute before sharding more
         ("gpt-7b.yaml", 8, 24, 512, (2, "cpu", "none", True)),  # 24 GB: ZeRO-Offload
-        ("gpt-7b.yaml", 8, 16, 512, (3, "none", "none", True)),
+        # 16 GB: stage 3 gathers whole blocks (two 200M-param layers) and the root unit: offload needed
+        ("gpt-7b.yaml", 8, 16, 512, (3, "cpu", "none", True)),
         ("gpt-7b.yaml", 1, 80, 512, (2, "cpu", "none", False)),  # one GPU: the ZeRO-Offload paper's case
         ("gpt-70b.yaml", 16, 80, 1024, (3, "none", "none", True)),
         ("gpt-70b.yaml", 8, 80, 1024, (3, "cpu", "none", True)),

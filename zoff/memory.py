@@ -11,7 +11,6 @@ from a saved-tensor probe forward on the meta device. No process group, no real 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -146,7 +145,7 @@ def engine_plan(model: nn.Module, stage: int, world: int, zero: ZeroConfig) -> P
         model,
         world if stage >= 1 else 1,
         zero.reduce_bucket_size,
-        per_module=stage == 3,
+        per_block=stage == 3,
         persistence_threshold=zero.param_persistence_threshold,
     )
 
@@ -221,30 +220,17 @@ def device_buffers(
 
 
 def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig, checkpointing: bool) -> int:
-    """Elements gathered at once in stage 3 (an upper bound).
+    """Elements gathered at once in stage 3 (an upper bound; engine/gather.py).
 
-    The unit in use, a tied unit that stays gathered from its last use in forward until its gradient is
-    complete (the embedding), and prefetch: up to prefetch_bucket_size ahead plus what an earlier prefetch
-    already started. With activation checkpointing a recomputed block gathers all of its units at once.
+    The root unit (gathered from the start of forward to the end of backward), the block in use and the one
+    whose gradients are still arriving when the next is gathered, and prefetch: up to prefetch_bucket_size
+    ahead plus what an earlier prefetch already started. A recomputed block (activation checkpointing) is the
+    block in use: it gathers nothing more.
     """
     managed = [u for u in plan.units if not u.persistent]
-    if not managed:
-        return 0
-    sizes = sorted((u.padded for u in managed), reverse=True)
-    ws = sum(sizes[:2]) + min(2 * zero.prefetch_bucket_size, sum(sizes[2:]))
-    if checkpointing:
-        regions: dict[str, int] = {}
-        for u in managed:
-            for key in {_region(m) for m in u.modules}:
-                regions[key] = regions.get(key, 0) + u.padded
-        ws += max(0, max(regions.values(), default=0) - sizes[0])
-    return ws
-
-
-def _region(module: str) -> str:
-    """'blocks.3.attn.qkv' -> 'blocks.3': the repeated layer a module belongs to (a checkpointed region)."""
-    m = re.match(r"(.*?\.\d+)(\.|$)", module)
-    return m.group(1) if m else module
+    root = sum(u.padded for u in managed if u.modules == ("",))
+    sizes = sorted((u.padded for u in managed if u.modules != ("",)), reverse=True)
+    return root + sum(sizes[:2]) + min(2 * zero.prefetch_bucket_size, sum(sizes[2:]))
 
 
 # --------------------------------------------------------------------------------------------- estimate

@@ -16,7 +16,7 @@ from zoff.config import Config, ScheduleConfig, TrainConfig, derive_grad_accum, 
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.metrics import MetricsWriter, flops_per_token, rank_logger
-from zoff.models import build_model, meta_model
+from zoff.models import build_model, enable_activation_checkpointing, meta_model
 from zoff.preempt import STOP, StopRequest
 from zoff.schedule import lr_at
 
@@ -43,8 +43,8 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     torch.manual_seed(cfg.train.seed)
     # The builtin GPT is built on the meta device and materialised shard by shard by the engine.
     model = meta_model(cfg.model) if cfg.model.name == "gpt" else build_model(cfg.model)
-    if cfg.train.activation_checkpointing and hasattr(model, "activation_checkpointing"):
-        model.activation_checkpointing = True
+    if cfg.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
     engine = build_engine(
         model,
         cfg.zero,

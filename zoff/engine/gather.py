@@ -1,18 +1,40 @@
-"""Stage 3: gather a module's parameters just before it runs (forward and backward) and free them after.
+"""Stage 3: gather a block's parameters around its forward and its backward, and free them after.
+
+Units follow the model's structure like FSDP2's: one per repeated block (partition.find_blocks) and one
+root unit for everything else (embeddings, final norm, head). The root unit is gathered when the model's
+forward starts and stays gathered until backward ends, so any code outside the blocks may read any of those
+parameters (a functional tie such as `F.linear(h, self.emb.weight)`); a block's unit is gathered for the
+whole of the block's forward, so code inside it may read any of the block's parameters. A block is released
+after its forward and gathered again before its backward, by a hook on its outputs' gradients, which runs
+before any recompute of the block (activation checkpointing runs the block's forward again, through its
+hooks or, as transformers does, its bare `forward`, and may stop part-way: nothing here counts on a
+post-forward hook running in backward). It is released once all its
+parameters have their gradient, and at the end of backward whatever is still gathered is released, so no
+gathered copy outlives a step (the next forward must see the updated shards).
 
 Each unit's full buffer keeps its tensor object for the whole run; parameters are views into it. Releasing
-a unit resizes its storage to zero, gathering resizes it back and all-gathers the shards into it, so the
-views (and autograd's saved references to the parameters) stay valid without any attribute on a Parameter.
+resizes its storage to zero, gathering resizes it back and all-gathers the shards into it, so the views (and
+autograd's saved references to the parameters) stay valid without any attribute on a Parameter. Reading a
+released parameter would touch freed memory: while the model's forward runs, a torch function mode checks
+tensor arguments and raises UnsupportedModelError naming the parameter and the module that read it.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.partition import PartitionPlan
+from zoff.errors import UserError
+
+
+class UnsupportedModelError(UserError):
+    """A model does something stage 3 cannot support; the message names the parameter and the module."""
 
 
 class UnitGatherer:
@@ -27,45 +49,63 @@ class UnitGatherer:
         shards: list[torch.Tensor],
         prefetch_numel: int,
     ):
-        self.plan, self.comm, self.full, self.shards = plan, comm, full, shards
+        self.model, self.plan, self.comm, self.full, self.shards = model, plan, comm, full, shards
         self.prefetch_numel = prefetch_numel
         self.managed = [not u.persistent for u in plan.units]
         self.gathered = [u.persistent for u in plan.units]
-        self.active = [0] * len(plan.units)  # modules inside their forward that use the unit
         self.pending: dict[int, Handle] = {}
-        self.in_backward = False
-        self.order: list[int] = []  # forward gather order, recorded in the first step, drives prefetch
+        self.in_backward = False  # set by the engine around loss.backward()
+        self.order: list[int] = []  # forward gather order of block units, recorded in the first step
         self.recording = True
         self.peak_gathered = 0
-        self._handles = []
-        by_module: dict[str, list[int]] = {}
+        self._guard = _ReleasedReadGuard(self)
+        self._guard_depth = 0
+        self.internal = False
+        by_block: dict[str, list[int]] = {}
         for u in plan.units:
             if not u.persistent:
                 for m in u.modules:
-                    by_module.setdefault(m, []).append(u.index)
+                    by_block.setdefault(m, []).append(u.index)
+        self.root_units = tuple(by_block.pop("", ()))
+        self._handles = [
+            model.register_forward_pre_hook(self._root_pre_forward),
+            model.register_forward_hook(self._root_post_forward, always_call=True),
+        ]
         for name, module in model.named_modules():
-            if name in by_module:
-                units = tuple(by_module[name])
+            if name in by_block:
+                units = tuple(by_block[name])
                 self._handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
                 self._handles.append(module.register_forward_hook(self._post_forward(units)))
 
     # -------------------------------------------------------------------------------------------- hooks
+    def _root_pre_forward(self, module, args) -> None:
+        for u in self.root_units:
+            self.gather(u, backward=False)
+        if self._guard_depth == 0:
+            self._guard.__enter__()
+        self._guard_depth += 1
+
+    def _root_post_forward(self, module, args, output) -> None:
+        self._guard_depth -= 1
+        if self._guard_depth == 0:
+            self._guard.__exit__(None, None, None)
+        if not torch.is_grad_enabled():  # no backward follows (evaluation): nothing needs the root any more
+            for u in self.root_units:
+                self.release(u)
+
     def _pre_forward(self, units: tuple[int, ...]):
         def hook(module, args):
             for u in units:
-                self.active[u] += 1
-                self.gather(u, backward=False)
+                self.gather(u, backward=self.in_backward)
 
         return hook
 
     def _post_forward(self, units: tuple[int, ...]):
         def hook(module, args, output):
+            if self.in_backward:  # a recompute: the unit stays until its gradients are in
+                return None
             for u in units:
-                self.active[u] -= 1
-            if not self.in_backward:
-                for u in units:
-                    if self.active[u] == 0:
-                        self.release(u)
+                self.release(u)
             if torch.is_grad_enabled():
                 tensors = [
                     t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
@@ -80,7 +120,6 @@ class UnitGatherer:
 
     def _pre_backward(self, units: tuple[int, ...]):
         def hook(grad):
-            self.in_backward = True
             self.recording = False
             for u in units:
                 self.gather(u, backward=True)
@@ -89,12 +128,19 @@ class UnitGatherer:
 
     # ------------------------------------------------------------------------------------ gather/release
     def gather(self, u: int, backward: bool) -> None:
+        self.internal = True  # the guard lets the gatherer's own work on released buffers through
+        try:
+            self._gather(u, backward)
+        finally:
+            self.internal = False
+
+    def _gather(self, u: int, backward: bool) -> None:
         if self.managed[u] and not self.gathered[u]:
             self._start(u)
         handle = self.pending.pop(u, None)
         if handle is not None:
             handle.wait()
-        if not backward and self.recording and u not in self.order:
+        if not backward and self.recording and u not in self.order and u not in self.root_units:
             self.order.append(u)
         self._prefetch_after(u, backward)
         self.peak_gathered = max(self.peak_gathered, self.gathered_bytes())
@@ -125,18 +171,23 @@ class UnitGatherer:
     def release(self, u: int) -> None:
         if not self.managed[u] or not self.gathered[u]:
             return
-        handle = self.pending.pop(u, None)
-        if handle is not None:
-            handle.wait()
-        self.full[u].untyped_storage().resize_(0)
-        self.gathered[u] = False
+        if u in self.root_units and self.in_backward:  # the root stays until backward has ended
+            return
+        self.internal = True
+        try:
+            handle = self.pending.pop(u, None)
+            if handle is not None:
+                handle.wait()
+            self.full[u].untyped_storage().resize_(0)
+            self.gathered[u] = False
+        finally:
+            self.internal = False
 
-    def end_backward(self) -> None:
-        """After backward: free whatever is still gathered (units with frozen or unused parameters)."""
+    def release_all(self) -> None:
+        """Free every gathered unit: after backward, and before a step changes the shards."""
         self.in_backward = False
         for u in range(len(self.full)):
-            if self.active[u] == 0:
-                self.release(u)
+            self.release(u)
 
     def gathered_bytes(self) -> int:
         return sum(
@@ -144,3 +195,77 @@ class UnitGatherer:
             for u, f in enumerate(self.full)
             if self.managed[u] and self.gathered[u]
         )
+
+    # --------------------------------------------------------------------------------------------- guard
+    def released_parameter(self, t: torch.Tensor) -> str | None:
+        """The name of the released parameter `t` is (a view of), or None if `t` is not one."""
+        storage = t.untyped_storage()
+        for u, full in enumerate(self.full):
+            if self.managed[u] and not self.gathered[u] and full.untyped_storage()._cdata == storage._cdata:
+                at = t.storage_offset()
+                for si in self.plan.units[u].slots:
+                    s = self.plan.slots[si]
+                    if s.offset <= at < s.offset + s.numel:
+                        return s.names[0]
+                return f"unit {u}"
+        return None
+
+    def reading_module(self) -> str:
+        """The innermost module of this model whose code is running (for the error message)."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if id(owner) in names:
+                return names[id(owner)] or type(owner).__name__ + " (the model)"
+            frame = frame.f_back
+        return "unknown"
+
+
+# Tensor functions that read only metadata: allowed on a released parameter (e.g. `x.to(w.dtype)`).
+_METADATA = frozenset(
+    "size dim ndimension numel nelement stride element_size is_floating_point is_complex is_contiguous "
+    "get_device is_signed __len__ __hash__ new_empty new_zeros new_ones new_full zeros_like empty_like "
+    "ones_like full_like requires_grad_ storage_offset".split()
+)
+
+
+class _ReleasedReadGuard(TorchFunctionMode):
+    """Turns a read of a released stage-3 parameter (freed storage: a crash or garbage) into a clear error.
+
+    Cost: one Python call per torch function in the model's forward, about a microsecond plus a storage
+    lookup per tensor argument; backward does not pass through it.
+    """
+
+    def __init__(self, gatherer: UnitGatherer):
+        super().__init__()
+        self.gatherer = gatherer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (
+            not self.gatherer.internal and name != "__get__" and name not in _METADATA
+        ):  # property reads (w.dtype, w.shape) are metadata
+            for a in (*args, *kwargs.values()):
+                for t in a if isinstance(a, list | tuple) else (a,):
+                    if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().nbytes() == 0:
+                        self._raise(t)
+        return func(*args, **kwargs)
+
+    def _raise(self, t: torch.Tensor) -> None:
+        param = self.gatherer.released_parameter(t)
+        if param is None:
+            return
+        block = next(
+            (m for u in self.gatherer.plan.units for m in u.modules if param in _names(self.gatherer, u)), ""
+        )
+        raise UnsupportedModelError(
+            f"zero.stage 3: parameter '{param}' was read by module '{self.gatherer.reading_module()}' outside "
+            f"the forward of '{block}', the block that holds it, where it is not gathered (stage 3 gathers a "
+            "block's parameters only while that block runs); read it inside that block, or use zero.stage 2"
+        )
+
+
+def _names(gatherer: UnitGatherer, unit) -> set[str]:
+    return {n for si in unit.slots for n in gatherer.plan.slots[si].names}

@@ -1,7 +1,7 @@
 """The partition plan: which rank owns which slice of which parameter. An immutable value from pure functions.
 
 Trainable parameters are laid out in *units*: flat, padded buffers that are the granularity of every
-collective (a gradient bucket for stages 0-2, a module's parameters for stage 3). Each unit is split evenly
+collective (a gradient bucket for stages 0-2, a block's parameters for stage 3). Each unit is split evenly
 across the ranks, so rank r owns elements [r*shard, (r+1)*shard) of every unit. Inside a unit the
 weight-decayed parameters come first, so a rank's shard meets at most two runs with different decay: the
 optimizer steps each run as one contiguous tensor instead of one call per parameter.
@@ -36,7 +36,7 @@ class Unit:
     shard: int  # padded // world_size: what each rank owns
     decay_numel: int  # elements [0, decay_numel) take weight decay
     persistent: bool  # stage 3: kept whole on every rank (small params), only its optimizer state is sharded
-    modules: tuple[str, ...]  # modules whose direct parameters live here (stage 3 gathers by module)
+    modules: tuple[str, ...]  # stage 3: the block whose forward gathers this unit ("" for the root unit)
 
 
 @dataclass(frozen=True)
@@ -92,90 +92,113 @@ def default_decay(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
+def find_blocks(model: nn.Module) -> list[str]:
+    """The repeated layers stage 3 gathers as one unit each, in module order.
+
+    A block is a module whose class HF lists in `_no_split_modules`, or an element of a ModuleList of two or
+    more modules of one class (a transformer's layers). Blocks do not nest: a MoE block's expert list is
+    part of its block. Gathering a whole block (FSDP2's unit) lets any code inside its forward read any of
+    its parameters, a parent reading a child's weight included.
+    """
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    out: list[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if type(child).__name__ in no_split:
+                out.append(name)
+            elif isinstance(child, nn.ModuleList) and len(child) >= 2 and len({type(c) for c in child}) == 1:
+                out.extend(f"{name}.{i}" for i, _ in child.named_children())
+            else:
+                walk(child, name)
+
+    walk(model, "")
+    return out
+
+
 def plan_partition(
     model: nn.Module,
     world_size: int,
     bucket_numel: int,
     *,
-    per_module: bool = False,
+    per_block: bool = False,
     persistence_threshold: int = 0,
     decay_fn=default_decay,
 ) -> PartitionPlan:
     """Group the model's distinct trainable parameters into padded units and split each across ranks.
 
-    per_module (stage 3): one unit per module's direct parameters, so a module gathers exactly what it uses;
-    parameters with at most `persistence_threshold` elements go to persistent units, bucketed by size.
-    Otherwise parameters are bucketed by `bucket_numel` in module order (close to the order gradients arrive).
+    per_block (stage 3): one unit per block (find_blocks) and one root unit for every parameter outside the
+    blocks (embeddings, final norm, head), which stays gathered from the start of forward to the end of
+    backward; parameters with at most `persistence_threshold` elements go to persistent units, bucketed by
+    size. Otherwise parameters are bucketed by `bucket_numel` in module order.
+
+    Unit order is the reduction order reversed (gradients are reduced from the last unit to the first, the
+    order in which backward usually completes them): persistent units first, then the root, then blocks.
     """
-    seen: dict[int, int] = {}
     aliases: dict[int, list[str]] = {}
     frozen: list[str] = []
-    groups: list[tuple[str, list[tuple[str, torch.Tensor]]]] = []  # (module name, its new distinct params)
-    users: dict[int, list[str]] = {}  # param id -> modules that own it directly (tied weights: several)
+    ordered: list[tuple[str, torch.Tensor]] = []  # distinct trainable params, in module order
+    owner: dict[int, str] = {}  # param id -> the block (or "" for the root) that owns it
+    blocks = find_blocks(model) if per_block else []
     for mod_name, mod in model.named_modules():
-        fresh = []
+        block = next((b for b in blocks if mod_name == b or mod_name.startswith(b + ".")), "")
         for p_name, p in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if not p.requires_grad:
                 frozen.append(full)
                 continue
-            users.setdefault(id(p), []).append(mod_name)
-            if id(p) in seen:
+            if id(p) in aliases:
                 aliases[id(p)].append(full)
                 continue
-            seen[id(p)] = 0
             aliases[id(p)] = [full]
-            fresh.append((full, p))
-        if fresh:
-            groups.append((mod_name, fresh))
+            owner[id(p)] = block
+            ordered.append((full, p))
 
-    # Build the unit membership first (lists of params), then lay each unit out.
-    members: list[tuple[list[tuple[str, torch.Tensor]], bool]] = []
-    bucket: list[tuple[str, torch.Tensor]] = []
-    small: list[tuple[str, torch.Tensor]] = []
-    size = small_size = 0
-
-    def flush(items: list, persistent: bool) -> None:
-        if items:
-            members.append((list(items), persistent))
-            items.clear()
-
-    for _, params in groups:
-        if per_module:
-            big = [(n, p) for n, p in params if p.numel() > persistence_threshold]
-            for n, p in params:
-                if p.numel() <= persistence_threshold:
-                    if small and small_size + p.numel() > bucket_numel:
-                        flush(small, True)
-                        small_size = 0
-                    small.append((n, p))
-                    small_size += p.numel()
-            flush(big, False)
-            continue
-        for n, p in params:
+    members: list[tuple[list[tuple[str, torch.Tensor]], bool, tuple[str, ...]]] = []
+    if per_block:
+        small: list[tuple[str, torch.Tensor]] = []
+        small_size = 0
+        for n, p in ordered:
+            if p.numel() <= persistence_threshold:
+                if small and small_size + p.numel() > bucket_numel:
+                    members.append((small, True, ()))
+                    small, small_size = [], 0
+                small.append((n, p))
+                small_size += p.numel()
+        if small:
+            members.append((small, True, ()))
+        for group in ["", *blocks]:
+            params = [
+                (n, p) for n, p in ordered if owner[id(p)] == group and p.numel() > persistence_threshold
+            ]
+            if params:
+                members.append((params, False, (group,)))
+    else:
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for n, p in ordered:
             if bucket and size + p.numel() > bucket_numel:
-                flush(bucket, False)
-                size = 0
+                members.append((bucket, False, ()))
+                bucket, size = [], 0
             bucket.append((n, p))
             size += p.numel()
-    flush(bucket, False)
-    flush(small, True)
+        if bucket:
+            members.append((bucket, False, ()))
 
     slots: list[Slot] = []
     units: list[Unit] = []
-    for ui, (params, persistent) in enumerate(members):
-        ordered = [x for x in params if decay_fn(*x)] + [x for x in params if not decay_fn(*x)]
+    for ui, (params, persistent, mods) in enumerate(members):
+        params = [x for x in params if decay_fn(*x)] + [x for x in params if not decay_fn(*x)]
         offset, idx, decay_numel = 0, [], 0
-        mods: list[str] = []
-        for name, p in ordered:
+        for name, p in params:
             decay = decay_fn(name, p)
             idx.append(len(slots))
             slots.append(Slot(tuple(aliases[id(p)]), tuple(p.shape), p.numel(), ui, offset, decay))
             offset += p.numel()
             decay_numel += p.numel() if decay else 0
-            mods.extend(m for m in users[id(p)] if m not in mods)
         padded = -(-offset // world_size) * world_size
         units.append(
-            Unit(ui, tuple(idx), offset, padded, padded // world_size, decay_numel, persistent, tuple(mods))
+            Unit(ui, tuple(idx), offset, padded, padded // world_size, decay_numel, persistent, mods)
         )
     return PartitionPlan(world_size, tuple(slots), tuple(units), tuple(frozen))

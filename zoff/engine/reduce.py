@@ -1,10 +1,25 @@
-"""Gradient reduction during backward: per-parameter hooks fill units, full units are reduced at once.
+"""Gradient reduction during backward, correct for any pattern of parameter use.
 
-Stages 0-1 keep the full gradients as views of persistent flat buffers (all-reduce / reduce-scatter them in
-place). Stages 2-3 keep only their reduced shard: on gloo each parameter's own gradient is sent piecewise to
-the ranks that own it (Comm.reduce_scatter_chunks) and dropped once sent, with no bucket held between
-steps; NCCL's native reduce-scatter wants one flat input, so there each gradient is copied into a pooled
-bucket that lives until its unit is reduced.
+Every rank issues the same collectives in the same order, whatever its data did: units are reduced in one
+fixed order (the plan's units, last first: the order in which backward usually completes them), a unit is
+launched once all its parameters have their gradient *and* every unit before it in that order has been
+launched, and at the end of backward every unit not yet launched is, with zeros for parameters that got no
+gradient on this rank (an unused expert, a branch not taken, a frozen path). What this costs: a unit whose
+gradient comes late (an expert no token of this micro-batch picked) holds back the units after it in the
+order, so that step overlaps less of its communication; nothing waits longer than the end of backward.
+
+A hook that fires again for a parameter whose unit is already on the wire (reentrant checkpointing of a
+module called twice) is not lost: the late gradient is kept and, at the end of backward, a one-scalar-per-unit
+all-reduce tells every rank which units need a correcting reduction, which all ranks then issue in order.
+Each rank learns how many times each hook fires per backward, so the correction is paid once.
+
+Stages 0-1 accumulate every micro-batch into persistent flat buffers and reduce on the last one. Stages 2-3
+reduce every micro-batch into the sharded accumulator (`gshard`) and drop the full gradients at once (what
+the ZeRO paper counts): on gloo each parameter's gradient is sent piecewise to the ranks that own it
+(Comm.reduce_scatter_chunks) and dropped once sent; NCCL's reduce-scatter wants one flat input, so there
+gradients are copied into a pooled bucket that lives until its unit is reduced. Autograd's gradients are
+never written: one can share memory with another tensor's pending gradient (a parameter used through a view,
+fixture DeltaLinear).
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ FLAT_INPUT_BACKENDS = frozenset({"nccl"})
 
 
 class GradReducer:
-    """Owns the hooks' state: which units are complete, the buckets, and the reductions in flight."""
+    """Owns the hooks' state: which gradients arrived, the launch cursor, buckets and reductions in flight."""
 
     def __init__(
         self,
@@ -41,18 +56,19 @@ class GradReducer:
         on_unit_done: Callable[[int], None] | None = None,
     ):
         self.plan, self.comm, self.stage, self.gfull, self.gshard = plan, comm, stage, gfull, gshard
-        self.dtype, self.overlap, self.on_unit_done = dtype, overlap, on_unit_done
-        self.keep_full_grads = stage <= 1  # p.grad lives as views in persistent flat buffers
+        self.dtype, self.device, self.overlap, self.on_unit_done = dtype, device, overlap, on_unit_done
+        self.keep_full_grads = stage <= 1  # full gradients accumulate in persistent flat buffers
         # Stage 2/3 on gloo: no bucket; autograd's gradients wait in _held until their unit is sent.
         self.direct = not self.keep_full_grads and comm.backend not in FLAT_INPUT_BACKENDS
+        self.order = [u.index for u in reversed(plan.units)]  # the fixed reduction order, the same everywhere
+        self.expected = [1] * len(plan.slots)  # hook firings per backward, learned (at least once each)
         self._held: dict[int, dict[int, torch.Tensor]] = {}
         self._held_bytes = self._peak_held_bytes = 0
-        self._pending = [len(u.slots) for u in plan.units]
-        self._reduced = [False] * len(plan.units)
         self._handles: list[Handle] = []
         self._buckets: dict[int, torch.Tensor] = {}
-        self._filled: dict[int, list[int]] = {}  # slots whose gradient is already in the unit's bucket
-        self._sync = True
+        self._filled: dict[int, set[int]] = {}  # slots whose gradient is already in the unit's bucket
+        self._fresh = [True] * len(plan.units)  # the sharded accumulator holds nothing yet (stages 2-3)
+        self._begin_state(sync=True)
         # The filling bucket plus MAX_IN_FLIGHT being reduced: what memory.device_buffers estimates.
         largest = sorted((u.padded for u in plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
         self._pool = BufferPool(device, budget_bytes=sum(largest) * dtype.itemsize)
@@ -72,122 +88,172 @@ class GradReducer:
         """Most bytes of gradients waiting for their reduction at once: pooled buckets, or held gradients."""
         return self._peak_held_bytes if self.direct else self._pool.peak_bytes
 
-    def begin(self, sync: bool) -> None:
-        """Before a micro-batch's backward; `sync` on the last micro-batch of a step reduces the gradients."""
-        self._sync = sync
-        if not self._handles:  # whatever a backward that raised half-way left behind must not be sent
-            self._held.clear()
-            self._held_bytes = 0
-        self._pending = [len(u.slots) for u in self.plan.units]
-        self._reduced = [False] * len(self.plan.units)
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def zero_grad(self) -> None:
+        """A new accumulation window: the next reduction of each unit writes its shard instead of adding."""
+        self._fresh = [True] * len(self.plan.units)
 
-    def finish(self) -> None:
-        """After the last micro-batch's backward: reduce what no hook reduced, wait for every reduction."""
-        for u, done in enumerate(self._reduced):
-            if not done:  # parameters that got no gradient this step (unused): reduce their zeros too
-                self._reduce_unit(u)
+    def _begin_state(self, sync: bool) -> None:
+        self._sync = sync
+        # Stages 2-3 reduce every micro-batch into the shard; stages 0-1 only the last one of the window.
+        self._launching = sync or not self.keep_full_grads
+        self._fires = [0] * len(self.plan.slots)
+        self._missing = [len(u.slots) for u in self.plan.units]  # slots without any gradient yet
+        self._launched = [False] * len(self.plan.units)
+        self._cursor = 0
+        self._late: dict[int, dict[int, torch.Tensor]] = {}
+
+    def begin(self, sync: bool) -> None:
+        """Before a micro-batch's backward; `sync` on the last micro-batch of a step."""
+        for h in self._handles:  # whatever a backward that raised half-way left in flight
+            h.wait()
+        self._handles.clear()
+        self._held.clear()
+        self._held_bytes = 0
+        for u in list(self._buckets):
+            self._pool.give(self._buckets.pop(u))
+        self._filled.clear()
+        self._begin_state(sync)
+
+    def end_backward(self) -> None:
+        """After a micro-batch's backward (all hooks have run): launch what is left, in order; wait for all."""
+        if not self._launching:
+            return
+        while self._cursor < len(self.order):
+            self._launch(self.order[self._cursor])
+        self._wait_all()
+        self._correct_late()
+        for slot, n in enumerate(self._fires):
+            self.expected[slot] = max(self.expected[slot], n)
+        self._fresh = [False] * len(self.plan.units)
+
+    def _wait_all(self) -> None:
         for h in self._handles:
             h.wait()
         self._handles.clear()
 
+    # ---------------------------------------------------------------------------------------------- hooks
     def hook(self, slot: int) -> Callable[[torch.Tensor], None]:
         """The post-accumulate-grad hook of the parameter in `slot`."""
         s = self.plan.slots[slot]
-        u = self.plan.units[s.unit]
+        u = s.unit
 
         def hook(p: torch.Tensor) -> None:
-            if self._sync and self.direct:
-                # Sent as it is, never written: autograd may hand p a gradient whose memory another tensor's
-                # pending gradient shares (p used through a view, e.g. W + p.view(..); fixture DeltaLinear).
-                g = p.grad.reshape(-1)
-                held = self._held.setdefault(u.index, {})
-                if slot in held:  # the hook fired twice in one backward (e.g. reentrant checkpointing): sum
+            g, p.grad = p.grad.reshape(-1), None
+            self._fires[slot] += 1
+            if self._launched[u]:  # its unit is already being reduced: corrected at the end of backward
+                late = self._late.setdefault(u, {})
+                late[slot] = late[slot] + g if slot in late else g
+                return
+            if self.keep_full_grads:
+                self.gfull[u][s.offset : s.offset + s.numel].add_(g)
+            elif self.direct:
+                held = self._held.setdefault(u, {})
+                if slot in held:  # a second firing in this backward: sum (out of place, g is autograd's)
                     held[slot] = held[slot] + g
                 else:
                     held[slot] = g
                     self._held_bytes += g.numel() * g.element_size()
                 self._peak_held_bytes = max(self._peak_held_bytes, self._held_bytes)
-                p.grad = None
-            elif self._sync and not self.keep_full_grads:
-                bucket = self._bucket(u.index)
-                bucket[s.offset : s.offset + s.numel].copy_(p.grad.reshape(-1))
-                self._filled[u.index].append(slot)
-                p.grad = None
-            self._pending[u.index] -= 1
-            if self._pending[u.index] == 0:
-                # Every use of the unit's parameters is behind us: stage 3 can drop the gathered copy now.
-                if self.on_unit_done is not None:
-                    self.on_unit_done(u.index)
-                if self._sync:
-                    self._reduce_unit(u.index)
+            else:
+                piece = self._bucket(u)[s.offset : s.offset + s.numel]
+                filled = self._filled[u]
+                piece.add_(g) if slot in filled else piece.copy_(g)
+                filled.add(slot)
+            if self._fires[slot] == 1:
+                self._missing[u] -= 1
+                if self._missing[u] == 0 and self.on_unit_done is not None:
+                    self.on_unit_done(u)  # every parameter of the unit has its gradient: stage 3 may release
+            if self._launching:
+                self._advance()
 
         return hook
 
+    def _advance(self) -> None:
+        """Launch units in the fixed order for as long as the next one is complete."""
+        while self._cursor < len(self.order):
+            u = self.order[self._cursor]
+            if any(self._fires[si] < self.expected[si] for si in self.plan.units[u].slots):
+                return
+            self._launch(u)
+
     def _bucket(self, u: int) -> torch.Tensor:
-        """Stage 2/3: unit u's gradient bucket, taken from the pool on first use in this backward."""
+        """Stage 2/3 on NCCL: unit u's gradient bucket, taken from the pool on first use in this backward."""
         bucket = self._buckets.get(u)
         if bucket is None:
             bucket = self._buckets[u] = self._pool.take(self.plan.units[u].padded, self.dtype)
-            self._filled[u] = []
+            self._filled[u] = set()
         return bucket
 
-    def _reduce_unit(self, u: int) -> None:
-        self._reduced[u] = True
+    # ------------------------------------------------------------------------------------------ reductions
+    def _launch(self, u: int) -> None:
+        self._launched[u] = True
+        self._cursor += 1
         unit = self.plan.units[u]
-        if self.direct:
-            self._reduce_held(u)
-            return
         if self.keep_full_grads:
             full = self.gfull[u]
+            if self.stage == 0:
+                self._track(self.comm.all_reduce(full, async_op=self.overlap), u, None)
+            else:
+                self._track(self.comm.reduce_scatter(full, self.gshard[u], async_op=self.overlap), u, None)
+            return
+        # Stages 2-3: into the shard on the window's first micro-batch, else into a buffer added to it.
+        out = self.gshard[u] if self._fresh[u] else self._pool.take(unit.shard, self.gshard[u].dtype)
+        if self.direct:
+            held = self._held.pop(u, {})
+            nbytes = sum(g.numel() * g.element_size() for g in held.values())
+            handle = self.comm.reduce_scatter_chunks(self._chunks(u, held), out, async_op=self.overlap)
+
+            def release() -> None:
+                self._held_bytes -= nbytes
+
+            handle = Handle(then=release, after=handle)
         else:
             # A pooled bucket holds stale values wherever no gradient was copied in: unused parameters, padding.
             full = self._bucket(u)
-            filled = set(self._filled.pop(u))
+            filled = self._filled.pop(u)
             for si in unit.slots:
                 if si not in filled:
                     s = self.plan.slots[si]
                     full[s.offset : s.offset + s.numel].zero_()
             full[unit.numel :].zero_()
-        async_op = self.overlap
-        if self.stage == 0:
-            handle = self.comm.all_reduce(full, async_op=async_op)
-        else:
-            handle = self.comm.reduce_scatter(full, self.gshard[u], async_op=async_op)
-        if not self.keep_full_grads:
+            handle = self.comm.reduce_scatter(full, out, async_op=self.overlap)
             # The bucket goes back to the pool once reduced: stage 2/3 hold at most the in-flight buckets.
             handle = Handle(then=lambda: self._pool.give(self._buckets.pop(u)), after=handle)
-        self._track(handle, u)
+        self._track(handle, u, None if out is self.gshard[u] else out)
 
-    def _reduce_held(self, u: int) -> None:
-        """Stage 2/3 on gloo: send the unit's gradients as they are; zeros for parameters that got none."""
-        held = self._held.pop(u, {})
-        chunks = []
+    def _chunks(self, u: int, grads: dict[int, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """(offset, gradient) per slot of unit u, zeros where this rank has none."""
+        out = []
         for si in self.plan.units[u].slots:
             s = self.plan.slots[si]
-            g = held.get(si)
-            chunks.append(
-                (
-                    s.offset,
-                    g if g is not None else torch.zeros(s.numel, dtype=self.dtype, device=self._pool.device),
-                )
+            g = grads.get(si)
+            out.append(
+                (s.offset, g if g is not None else torch.zeros(s.numel, dtype=self.dtype, device=self.device))
             )
-        nbytes = sum(g.numel() * g.element_size() for g in held.values())
-        handle = self.comm.reduce_scatter_chunks(chunks, self.gshard[u], async_op=self.overlap)
+        return out
 
-        def release() -> None:
-            self._held_bytes -= nbytes
+    def _track(self, handle: Handle, u: int, addend: torch.Tensor | None) -> None:
+        """Finish a reduction of unit u: add a buffer into the accumulator, and average on the last micro-batch.
 
-        self._track(Handle(then=release, after=handle), u)
+        Sum, then average what this rank keeps (1/N of the elements for stages 1-3). Averaging before the sum
+        (as DDP does) would need a pass over the full gradient, and on gloo a copy of it: the gradient
+        autograd hands over must not be written (see hook). Cost: an fp16 sum can overflow where the mean
+        would not; dynamic loss scaling then skips the step and lowers the scale (DeepSpeed's default
+        post-division has the same trade).
+        """
+        out = self.gfull[u] if self.stage == 0 else self.gshard[u]
+        average = self._sync and self.comm.world > 1
 
-    def _track(self, handle: Handle, u: int) -> None:
-        # Sum, then average what this rank keeps (1/N of the elements for stages 1-3). Averaging before the
-        # sum (as DDP does) would need a pass over the full gradient, and on gloo a copy of it: the gradient
-        # autograd hands over must not be written (see hook). Cost: an fp16 sum can overflow where the mean
-        # would not; dynamic loss scaling then skips the step and lowers the scale (DeepSpeed's default
-        # post-division has the same trade).
-        if self.comm.world > 1:
-            out = self.gfull[u] if self.stage == 0 else self.gshard[u]
-            handle = Handle(then=lambda: out.div_(self.comm.world), after=handle)
+        def finish() -> None:
+            if addend is not None:
+                out.add_(addend)
+                self._pool.give(addend)
+            if average:
+                out.div_(self.comm.world)
+
+        if addend is not None or average:
+            handle = Handle(then=finish, after=handle)
         if not self.overlap:
             handle.wait()
             return
@@ -195,3 +261,36 @@ class GradReducer:
         self._handles.append(handle)
         while len(self._handles) > MAX_IN_FLIGHT:  # bounds bucket memory when the network is the bottleneck
             self._handles.pop(0).wait()
+
+    def _correct_late(self) -> None:
+        """Reduce gradients that arrived after their unit was launched, on every rank that needs it.
+
+        One all-reduce of a flag per unit (cheap: a few bytes per unit) makes every rank agree on which
+        units get a correction, so the collectives stay in the same order everywhere.
+        """
+        if self.comm.world > 1:
+            flags = self.comm.sum_scalars(
+                [1.0 if u in self._late else 0.0 for u in range(len(self.plan.units))]
+            )
+            units = [u for u in self.order if flags[u] > 0]
+        else:
+            units = [u for u in self.order if u in self._late]
+        scale = 1.0 / self.comm.world if self._sync else 1.0
+        for u in units:
+            unit, late = self.plan.units[u], self._late.pop(u, {})
+            out = self.gfull[u] if self.stage == 0 else self.gshard[u]
+            if self.direct:
+                tmp = torch.zeros_like(self.gshard[u])
+                self.comm.reduce_scatter_chunks(self._chunks(u, late), tmp).wait()
+            else:
+                full = torch.zeros(unit.padded, dtype=self.dtype, device=self.device)
+                for si, g in late.items():
+                    s = self.plan.slots[si]
+                    full[s.offset : s.offset + s.numel].copy_(g)
+                if self.stage == 0:
+                    self.comm.all_reduce(full).wait()
+                    tmp = full
+                else:
+                    tmp = torch.zeros_like(self.gshard[u])
+                    self.comm.reduce_scatter(full, tmp).wait()
+            out.add_(tmp, alpha=scale)

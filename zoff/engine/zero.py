@@ -50,7 +50,7 @@ class ZeroEngine:
         self.zero, self.grad_clip = zero, grad_clip
         self.dtype = DTYPES[precision]
         self.device = device or torch.device("cpu")
-        self.keep_full_grads = self.stage <= 1  # p.grad lives as views in persistent flat buffers
+        self.keep_full_grads = self.stage <= 1  # full gradients accumulate in persistent flat buffers
         self.rank = self.comm.rank if self.stage >= 1 else 0  # stage 0: one partition that every rank owns
         parts = self.comm.world if self.stage >= 1 else 1
         bucket = zero.reduce_bucket_size
@@ -58,7 +58,7 @@ class ZeroEngine:
             model,
             parts,
             bucket,
-            per_module=self.stage == 3,
+            per_block=self.stage == 3,
             persistence_threshold=zero.param_persistence_threshold,
         )
         # A model built on the meta device is materialised unit by unit in _build_buffers: no rank ever
@@ -71,9 +71,11 @@ class ZeroEngine:
         ):
             raise ValueError("a meta-device model needs init_parameter() and no frozen params or buffers")
         self.model = model if self.deferred else model.to(self.device)
-        for t in [*model.buffers(), *(p for p in model.parameters() if not p.requires_grad)]:
-            if t.is_floating_point():  # frozen params and buffers compute in the same dtype as the rest
-                t.data = t.data.to(self.dtype)
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():  # frozen params compute in the same dtype
+                p.data = p.data.to(self.dtype)
+        # Buffers keep their dtype, as under torch autocast and FSDP2: an fp32 rotary inv_freq cast to bf16
+        # would put large errors into the angles of long positions.
         self.scaler = LossScaler(enabled=precision == "fp16")
         self._params = self._distinct_params(model)
         self.offload = zero.offload_optimizer.device == "cpu"
@@ -125,38 +127,43 @@ class ZeroEngine:
 
     def _build_buffers(self) -> None:
         """Put every parameter into its unit's flat buffer, identical on all ranks: rank 0's values are
-        broadcast, or a meta-device model initialises each parameter in place (deterministic by name)."""
+        broadcast, or a meta-device model initialises the parameters this rank owns (see _init_owned)."""
         self.full, self.shard_params, self.gfull, self.gshard = [], [], [], []
         for u in self.plan.units:
-            full = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+            lo, hi = self.plan.shard_range(u.index, self.rank)
+            sharded = self.stage == 3 and not u.persistent  # only the shard stays; the full buffer is freed
+            # empty, not zeros, for a buffer that is freed at once: its pages are never touched
+            full = (torch.empty if sharded else torch.zeros)(u.padded, dtype=self.dtype, device=self.device)
             for si in u.slots:
                 s = self.plan.slots[si]
                 view = full[s.offset : s.offset + s.numel].view(s.shape)
                 if self.deferred:
-                    self.model.init_parameter(s.names[0], view)
                     self._params[si] = self._replace_param(s.names, view)
                 else:
                     view.copy_(self._params[si].detach())
-            if not self.deferred:  # a deferred model's params already are views of `full`
-                self.comm.broadcast(full, src=0)
-                for si in u.slots:
-                    s = self.plan.slots[si]
-                    self._params[si].data = full[s.offset : s.offset + s.numel].view(s.shape)
-            lo, hi = self.plan.shard_range(u.index, self.rank)
-            if self.stage < 3 or u.persistent:  # the full buffer stays: the shard is a view, not a copy
-                shard = full[lo:hi]
-            elif (
-                self.offload_params and not u.persistent
-            ):  # stage 3 param offload: the shard lives on the host
-                shard = host_buffer(full[lo:hi], self.dtype, self.zero.offload_param.pin_memory).copy_(
-                    full[lo:hi]
-                )
-            else:
-                shard = full[lo:hi].clone()
-            if self.stage == 3 and not u.persistent:
+                    self._params[si].data = view
+            if sharded:
+                host = self.offload_params  # stage 3 param offload: the shard lives on the host
+                shard = torch.zeros(u.shard, dtype=self.dtype, device=self.device)
+                if host:
+                    shard = host_buffer(shard, self.dtype, self.zero.offload_param.pin_memory)
+                if self.deferred:
+                    self._init_owned(u.index, full, shard, lo)
+                else:
+                    self.comm.broadcast(full, src=0)
+                    shard.copy_(full[lo:hi])
                 # Released at once (the gatherer starts with every managed unit released): holding all the
                 # full buffers until the end would put a whole model copy into this rank's peak memory.
                 full.untyped_storage().resize_(0)
+            else:  # the full buffer stays: the shard is a view, not a copy
+                shard = full[lo:hi]
+                if self.deferred and self.stage >= 1:
+                    self._init_owned(u.index, full, shard, lo)
+                    self.comm.all_gather(shard, full)
+                elif self.deferred:  # stage 0: one partition, which every rank owns
+                    self._init_owned(u.index, full, full, 0)
+                else:
+                    self.comm.broadcast(full, src=0)
             self.full.append(full)
             self.shard_params.append(shard)
             if self.keep_full_grads:
@@ -165,6 +172,29 @@ class ZeroEngine:
                 self.gshard.append(g[lo:hi])
             else:
                 self.gshard.append(torch.zeros(u.shard, dtype=self.dtype, device=self.device))
+
+    def _init_owned(self, u: int, full: torch.Tensor, shard: torch.Tensor, lo: int) -> None:
+        """Initialise the parameters of unit u that overlap this rank's shard [lo, lo + len(shard)), into it.
+
+        Each rank draws only what it owns plus the rest of the (at most two) parameters that cross its shard's
+        edges: O(psi/N) time and memory, not O(psi). Each parameter has its own generator (seeded by name), so
+        the weights are the same at every world size and stage. A parameter that lies wholly in the shard is
+        initialised in place; one that crosses an edge is drawn whole into a temporary and its piece copied.
+        """
+        hi = lo + shard.numel()
+        for si in self.plan.units[u].slots:
+            s = self.plan.slots[si]
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a >= b:
+                continue
+            if lo <= s.offset and s.offset + s.numel <= hi and full.untyped_storage().nbytes():
+                self.model.init_parameter(s.names[0], full[s.offset : s.offset + s.numel].view(s.shape))
+                if shard.data_ptr() != full[lo:hi].data_ptr():
+                    shard[a - lo : b - lo].copy_(full[a:b])
+                continue
+            tmp = torch.empty(s.shape, dtype=self.dtype, device=self.device)
+            self.model.init_parameter(s.names[0], tmp)
+            shard[a - lo : b - lo].copy_(tmp.view(-1)[a - s.offset : b - s.offset])
 
     def _replace_param(self, names: tuple[str, ...], value: torch.Tensor) -> nn.Parameter:
         """A materialised Parameter in place of a meta one, under every (tied) name."""
@@ -185,13 +215,16 @@ class ZeroEngine:
 
     # ---------------------------------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
-        """Backward of one micro-batch; `sync` on the last micro-batch of a step reduces the gradients."""
+        """Backward of one micro-batch; `sync` on the last micro-batch of a step averages the gradients."""
         self.reducer.begin(sync)
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         if self.gatherer is not None:
-            self.gatherer.end_backward()
-        if sync:
-            self.reducer.finish()
+            self.gatherer.in_backward = True
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        finally:
+            if self.gatherer is not None:
+                self.gatherer.release_all()  # no gathered copy outlives backward: the step changes the shards
+        self.reducer.end_backward()  # autograd is done: every hook that will fire has fired
 
     # -------------------------------------------------------------------------------------------- step
     def step(self, lr: float) -> StepResult:
@@ -202,6 +235,8 @@ class ZeroEngine:
         """
         self.last_flush_s = 0.0
         self.flush()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
         local_sq, local_bad = 0.0, 0.0
         for g in self.gshard:
             # vector_norm accumulates in fp32 without a full-size temporary (3-6x faster than g.float().pow(2))
@@ -216,9 +251,10 @@ class ZeroEngine:
             self.scaler.update(overflow=True)
             self.last_step_comm = dict(self.comm.stats.elements)
             return StepResult(float("inf"), stepped=False)
-        self.scaler.update(overflow=False)
+        # Unscale with the scale these gradients were computed with; it may grow only afterwards (GradScaler).
         norm = math.sqrt(total_sq) / self.scaler.scale
         coef = 1.0 / self.scaler.scale
+        self.scaler.update(overflow=False)
         if self.grad_clip > 0:
             coef *= min(self.grad_clip / (norm + 1e-6), 1.0)
         grads = []
@@ -271,14 +307,12 @@ class ZeroEngine:
             handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
 
     def zero_grad(self) -> None:
+        """Start an accumulation window: stages 0-1 zero their flat buffers, 2-3 overwrite the shard next time."""
         for g in self.gfull:
             g.zero_()
-        for slot, p in enumerate(self._params):
-            if self.keep_full_grads:
-                s = self.plan.slots[slot]
-                p.grad = self.gfull[s.unit][s.offset : s.offset + s.numel].view(s.shape)
-            else:
-                p.grad = None
+        for p in self._params:
+            p.grad = None  # the hooks move every gradient into the engine's buffers at once
+        self.reducer.zero_grad()
         self.comm.stats.reset()
 
     # ------------------------------------------------------------------------------------- reporting
@@ -322,6 +356,8 @@ class ZeroEngine:
             "grad_reduction": self.reducer.mode,
             "skipped_steps": self.scaler.skipped,
             "params": self.plan.numel,
+            # stage 3: gathered once per step (forward through backward), not once for each
+            "root_params": sum(u.numel for u in self.plan.units if u.modules == ("",) and not u.persistent),
             "units": len(self.plan.units),
             "loss_scale": self.scaler.scale,
             "offload_optimizer": self.offload,

@@ -38,6 +38,23 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
         return build_model(cfg)
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Switch on activation checkpointing: builtin and factory models by their `activation_checkpointing`
+    attribute, transformers models by their own switch, non-reentrant (what stage 3's gathering and the
+    reduction of gradients that fire twice are tested with). A model with neither is an error."""
+    if isinstance(getattr(model, "activation_checkpointing", None), bool):
+        model.activation_checkpointing = True
+    elif hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise UserError(
+            f"train.activation_checkpointing: {type(model).__name__} has no switch for it (give the module a "
+            "bool attribute `activation_checkpointing` that its forward honours, or set the key to false)"
+        )
+
+
 def _from_factory(cfg: ModelConfig) -> nn.Module:
     spec = cfg.name[len("python:") :]
     mod_name, _, fn_name = spec.partition(":")

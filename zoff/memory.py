@@ -195,7 +195,12 @@ def model_states(
 
 
 def device_buffers(
-    plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, device_type: str = "cuda"
+    plan: PartitionPlan,
+    policy: Policy,
+    zero: ZeroConfig,
+    precision: str,
+    device_type: str = "cuda",
+    accumulating: bool = False,
 ) -> int:
     """Transient device buffers: gradients awaiting reduction, reduce-scatter receive slices, stage 3's gathered set.
 
@@ -204,19 +209,39 @@ def device_buffers(
     reduction in flight.
     """
     c = DTYPES[precision].itemsize
-    sizes = sorted((u.padded for u in plan.units), reverse=True)
     shards = sorted((u.shard for u in plan.units), reverse=True)
-    out = 0
-    # Stage 2/3 gradients waiting for their reduction, the unit filling plus MAX_IN_FLIGHT being reduced:
-    # pooled buckets on NCCL, autograd's own gradients on gloo (engine/reduce.py).
-    if policy.stage >= 2:
-        out += c * sum(sizes[: MAX_IN_FLIGHT + 1])
+    out = pending_gradients(plan, policy.stage, precision, accumulating, zero.overlap_comm)
     if policy.stage >= 1 and device_type == "cpu":
         slices = plan.world_size - (1 if policy.stage == 1 else 2)
         out += c * max(0, slices) * sum(shards[: MAX_IN_FLIGHT + 1])
     if policy.stage == 3:
         out += c * stage3_working_set(plan, zero, policy.activation_checkpointing)
     return out
+
+
+def pending_gradients(
+    plan: PartitionPlan, stage: int, precision: str, accumulating: bool, overlap: bool
+) -> int:
+    """Stage 2/3 gradient bytes waiting for their reduction (engine/reduce.py), beside the sharded accumulator.
+
+    The unit filling plus MAX_IN_FLIGHT being reduced (one when overlap_comm is off): pooled buckets on NCCL,
+    autograd's own gradients on gloo; when accumulating, a reduced shard on its way into the accumulator per
+    reduction in flight; at stage 3 also most of the root unit. A unit held back by an earlier one in the
+    fixed reduction order (a parameter no data used yet) keeps its gradients until the end of backward:
+    data-dependent models can exceed this.
+    """
+    if stage < 2:
+        return 0
+    c = DTYPES[precision].itemsize
+    n = MAX_IN_FLIGHT + 1 if overlap else 1
+    # Stage 3's root unit is reduced last, when its embeddings' gradients arrive, but an untied head's and the
+    # final norm's come first: all of the root but its largest parameter is held beside the blocks'.
+    root = [u for u in plan.units if stage == 3 and u.modules == ("",)]
+    early = sum(u.numel - max(plan.slots[si].numel for si in u.slots) for u in root)
+    sizes = sorted((u.padded for u in plan.units if stage < 3 or u.modules != ("",)), reverse=True)
+    held = max(early + sum(sizes[:n]), sum(u.padded for u in root))
+    shards = sorted((u.shard for u in plan.units), reverse=True)
+    return c * (held + (n * shards[0] if accumulating else 0))
 
 
 def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig, checkpointing: bool) -> int:
@@ -247,6 +272,8 @@ def estimate(
 ) -> Estimate:
     """Every policy's per-rank device bytes and per-node host bytes for this config on gpus_per_node x nodes."""
     world, precision = gpus_per_node * nodes, train_cfg.precision
+    gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
+    accumulating = train_cfg.grad_accum > 1 if gbs is None else gbs > data_cfg.batch_size * world
     model = meta_model(model_cfg)
     total, trainable, frozen_bytes = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
@@ -259,7 +286,7 @@ def estimate(
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
             delay_update=zero_cfg.offload_optimizer.delay_update,
         )  # fmt: skip
-        gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type)
+        gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         out.append(PolicyEstimate(pol, gpu, {k: v * gpus_per_node for k, v in cpu.items()}, gpus_per_node))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models

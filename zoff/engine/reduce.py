@@ -70,8 +70,11 @@ class GradReducer:
         self._fresh = [True] * len(plan.units)  # the sharded accumulator holds nothing yet (stages 2-3)
         self._begin_state(sync=True)
         # The filling bucket plus MAX_IN_FLIGHT being reduced: what memory.device_buffers estimates.
+        # (and as many reduced shards on their way into the accumulator when accumulating at stages 2-3).
         largest = sorted((u.padded for u in plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
-        self._pool = BufferPool(device, budget_bytes=sum(largest) * dtype.itemsize)
+        self._max_shard = max((u.shard for u in plan.units), default=0)
+        budget = sum(largest) + (MAX_IN_FLIGHT + 1) * self._max_shard
+        self._pool = BufferPool(device, budget_bytes=budget * dtype.itemsize)
         # gloo's reduce-scatter receives other ranks' slices into scratch (collectives.py): N-1 slices when
         # the output is this rank's own slice of the input (stage 1), N-2 otherwise, per reduction in flight.
         slices = max(0, comm.world - (1 if stage == 1 else 2))
@@ -85,7 +88,8 @@ class GradReducer:
 
     @property
     def peak_bucket_bytes(self) -> int:
-        """Most bytes of gradients waiting for their reduction at once: pooled buckets, or held gradients."""
+        """Most bytes of gradients waiting for their reduction at once: pooled buckets, or held gradients
+        (plus, when accumulating at stages 2-3, the reduced shards on their way into the accumulator)."""
         return self._peak_held_bytes if self.direct else self._pool.peak_bytes
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -154,7 +158,7 @@ class GradReducer:
                 else:
                     held[slot] = g
                     self._held_bytes += g.numel() * g.element_size()
-                self._peak_held_bytes = max(self._peak_held_bytes, self._held_bytes)
+                self._note_peak()
             else:
                 piece = self._bucket(u)[s.offset : s.offset + s.numel]
                 filled = self._filled[u]
@@ -177,6 +181,9 @@ class GradReducer:
                 return
             self._launch(u)
 
+    def _note_peak(self) -> None:
+        self._peak_held_bytes = max(self._peak_held_bytes, self._held_bytes + self._pool.held_bytes)
+
     def _bucket(self, u: int) -> torch.Tensor:
         """Stage 2/3 on NCCL: unit u's gradient bucket, taken from the pool on first use in this backward."""
         bucket = self._buckets.get(u)
@@ -198,7 +205,10 @@ class GradReducer:
                 self._track(self.comm.reduce_scatter(full, self.gshard[u], async_op=self.overlap), u, None)
             return
         # Stages 2-3: into the shard on the window's first micro-batch, else into a buffer added to it.
-        out = self.gshard[u] if self._fresh[u] else self._pool.take(unit.shard, self.gshard[u].dtype)
+        out = self.gshard[u]
+        if not self._fresh[u]:  # one size for every unit, so the pool reuses MAX_IN_FLIGHT + 1 buffers
+            out = self._pool.take(self._max_shard, out.dtype)[: unit.shard]
+        self._note_peak()
         if self.direct:
             held = self._held.pop(u, {})
             nbytes = sum(g.numel() * g.element_size() for g in held.values())
@@ -248,7 +258,7 @@ class GradReducer:
         def finish() -> None:
             if addend is not None:
                 out.add_(addend)
-                self._pool.give(addend)
+                self._pool.give(addend._base if addend._base is not None else addend)
             if average:
                 out.div_(self.comm.world)
 

@@ -61,6 +61,7 @@ class UnitGatherer:
         self._guard = _ReleasedReadGuard(self)
         self._guard_depth = 0
         self.internal = False
+        self.gather_counts = [0] * len(plan.units)
         by_block: dict[str, list[int]] = {}
         for u in plan.units:
             if not u.persistent:
@@ -146,6 +147,7 @@ class UnitGatherer:
         self.peak_gathered = max(self.peak_gathered, self.gathered_bytes())
 
     def _start(self, u: int) -> None:
+        self.gather_counts[u] += 1  # every rank must issue the same gathers (check_same_gathers)
         full = self.full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         self.gathered[u] = True
@@ -188,6 +190,27 @@ class UnitGatherer:
         self.in_backward = False
         for u in range(len(self.full)):
             self.release(u)
+
+    def check_same_gathers(self) -> None:
+        """After a forward and after a backward: every rank must have gathered every unit as often as the
+        others, or their all-gathers were paired with the wrong partners (a block run on some ranks only:
+        data-dependent or random layer skipping). Two small all-reduces per micro-batch: per unit, the count
+        and its square (all ranks agree exactly when N * sum(c^2) == sum(c)^2). A rank that gathers more
+        often than another in total waits for a partner that never comes: that ends in the collective
+        timeout's CollectiveError instead."""
+        counts, self.gather_counts = self.gather_counts, [0] * len(self.full)
+        if self.comm.world == 1:
+            return
+        sums = self.comm.sum_scalars([float(c) for c in counts] + [float(c * c) for c in counts])
+        n = len(counts)
+        for u in range(n):
+            if self.comm.world * sums[n + u] != sums[u] ** 2:
+                block = self.plan.units[u].modules[0] if self.plan.units[u].modules else f"unit {u}"
+                raise UnsupportedModelError(
+                    f"zero.stage 3: block '{block or 'the root'}' ran on some ranks and not on others in this "
+                    f"micro-batch (rank {self.comm.rank} gathered it {counts[u]} time(s)); stage 3 needs every "
+                    "rank to run the same blocks (no data-dependent or random layer skipping): use zero.stage 2"
+                )
 
     def gathered_bytes(self) -> int:
         return sum(

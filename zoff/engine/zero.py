@@ -218,6 +218,7 @@ class ZeroEngine:
         """Backward of one micro-batch; `sync` on the last micro-batch of a step averages the gradients."""
         self.reducer.begin(sync)
         if self.gatherer is not None:
+            self.gatherer.check_same_gathers()  # the forward's gathers, before backward's could hang on them
             self.gatherer.in_backward = True
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
@@ -225,6 +226,8 @@ class ZeroEngine:
             if self.gatherer is not None:
                 self.gatherer.release_all()  # no gathered copy outlives backward: the step changes the shards
         self.reducer.end_backward()  # autograd is done: every hook that will fire has fired
+        if self.gatherer is not None:
+            self.gatherer.check_same_gathers()
 
     # -------------------------------------------------------------------------------------------- step
     def step(self, lr: float) -> StepResult:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 ACCUM = 4
 
 
-def _cfg(stage: int, overlap: bool) -> dict:
+def _cfg(stage: int, overlap: bool, precision: str = "fp32") -> dict:
     return tiny_cfg(
         # Stage 3 reduces per block: enough blocks that the ones in flight are a small part of the model.
         model={"n_layer": 8 if stage == 2 else 16, "d_model": 64, "n_head": 2, "tie_embeddings": False},
@@ -26,7 +26,7 @@ def _cfg(stage: int, overlap: bool) -> dict:
             "reduce_bucket_size": 20000,
             "overlap_comm": overlap,
         },
-        train={"grad_accum": ACCUM, "max_steps": 2},
+        train={"grad_accum": ACCUM, "max_steps": 2, "precision": precision},
     )
 
 
@@ -41,7 +41,8 @@ def _measure(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
     return out
 
 
-CASES = [(stage, overlap) for stage in (2, 3) for overlap in (False, True)]
+# bf16: the shard accumulates in fp32 (4 B/param/N), the reductions travel in bf16.
+CASES = [(stage, overlap, "fp32") for stage in (2, 3) for overlap in (False, True)] + [(2, False, "bf16")]
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +50,20 @@ def measured() -> dict:
     return dict(zip(CASES, spawn(_measure, 2, [_cfg(*c) for c in CASES])[0]))
 
 
-@pytest.mark.parametrize("stage,overlap", CASES)
+@pytest.mark.parametrize("stage,overlap,precision", CASES)
 def test_accumulation_holds_the_shard_and_what_is_in_flight(
-    measured: dict, stage: int, overlap: bool
+    measured: dict, stage: int, overlap: bool, precision: str
 ) -> None:
-    got = measured[(stage, overlap)]
-    cfg = config_from_dict(_cfg(stage, overlap))
+    got = measured[(stage, overlap, precision)]
+    cfg = config_from_dict(_cfg(stage, overlap, precision))
     plan = engine_plan(meta_model(cfg.model), stage, 2, cfg.zero)
     psi_bytes = plan.numel * 4  # fp32
     peak = got["memory"]["grads"] + got["stats"]["peak_bucket_bytes"]
-    want = model_states(plan, Policy(stage), "fp32", device_type="cpu")[0]["grads"]
-    want += pending_gradients(plan, stage, "fp32", accumulating=True, overlap=overlap)
+    want = model_states(plan, Policy(stage), precision, device_type="cpu", accumulating=True)[0]["grads"]
+    assert want == 4 * sum(u.shard for u in plan.units)  # fp32 accumulator whatever the compute dtype
+    want += pending_gradients(plan, stage, precision, accumulating=True, overlap=overlap)
     assert got["grads_left"] == 0, "no full-size p.grad may survive a micro-batch"
-    assert got["memory"]["grads"] == want - pending_gradients(plan, stage, "fp32", True, overlap)
+    assert got["memory"]["grads"] == want - pending_gradients(plan, stage, precision, True, overlap)
     # Before: the full p.grad (psi) lived between micro-batches, beside the shard.
     assert peak < psi_bytes, f"peak gradient bytes {peak:,} vs a full gradient of {psi_bytes:,}"
     if overlap:  # reductions that finish early hold less than the bound: the estimate is an upper bound

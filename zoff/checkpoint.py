@@ -125,7 +125,12 @@ def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict) -
             }
             for r, p_start, length in plan.pieces(i)
         ]
-        params.append({"names": list(s.names), "shape": list(s.shape), "dtype": "float32", "pieces": pieces})
+        entry = {"names": list(s.names), "shape": list(s.shape), "dtype": "float32", "pieces": pieces}
+        if engine.skipped_steps[
+            i
+        ]:  # steps without a gradient anywhere: its Adam step count is this far behind
+            entry["skipped_steps"] = engine.skipped_steps[i]
+        params.append(entry)
     return {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -281,6 +286,9 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
                 shard = _assemble_shard(plan, engine.rank, u, kind, by_name, readers)
                 (state["masters"] if kind == "master" else state["optimizer"][kind]).append(shard)
         state["scaler"] = manifest["scaler"]
+        state["skipped_steps"] = {
+            n: int(p.get("skipped_steps", 0)) for p in manifest["params"] for n in p["names"]
+        }
         engine.load_state_dict(state)
         extra = readers.get("extra.safetensors")
         model_state = {k: extra.read(k) for k in extra.keys() if k != "__empty__"}

@@ -159,6 +159,7 @@ def model_states(
     device_type: str = "cuda",
     fp32_grad_staging: bool = True,
     delay_update: bool = False,
+    accumulating: bool = False,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(device bytes, host bytes) of one rank's params, grads and optimizer states, as ZeroEngine allocates them.
 
@@ -184,13 +185,14 @@ def model_states(
     else:
         gpu["params"] += c * (persistent + (0 if par_off else shard_np))
         cpu["params"] = c * shard_np if par_off else 0
-    # Stages 0-1 keep the full gradient as views in flat buffers; 2-3 keep only their reduced shard.
-    gpu["grads"] = c * (padded if policy.stage <= 1 else shard)
+    # Stages 0-1 keep the full gradient in flat buffers; 2-3 keep only their reduced shard, which accumulates
+    # micro-batches in fp32.
+    gpu["grads"] = c * padded if policy.stage <= 1 else (4 if accumulating else c) * shard
     if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
         gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
     else:
         cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
-        cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging else c) * shard
+        cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or accumulating else c) * shard
     return gpu, cpu
 
 
@@ -284,7 +286,7 @@ def estimate(
         gpu, cpu = model_states(
             plan, pol, precision, frozen_bytes=frozen_bytes, device_type=device_type,
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
-            delay_update=zero_cfg.offload_optimizer.delay_update,
+            delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
         )  # fmt: skip
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak

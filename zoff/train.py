@@ -45,16 +45,17 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     model = meta_model(cfg.model) if cfg.model.name == "gpt" else build_model(cfg.model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
+    accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
     engine = build_engine(
         model,
         cfg.zero,
         cfg.optim,
         precision=cfg.train.precision,
         grad_clip=cfg.train.grad_clip,
+        grad_accum=accum,
         device=device,
         comm=comm,
     )
-    accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
     corpus = load_corpus(cfg.data, cfg.train.seed)
     if cfg.model.name == "gpt":  # hf: models check their own embedding size; factories are the user's
         check_vocab(corpus, cfg.model.vocab_size)

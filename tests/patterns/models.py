@@ -169,13 +169,13 @@ RARE_EXPERT_BIAS = 1.0
 class MoEBlock(nn.Module):
     """A top-2 mixture-of-experts MLP block (Switch/Mixtral style): a router picks 2 of 4 experts per token."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, rare_bias: float = RARE_EXPERT_BIAS):
         super().__init__()
         self.ln = nn.LayerNorm(d)
         self.router = nn.Linear(d, N_EXPERTS)
         self.experts = nn.ModuleList(MLP(d) for _ in range(N_EXPERTS))
         with torch.no_grad():  # consumes no RNG: the init stays a pure function of the seed
-            self.router.bias[-1] -= RARE_EXPERT_BIAS
+            self.router.bias[-1] -= rare_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = self.ln(x).reshape(-1, x.shape[-1])  # (tokens, d): routing is per token
@@ -205,6 +205,32 @@ class MoE(TinyLM):
 
 def moe(cfg) -> nn.Module:
     return MoE(cfg)
+
+
+# Low enough that the last expert gets no token in the whole global batch of some steps, on the tests' data.
+IDLE_EXPERT_BIAS = 1.4
+
+
+class IdleExpertBlock(MoEBlock):
+    def __init__(self, d: int):
+        super().__init__(d, rare_bias=IDLE_EXPERT_BIAS)
+
+
+class MoEIdleExpert(TinyLM):
+    """Pattern: an expert that no token of a whole step picks, on any rank, in some steps.
+
+    Why it breaks ZeRO engines silently: torch's optimizers skip a parameter whose .grad is None (no weight
+    decay, no moment decay, its own step count for the bias correction stays behind), while an engine that
+    steps a flat shard updates it with a zero gradient: weight decay and momentum still move it, and its
+    bias correction runs ahead.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg, block=IdleExpertBlock)
+
+
+def moe_idle_expert(cfg) -> nn.Module:
+    return MoEIdleExpert(cfg)
 
 
 # ------------------------------------------------------------------------------- data-dependent branches
@@ -450,6 +476,7 @@ PATTERNS = {
         ckpt_shared,
         ckpt_shared_reentrant,
         moe,
+        moe_idle_expert,
         branch,
         reuse,
         functional_tie,

@@ -52,7 +52,7 @@ STEPS = 12
 # The default slice: accumulation on, the stages that partition something, and the two data-dependent
 # patterns under plain data parallelism too (a stage-0 failure there points at the model, not at ZeRO).
 SLICE_WORLD, SLICE_ACCUM = 2, 3
-SLICE = [(p, s) for p in PATTERNS for s in (1, 2, 3)] + [("moe", 0), ("branch", 0)]
+SLICE = [(p, s) for p in PATTERNS for s in (1, 2, 3)] + [("moe", 0), ("moe_idle_expert", 0), ("branch", 0)]
 FULL = [(p, s) for p in PATTERNS for s in STAGES]
 GRID = [(w, a, p, s) for w in WORLDS for a in ACCUMS for p, s in FULL]
 
@@ -347,7 +347,7 @@ def test_branches_really_are_skipped(pattern: str) -> None:
         assert [s for s in range(STEPS) if used[s, 0, :-1].any() and not used[s, 0, -1]]
 
 
-def _routing(world: int, accum: int, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+def _routing(world: int, accum: int, monkeypatch: pytest.MonkeyPatch, pattern: str = "moe") -> torch.Tensor:
     """used[step, block, expert, rank, micro] along the reference's own trajectory (the routing moves as the
     router trains; zoff follows the same trajectory when it matches the reference)."""
     calls: list[torch.Tensor] = []
@@ -361,7 +361,7 @@ def _routing(world: int, accum: int, monkeypatch: pytest.MonkeyPatch) -> torch.T
         return model
 
     monkeypatch.setattr(harness, "build_model", build)
-    cfg: Config = config_from_dict(cell_cfg("moe", 0, accum))
+    cfg: Config = config_from_dict(cell_cfg(pattern, 0, accum))
     reference_run(cfg, world)
     monkeypatch.undo()
     n_block, mb = cfg.model.n_layer, cfg.data.batch_size
@@ -388,6 +388,18 @@ def test_moe_experts_really_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None
                     _assert_never_unused_by_a_whole_step(used[:, block, e], what)
                     skipped += _skipped_on_rank0_used_elsewhere(used[:, block, e])
             assert skipped, (world, accum)
+
+
+def test_idle_expert_really_is_idle_for_whole_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe_idle_expert's last expert gets no token in the whole global batch of some steps (torch then skips
+    it entirely) and some in others (so skipping it is not the same as never training it)."""
+    for world in WORLDS:
+        for accum in ACCUMS:
+            used = (
+                _routing(world, accum, monkeypatch, "moe_idle_expert")[:, :, -1].flatten(2).any(-1)
+            )  # [step, block]
+            idle = [s for s in range(STEPS) if not used[s].all()]
+            assert idle and used.any(0).all(), (world, accum, used.tolist())
 
 
 # ----------------------------------------------------------------------------------- precision of buffers

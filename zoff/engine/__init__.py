@@ -24,6 +24,7 @@ def build_engine(
     *,
     precision: str = "fp32",
     grad_clip: float = 0.0,
+    grad_accum: int = 1,
     device: torch.device | None = None,
     comm: Comm | None = None,
 ) -> ZeroEngine:
@@ -36,4 +37,7 @@ def build_engine(
         )
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
         raise ConfigError("zero.offload_optimizer.device: optimizer offload needs zero.stage 1, 2 or 3")
-    return ZeroEngine(model, zero, optim, precision=precision, grad_clip=grad_clip, comm=comm, device=device)
+    return ZeroEngine(
+        model, zero, optim, precision=precision, grad_clip=grad_clip, grad_accum=grad_accum, comm=comm,
+        device=device,
+    )  # fmt: skip

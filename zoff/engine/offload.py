@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from zoff.config import OffloadOptimizerConfig, OptimConfig
-from zoff.engine.optimizer import Run
+from zoff.engine.optimizer import Run, StepRun, all_runs
 from zoff.optim import cpu_adam_step
 
 
@@ -77,7 +77,11 @@ class OffloadAdam:
 
     # ------------------------------------------------------------------------------------------------ step
     def step(
-        self, grads: list[torch.Tensor], lr: float, on_unit: Callable[[int], None] | None = None
+        self,
+        grads: list[torch.Tensor],
+        lr: float,
+        on_unit: Callable[[int], None] | None = None,
+        runs: list[list[StepRun]] | None = None,
     ) -> bool:
         """Update the masters from the (clipped, unscaled) gradient shards.
 
@@ -94,11 +98,12 @@ class OffloadAdam:
                 torch.cuda.current_stream().synchronize()  # the D2H copies must land before the CPU reads
             grads = self.host_grads
         self.step_count += 1
+        runs = runs or all_runs(self.runs, self.step_count)
         if self.delay and self.step_count > self.warmup:
-            self._thread = threading.Thread(target=self._run, args=(grads, lr, self.step_count), daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(grads, lr, runs), daemon=True)
             self._thread.start()
             return True
-        self._update(grads, lr, self.step_count, on_unit)
+        self._update(grads, lr, runs, on_unit)
         return False
 
     def finish(self) -> None:
@@ -110,19 +115,23 @@ class OffloadAdam:
             err, self._error = self._error, None
             raise RuntimeError("zoff: the delayed CPU optimizer step failed") from err
 
-    def _run(self, grads: list[torch.Tensor], lr: float, step: int) -> None:
+    def _run(self, grads: list[torch.Tensor], lr: float, runs: list[list[StepRun]]) -> None:
         try:
-            self._update(grads, lr, step)
+            self._update(grads, lr, runs)
         except BaseException as e:  # surfaced by finish() on the main thread
             self._error = e
 
     def _update(
-        self, grads: list[torch.Tensor], lr: float, step: int, on_unit: Callable[[int], None] | None = None
+        self,
+        grads: list[torch.Tensor],
+        lr: float,
+        runs: list[list[StepRun]],
+        on_unit: Callable[[int], None] | None = None,
     ) -> None:
         c = self.cfg
-        for i, runs in enumerate(self.runs):
+        for i, unit_runs in enumerate(runs):
             out = self.out16[i] if self.out16 is not None else None
-            for a, b, decay in runs:
+            for a, b, decay, step in unit_runs:
                 if b <= a:
                     continue
                 cpu_adam_step(

@@ -15,6 +15,15 @@ import torch.optim.adamw as torch_adamw
 from zoff.config import OptimConfig
 
 Run = tuple[int, int, bool]  # (start, end, weight-decayed) within a shard
+# (start, end, weight-decayed, Adam step) within a shard: what one step updates, where some parameters got no
+# gradient on any rank (they are skipped, like torch's optimizers skip a parameter whose .grad is None, and
+# keep their own step count for the bias correction).
+StepRun = tuple[int, int, bool, int]
+
+
+def all_runs(runs: list[list[Run]], step: int) -> list[list[StepRun]]:
+    """Every run of every shard at one step count: the usual case, when every parameter has a gradient."""
+    return [[(a, b, decay, step) for a, b, decay in unit] for unit in runs]
 
 
 class ShardAdam:
@@ -31,27 +40,34 @@ class ShardAdam:
         self.fused = all(m.device.type in ("cpu", "cuda") for m in masters)
 
     def step(
-        self, grads: list[torch.Tensor], lr: float, on_unit: Callable[[int], None] | None = None
+        self,
+        grads: list[torch.Tensor],
+        lr: float,
+        on_unit: Callable[[int], None] | None = None,
+        runs: list[list[StepRun]] | None = None,
     ) -> bool:
         """One update; `grads` are fp32 shards aligned with the masters, already unscaled and clipped.
 
-        `on_unit(i)` runs as soon as shard i is updated (the engine starts its all-gather there). Returns
-        False: the update is complete on return (the offload optimizer may run it in the background).
+        `runs` (default: every run at this step's count) says what to update at which Adam step. `on_unit(i)`
+        runs as soon as shard i is updated (the engine starts its all-gather there). Returns False: the update
+        is complete on return (the offload optimizer may run it in the background).
         """
         self.step_count += 1
         c = self.cfg
-        for i, runs in enumerate(self.runs):
-            for a, b, decay in runs:
+        for i, unit_runs in enumerate(runs or all_runs(self.runs, self.step_count)):
+            for a, b, decay, step in unit_runs:
                 if b > a:
                     tensors = (self.masters[i], grads[i], self.exp_avg[i], self.exp_avg_sq[i])
-                    self._adam(*([t[a:b]] for t in tensors), lr=lr, weight_decay=c.weight_decay * decay)
+                    self._adam(
+                        *([t[a:b]] for t in tensors), lr=lr, weight_decay=c.weight_decay * decay, step=step
+                    )
             if on_unit is not None:
                 on_unit(i)
         return False
 
-    def _adam(self, params, grads, m, v, *, lr: float, weight_decay: float) -> None:
+    def _adam(self, params, grads, m, v, *, lr: float, weight_decay: float, step: int) -> None:
         fn = torch_adamw.adamw if self.cfg.name == "adamw" else torch_adam.adam
-        steps = [torch.tensor(float(self.step_count - 1)) for _ in params]  # the kernel increments them
+        steps = [torch.tensor(float(step - 1)) for _ in params]  # the kernel increments them
         fn(
             params, grads, m, v, [], steps, fused=self.fused, foreach=False if not self.fused else None,
             amsgrad=False, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], lr=lr,

@@ -67,7 +67,7 @@ class GradReducer:
         self._handles: list[Handle] = []
         self._buckets: dict[int, torch.Tensor] = {}
         self._filled: dict[int, set[int]] = {}  # slots whose gradient is already in the unit's bucket
-        self._fresh = [True] * len(plan.units)  # the sharded accumulator holds nothing yet (stages 2-3)
+        self.zero_grad()
         self._begin_state(sync=True)
         # The filling bucket plus MAX_IN_FLIGHT being reduced: what memory.device_buffers estimates.
         # (and as many reduced shards on their way into the accumulator when accumulating at stages 2-3).
@@ -96,6 +96,7 @@ class GradReducer:
     def zero_grad(self) -> None:
         """A new accumulation window: the next reduction of each unit writes its shard instead of adding."""
         self._fresh = [True] * len(self.plan.units)
+        self.used = [False] * len(self.plan.slots)  # got a gradient on this rank in this window
 
     def _begin_state(self, sync: bool) -> None:
         self._sync = sync
@@ -145,6 +146,7 @@ class GradReducer:
         def hook(p: torch.Tensor) -> None:
             g, p.grad = p.grad.reshape(-1), None
             self._fires[slot] += 1
+            self.used[slot] = True
             if self._launched[u]:  # its unit is already being reduced: corrected at the end of backward
                 late = self._late.setdefault(u, {})
                 late[slot] = late[slot] + g if slot in late else g
@@ -204,10 +206,13 @@ class GradReducer:
             else:
                 self._track(self.comm.reduce_scatter(full, self.gshard[u], async_op=self.overlap), u, None)
             return
-        # Stages 2-3: into the shard on the window's first micro-batch, else into a buffer added to it.
+        # Stages 2-3: into the shard on the window's first micro-batch, else into a buffer added to it; always
+        # into a buffer when the accumulator is fp32 under 16-bit compute (the sum travels in 16 bits).
         out = self.gshard[u]
-        if not self._fresh[u]:  # one size for every unit, so the pool reuses MAX_IN_FLIGHT + 1 buffers
-            out = self._pool.take(self._max_shard, out.dtype)[: unit.shard]
+        if (
+            not self._fresh[u] or out.dtype != self.dtype
+        ):  # one size: the pool reuses MAX_IN_FLIGHT + 1 buffers
+            out = self._pool.take(self._max_shard, self.dtype)[: unit.shard]
         self._note_peak()
         if self.direct:
             held = self._held.pop(u, {})
@@ -230,7 +235,7 @@ class GradReducer:
             handle = self.comm.reduce_scatter(full, out, async_op=self.overlap)
             # The bucket goes back to the pool once reduced: stage 2/3 hold at most the in-flight buckets.
             handle = Handle(then=lambda: self._pool.give(self._buckets.pop(u)), after=handle)
-        self._track(handle, u, None if out is self.gshard[u] else out)
+        self._track(handle, u, None if out is self.gshard[u] else out, copy=self._fresh[u])
 
     def _chunks(self, u: int, grads: dict[int, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
         """(offset, gradient) per slot of unit u, zeros where this rank has none."""
@@ -243,8 +248,9 @@ class GradReducer:
             )
         return out
 
-    def _track(self, handle: Handle, u: int, addend: torch.Tensor | None) -> None:
-        """Finish a reduction of unit u: add a buffer into the accumulator, and average on the last micro-batch.
+    def _track(self, handle: Handle, u: int, addend: torch.Tensor | None, copy: bool = False) -> None:
+        """Finish a reduction of unit u: add (or `copy`) a buffer into the accumulator, and average on the last
+        micro-batch.
 
         Sum, then average what this rank keeps (1/N of the elements for stages 1-3). Averaging before the sum
         (as DDP does) would need a pass over the full gradient, and on gloo a copy of it: the gradient
@@ -257,7 +263,7 @@ class GradReducer:
 
         def finish() -> None:
             if addend is not None:
-                out.add_(addend)
+                out.copy_(addend) if copy else out.add_(addend)
                 self._pool.give(addend._base if addend._base is not None else addend)
             if average:
                 out.div_(self.comm.world)
@@ -290,7 +296,7 @@ class GradReducer:
             unit, late = self.plan.units[u], self._late.pop(u, {})
             out = self.gfull[u] if self.stage == 0 else self.gshard[u]
             if self.direct:
-                tmp = torch.zeros_like(self.gshard[u])
+                tmp = torch.zeros(unit.shard, dtype=self.dtype, device=self.device)
                 self.comm.reduce_scatter_chunks(self._chunks(u, late), tmp).wait()
             else:
                 full = torch.zeros(unit.padded, dtype=self.dtype, device=self.device)
@@ -301,6 +307,6 @@ class GradReducer:
                     self.comm.all_reduce(full).wait()
                     tmp = full
                 else:
-                    tmp = torch.zeros_like(self.gshard[u])
+                    tmp = torch.zeros(unit.shard, dtype=self.dtype, device=self.device)
                     self.comm.reduce_scatter(full, tmp).wait()
             out.add_(tmp, alpha=scale)

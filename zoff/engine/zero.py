@@ -19,7 +19,7 @@ from zoff.config import OptimConfig, ZeroConfig
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.offload import OffloadAdam, host_buffer
-from zoff.engine.optimizer import ShardAdam
+from zoff.engine.optimizer import ShardAdam, StepRun
 from zoff.engine.partition import plan_partition
 from zoff.engine.pool import mmap_large_allocations
 from zoff.engine.precision import DTYPES, LossScaler
@@ -41,6 +41,7 @@ class ZeroEngine:
         *,
         precision: str = "fp32",
         grad_clip: float = 0.0,
+        grad_accum: int = 1,
         comm: Comm | None = None,
         device: torch.device | None = None,
     ):
@@ -51,6 +52,9 @@ class ZeroEngine:
         self.dtype = DTYPES[precision]
         self.device = device or torch.device("cpu")
         self.keep_full_grads = self.stage <= 1  # full gradients accumulate in persistent flat buffers
+        # Stages 2-3 accumulate micro-batches into the shard: in fp32 under 16-bit compute (2 B/param/N more;
+        # a bf16 sum of many micro-batches loses the small ones), in the compute dtype when nothing accumulates.
+        self.accum_dtype = torch.float32 if self.stage >= 2 and grad_accum > 1 else self.dtype
         self.rank = self.comm.rank if self.stage >= 1 else 0  # stage 0: one partition that every rank owns
         parts = self.comm.world if self.stage >= 1 else 1
         bucket = zero.reduce_bucket_size
@@ -113,6 +117,7 @@ class ZeroEngine:
             overlap=zero.overlap_comm, on_unit_done=self.gatherer.release if self.gatherer else None,
         )  # fmt: skip
         self._published = 0
+        self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
         self.last_flush_s = 0.0
@@ -171,7 +176,7 @@ class ZeroEngine:
                 self.gfull.append(g)
                 self.gshard.append(g[lo:hi])
             else:
-                self.gshard.append(torch.zeros(u.shard, dtype=self.dtype, device=self.device))
+                self.gshard.append(torch.zeros(u.shard, dtype=self.accum_dtype, device=self.device))
 
     def _init_owned(self, u: int, full: torch.Tensor, shard: torch.Tensor, lo: int) -> None:
         """Initialise the parameters of unit u that overlap this rank's shard [lo, lo + len(shard)), into it.
@@ -246,10 +251,13 @@ class ZeroEngine:
             sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
             local_sq += sq
             local_bad += 0.0 if math.isfinite(sq) else 1.0
-        if self.stage >= 1:
-            total_sq, bad = self.comm.sum_scalars([local_sq, local_bad])
-        else:
-            total_sq, bad = local_sq, local_bad
+        # One all-reduce: the squared norm, overflow flags, and which parameters got a gradient on any rank.
+        scalars = [local_sq, local_bad, *(1.0 if x else 0.0 for x in self.reducer.used)]
+        if self.comm.world > 1:
+            scalars = self.comm.sum_scalars(scalars)
+        # stage 0's gradients are already all-reduced: every rank holds the whole squared norm
+        total_sq, bad = local_sq if self.stage == 0 else scalars[0], scalars[1]
+        unused = [slot for slot, n in enumerate(scalars[2:]) if n == 0]
         if bad > 0 and self.scaler.enabled:
             self.scaler.update(overflow=True)
             self.last_step_comm = dict(self.comm.stats.elements)
@@ -274,7 +282,14 @@ class ZeroEngine:
         handles: list[Handle] = []
         # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
         publish = lambda u: self._publish_unit(u, copy, handles)  # noqa: E731
-        in_flight = self.optimizer.step(grads, lr, on_unit=publish)  # True: DPU, published next step
+        runs = None  # every parameter at this step's count
+        if unused or any(self.skipped_steps):
+            for slot in unused:
+                self.skipped_steps[slot] += 1
+            runs = self._step_runs(set(unused), self.optimizer.step_count + 1)
+        in_flight = self.optimizer.step(
+            grads, lr, on_unit=publish, runs=runs
+        )  # True: DPU, published next step
         t1 = time.perf_counter()
         for h in handles:
             h.wait()
@@ -283,6 +298,30 @@ class ZeroEngine:
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
         self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
+
+    def _step_runs(self, unused: set[int], step: int) -> list[list[StepRun]]:
+        """What this step updates: every parameter with a gradient on some rank, at its own Adam step.
+
+        torch's optimizers skip a parameter whose .grad is None (no gradient anywhere in the step: an expert
+        no token picked on any rank): no weight decay, no moment decay, and its step count (bias correction)
+        stays behind. zoff does the same, so its numbers equal plain PyTorch's; a zero gradient instead would
+        still move the parameter. Cost: runs split at those parameters (one kernel call per run).
+        """
+        out: list[list[StepRun]] = []
+        for unit in self.plan.units:
+            lo, hi = self.plan.shard_range(unit.index, self.rank)
+            runs: list[StepRun] = []
+            for si in unit.slots:
+                s = self.plan.slots[si]
+                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a >= b or si in unused:
+                    continue
+                run = (a - lo, b - lo, s.decay, step - self.skipped_steps[si])
+                if runs and runs[-1][1] == run[0] and runs[-1][2:] == run[2:]:
+                    run = (runs.pop()[0], *run[1:])
+                runs.append(run)
+            out.append(runs)
+        return out
 
     def flush(self) -> None:
         """Finish a delayed (DPU) optimizer step in flight and publish its parameters; otherwise a no-op."""
@@ -390,9 +429,12 @@ class ZeroEngine:
             "optimizer": self.optimizer.state_dict(),
             "masters": self.masters,
             "scaler": self.scaler.state_dict(),
+            "skipped_steps": {s.names[0]: n for s, n in zip(self.plan.slots, self.skipped_steps) if n},
         }
 
     def load_state_dict(self, state: dict) -> None:
+        skipped = state.get("skipped_steps", {})
+        self.skipped_steps = [int(skipped.get(s.names[0], 0)) for s in self.plan.slots]
         self.optimizer.load_state_dict(state["optimizer"])
         for dst, src in zip(self.masters, state["masters"]):
             dst.copy_(src)

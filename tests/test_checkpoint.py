@@ -63,7 +63,7 @@ def test_layout_and_manifest(saved: Path) -> None:
         "shard_00000.safetensors", "shard_00001.safetensors",
     ]  # fmt: skip
     m = json.loads((step / "manifest.json").read_text())
-    assert (m["format_version"], m["step"], m["world_size"], m["zero_stage"]) == (1, 4, 2, 2)
+    assert (m["format_version"], m["step"], m["world_size"], m["zero_stage"]) == (2, 4, 2, 2)
     assert set(m["files"]) == set(names) - {"manifest.json", "config.yaml"}
     wte = next(p for p in m["params"] if "wte.weight" in p["names"])
     assert wte["shape"] == [256, 32] and "lm_head.weight" in wte["names"]

@@ -257,9 +257,10 @@ GIB = 2**30
         # 16 GB: stage 3 gathers whole blocks (two 200M-param layers) and the root unit: offload needed
         ("gpt-7b.yaml", 8, 16, 512, (3, "cpu", "none", True)),
         ("gpt-7b.yaml", 1, 80, 512, (2, "cpu", "none", False)),  # one GPU: the ZeRO-Offload paper's case
-        ("gpt-70b.yaml", 16, 80, 1024, (3, "none", "none", True)),
+        # 70B with accumulation: stage 3's fp32 gradient accumulator (4 B/param/N) needs optimizer offload
+        ("gpt-70b.yaml", 16, 80, 1024, (3, "cpu", "none", True)),
         ("gpt-70b.yaml", 8, 80, 1024, (3, "cpu", "none", True)),
-        ("gpt-70b.yaml", 8, 40, 2048, (3, "cpu", "cpu", True)),  # only parameter offload fits
+        ("gpt-70b.yaml", 8, 48, 2048, (3, "cpu", "cpu", True)),  # only parameter offload fits
     ],
 )
 def test_suggest_policy(config: str, gpus: int, gpu_gib: int, cpu_gib: int, expected: tuple) -> None:

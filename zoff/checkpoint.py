@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -28,7 +29,9 @@ from zoff.engine.partition import PartitionPlan
 from zoff.errors import UserError
 from zoff.safetensors_io import SafetensorsReader
 
-FORMAT_VERSION = 1
+# 2: per-parameter skipped_steps (its Adam step count) and stage 3's frozen parameters in the shard files;
+# version 1 checkpoints load as they are.
+FORMAT_VERSION = 2
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -59,6 +62,8 @@ def save_checkpoint(
             tensors[f"u{u}.master"] = state["masters"][u].detach().float().cpu().contiguous()
             tensors[f"u{u}.exp_avg"] = state["optimizer"]["exp_avg"][u].cpu().contiguous()
             tensors[f"u{u}.exp_avg_sq"] = state["optimizer"]["exp_avg_sq"][u].cpu().contiguous()
+        for u in range(len(engine.plan.units), len(engine.plan.all_units)):  # stage 3's frozen shards
+            tensors[f"u{u}.master"] = engine.shard_params[u].detach().float().cpu().contiguous()
         files.update(_write(tmp / f"shard_{engine.rank:05d}.safetensors", tensors))
     files.update(_write(tmp / f"rng_{rank:05d}.safetensors", {"cpu": torch.get_rng_state()}))
     if rank == 0:
@@ -102,7 +107,7 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
 
 
 def _extra_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    trainable = {n for s in engine.plan.slots for n in s.names}
+    trainable = {n for s in engine.plan.all_slots for n in s.names}  # in the shard files
     out = {
         k: v.detach().cpu().contiguous().clone()
         for k, v in engine.model.state_dict().items()
@@ -114,21 +119,21 @@ def _extra_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
 def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict) -> dict:
     plan = engine.plan
     params = []
-    for i, s in enumerate(plan.slots):
+    for i, s in enumerate(plan.all_slots):
         pieces = [
             {
                 "file": f"shard_{r:05d}.safetensors",
                 "unit": s.unit,
-                "start": s.offset + p_start - r * plan.units[s.unit].shard,
+                "start": s.offset + p_start - r * plan.all_units[s.unit].shard,
                 "length": length,
                 "param_start": p_start,
             }
             for r, p_start, length in plan.pieces(i)
         ]
         entry = {"names": list(s.names), "shape": list(s.shape), "dtype": "float32", "pieces": pieces}
-        if engine.skipped_steps[
-            i
-        ]:  # steps without a gradient anywhere: its Adam step count is this far behind
+        if i >= len(plan.slots):  # a frozen parameter partitioned at stage 3: values only, no optimizer state
+            entry["frozen"] = True
+        elif engine.skipped_steps[i]:  # steps without a gradient anywhere: its Adam step count lags this far
             entry["skipped_steps"] = engine.skipped_steps[i]
         params.append(entry)
     return {
@@ -272,7 +277,10 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
             raise UserError(
                 f"{path}: checkpoint of a different model ('{s.names[0]}' has shape {saved['shape']}, model {list(s.shape)})"
             )
-    if len(by_name) != len({n for s in plan.slots for n in s.names}):
+    # Every trainable parameter must be there; frozen ones may sit in the shard files (partitioned at stage
+    # 3) or in extra.safetensors (whole), whichever way either run kept them.
+    known = {n for s in plan.all_slots for n in s.names} | set(plan.frozen)
+    if {n for n, p in by_name.items() if not p.get("frozen")} - known or set(by_name) - known:
         raise UserError(f"{path}: checkpoint of a different model (parameter sets differ)")
     # Each rank checks the size and checksum of exactly the files it opens, once: N ranks do not hash the
     # whole checkpoint N times over (the launcher already checked everything once before starting them).
@@ -291,9 +299,16 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
         }
         engine.load_state_dict(state)
         extra = readers.get("extra.safetensors")
-        model_state = {k: extra.read(k) for k in extra.keys() if k != "__empty__"}
+        partitioned = {n for s in plan.frozen_slots for n in s.names}
+        model_state = {k: extra.read(k) for k in extra.keys() if k != "__empty__" and k not in partitioned}
+        # frozen parameters kept whole here but partitioned in the checkpoint
+        model_state.update({n: _read_whole(by_name[n], readers) for n in plan.frozen if n in by_name})
         if model_state:
             engine.model.load_state_dict(model_state, strict=False)
+        frozen = range(len(plan.units), len(plan.all_units))
+        engine.load_frozen_shards(
+            [_assemble_shard(plan, engine.rank, u, "master", by_name, readers) for u in frozen]
+        )
         rng_file = path / f"rng_{engine.comm.rank:05d}.safetensors"
         if manifest["world_size"] == engine.comm.world and rng_file.is_file():
             torch.set_rng_state(readers.get(rng_file.name).read("cpu"))
@@ -303,16 +318,21 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
 def _assemble_shard(
     plan: PartitionPlan, rank: int, u: int, kind: str, by_name: dict, readers
 ) -> torch.Tensor:
-    """This rank's shard of unit u in the current plan, filled from the saved pieces that overlap it."""
-    unit = plan.units[u]
+    """This rank's shard of unit u in the current plan, filled from the saved pieces that overlap it (or, for
+    a frozen parameter the checkpoint kept whole, from extra.safetensors)."""
+    unit = plan.all_units[u]
     lo, hi = plan.shard_range(u, rank)
     out = torch.zeros(unit.shard, dtype=torch.float32)
     for si in unit.slots:
-        s = plan.slots[si]
+        s = plan.all_slots[si]
         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)  # unit coordinates
         if a >= b:
             continue
         pa, pb = a - s.offset, b - s.offset  # flattened-parameter coordinates
+        if s.names[0] not in by_name:
+            whole = readers.get("extra.safetensors").read(s.names[0]).reshape(-1)
+            out[a - lo : b - lo] = whole[pa:pb]
+            continue
         for piece in by_name[s.names[0]]["pieces"]:
             qa, qb = max(pa, piece["param_start"]), min(pb, piece["param_start"] + piece["length"])
             if qa >= qb:
@@ -322,6 +342,15 @@ def _assemble_shard(
             dst = s.offset + qa - lo
             out[dst : dst + (qb - qa)] = data
     return out
+
+
+def _read_whole(entry: dict, readers) -> torch.Tensor:
+    """A parameter saved in pieces, whole (a frozen parameter loaded where it is not partitioned)."""
+    out = torch.zeros(math.prod(entry["shape"]), dtype=torch.float32)
+    for piece in entry["pieces"]:
+        data = readers.get(piece["file"]).read(f"u{piece['unit']}.master", piece["start"], piece["length"])
+        out[piece["param_start"] : piece["param_start"] + piece["length"]] = data
+    return out.view(entry["shape"])
 
 
 class _Readers:

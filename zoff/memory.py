@@ -139,6 +139,13 @@ def count_params(model: nn.Module) -> tuple[int, int, int]:
     )
 
 
+def frozen_param_bytes(model: nn.Module, plan: PartitionPlan, precision: str) -> int:
+    """Frozen parameters one rank holds, in the compute dtype: whole, or stage 3's shards of them."""
+    whole = set(plan.frozen)
+    numel = sum(p.numel() for n, p in model.named_parameters() if n in whole)
+    return DTYPES[precision].itemsize * (numel + sum(u.shard for u in plan.frozen_units))
+
+
 def engine_plan(model: nn.Module, stage: int, world: int, zero: ZeroConfig) -> PartitionPlan:
     """The plan ZeroEngine.__init__ builds: stage 0 is one partition that every rank owns."""
     return plan_partition(
@@ -239,7 +246,9 @@ def pending_gradients(
     # Stage 3's root unit is reduced last, when its embeddings' gradients arrive, but an untied head's and the
     # final norm's come first: all of the root but its largest parameter is held beside the blocks'.
     root = [u for u in plan.units if stage == 3 and u.modules == ("",)]
-    early = sum(u.numel - max(plan.slots[si].numel for si in u.slots) for u in root)
+    early = sum(u.numel for u in root) - max(
+        (plan.slots[si].numel for u in root for si in u.slots), default=0
+    )
     sizes = sorted((u.padded for u in plan.units if stage < 3 or u.modules != ("",)), reverse=True)
     held = max(early + sum(sizes[:n]), sum(u.padded for u in root))
     shards = sorted((u.shard for u in plan.units), reverse=True)
@@ -254,9 +263,12 @@ def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig, checkpointing: boo
     ahead plus what an earlier prefetch already started. A recomputed block (activation checkpointing) is the
     block in use: it gathers nothing more.
     """
-    managed = [u for u in plan.units if not u.persistent]
-    root = sum(u.padded for u in managed if u.modules == ("",))
-    sizes = sorted((u.padded for u in managed if u.modules != ("",)), reverse=True)
+    blocks: dict[str, int] = {}
+    for u in plan.all_units:  # a block's trainable and frozen units are gathered together
+        if not u.persistent:
+            blocks[u.modules[0]] = blocks.get(u.modules[0], 0) + u.padded
+    root = blocks.pop("", 0)
+    sizes = sorted(blocks.values(), reverse=True)
     return root + sum(sizes[:2]) + min(2 * zero.prefetch_bucket_size, sum(sizes[2:]))
 
 
@@ -277,14 +289,14 @@ def estimate(
     gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
     accumulating = train_cfg.grad_accum > 1 if gbs is None else gbs > data_cfg.batch_size * world
     model = meta_model(model_cfg)
-    total, trainable, frozen_bytes = count_params(model)
+    total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
     acts = {ac: activations(model_cfg, data_cfg, precision, ac, device_type) for ac in (False, True)}
     out = []
     for pol in POLICIES:
         plan = plans[{2: 1}.get(pol.stage, pol.stage)]  # stages 1 and 2 share one plan
         gpu, cpu = model_states(
-            plan, pol, precision, frozen_bytes=frozen_bytes, device_type=device_type,
+            plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision), device_type=device_type,
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
             delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
         )  # fmt: skip

@@ -91,7 +91,9 @@ class Comm:
         self.backend = dist.get_backend(group) if self.distributed else "none"
         self.stats = CommStats()
         self.scratch = BufferPool()  # gloo reduce-scatter's receive slices, reused across steps
-        self._tag = 0
+        # Point-to-point tags per stream: stage 3's gathers run on their own, so a reduction one rank starts
+        # earlier than another (its data completed the unit sooner) can never pair with a gather.
+        self._tags = dict.fromkeys(STREAMS, 0)
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Handle:
         self.stats.add("all_reduce", 2 * t.numel())
@@ -188,8 +190,13 @@ class Comm:
 
         return self._exchange("reduce_scatter", sends, recvs, finish, async_op, tags=len(pieces))
 
-    def all_gather(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
-        """Concatenate every rank's `shard` into `full` (which may alias this rank's shard slot)."""
+    def all_gather(
+        self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False, stream: str = "main"
+    ) -> Handle:
+        """Concatenate every rank's `shard` into `full` (which may alias this rank's shard slot).
+
+        `stream` "gather" is stage 3's: every rank issues those in one order and the others in another, but
+        the two orders may interleave differently from rank to rank."""
         self.stats.add("all_gather", full.numel())
         if self.world == 1:
             if shard.data_ptr() != full.data_ptr():
@@ -206,7 +213,9 @@ class Comm:
             mine.copy_(shard)
         peers = [q for q in range(self.world) if q != self.rank]
         recv = [(full[q * n : (q + 1) * n], q, 0) for q in peers]
-        return self._exchange("all_gather", [(mine, q, 0) for q in peers], recv, None, async_op)
+        return self._exchange(
+            "all_gather", [(mine, q, 0) for q in peers], recv, None, async_op, stream=stream
+        )
 
     def _exchange(
         self,
@@ -216,6 +225,7 @@ class Comm:
         then: Callable[[], None] | None,
         async_op: bool,
         tags: int = 1,
+        stream: str = "main",
     ) -> Handle:
         """gloo reduce-scatter / all-gather as direct sends of each rank's slice to its owner.
 
@@ -227,7 +237,9 @@ class Comm:
         Items are (tensor, peer, k). Every rank issues its collectives in the same order, so a block of
         `tags` tags per call, k picking one, pairs each send with its receive.
         """
-        base, self._tag = self._tag, (self._tag + tags) % (1 << 24)
+        at = self._tags[stream]
+        self._tags[stream] = (at + tags) % _TAGS_PER_STREAM
+        base = STREAMS.index(stream) * _TAGS_PER_STREAM + at
         peer = (lambda q: dist.get_global_rank(self.group, q)) if self.group is not None else (lambda q: q)
 
         def issue() -> list:
@@ -287,6 +299,10 @@ class Comm:
         return CollectiveError(
             f"{kind} failed on rank {self.rank} of {self.world}{limit}; rank(s) not answering: {suspects} ({first})"
         )
+
+
+STREAMS = ("main", "gather")
+_TAGS_PER_STREAM = 1 << 23
 
 
 class CollectiveError(RuntimeError):

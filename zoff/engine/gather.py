@@ -51,8 +51,8 @@ class UnitGatherer:
     ):
         self.model, self.plan, self.comm, self.full, self.shards = model, plan, comm, full, shards
         self.prefetch_numel = prefetch_numel
-        self.managed = [not u.persistent for u in plan.units]
-        self.gathered = [u.persistent for u in plan.units]
+        self.managed = [not u.persistent for u in plan.all_units]
+        self.gathered = [u.persistent for u in plan.all_units]
         self.pending: dict[int, Handle] = {}
         self.in_backward = False  # set by the engine around loss.backward()
         self.order: list[int] = []  # forward gather order of block units, recorded in the first step
@@ -60,13 +60,23 @@ class UnitGatherer:
         self.peak_gathered = 0
         self._guard = _ReleasedReadGuard(self)
         self._guard_depth = 0
+        self._graph_pending = False
         self.internal = False
-        self.gather_counts = [0] * len(plan.units)
+        self.gather_counts = [0] * len(plan.all_units)
         by_block: dict[str, list[int]] = {}
-        for u in plan.units:
+        for u in plan.all_units:
             if not u.persistent:
                 for m in u.modules:
                     by_block.setdefault(m, []).append(u.index)
+        self.block_units = {name: tuple(units) for name, units in by_block.items()}
+        # Each trainable parameter's block (persistent small ones included), to know when a block's are all in.
+        blocks = sorted((b for b in self.block_units if b), key=len, reverse=True)
+        self._slot_block = [
+            next((b for b in blocks if s.names[0].startswith(b + ".")), "") for s in plan.slots
+        ]
+        self._trainable = {b: self._slot_block.count(b) for b in self.block_units}
+        self._done: dict[str, int] = {}  # per block: trainable parameters whose gradient is in
+        self._inputs_open: dict[str, int] = {}  # per block: calls whose input gradients backward still owes
         self.root_units = tuple(by_block.pop("", ()))
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
@@ -75,29 +85,49 @@ class UnitGatherer:
         for name, module in model.named_modules():
             if name in by_block:
                 units = tuple(by_block[name])
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward(name, units)))
                 self._handles.append(module.register_forward_hook(self._post_forward(units)))
 
     # -------------------------------------------------------------------------------------------- hooks
     def _root_pre_forward(self, module, args) -> None:
-        for u in self.root_units:
-            self.gather(u, backward=False)
         if self._guard_depth == 0:
             self._guard.__enter__()
         self._guard_depth += 1
+        for u in self.root_units:
+            self.gather(u, backward=False)
 
     def _root_post_forward(self, module, args, output) -> None:
-        self._guard_depth -= 1
-        if self._guard_depth == 0:
-            self._guard.__exit__(None, None, None)
-        if not torch.is_grad_enabled():  # no backward follows (evaluation): nothing needs the root any more
+        if self._guard_depth > 0:  # (not entered if an earlier pre-hook raised)
+            self._guard_depth -= 1
+            if self._guard_depth == 0:
+                self._guard.__exit__(None, None, None)
+        if torch.is_grad_enabled():
+            self._graph_pending = True  # a backward will need the root: it stays until release_all
+        elif not self._graph_pending:  # evaluation, with no training graph waiting for its backward
             for u in self.root_units:
                 self.release(u)
 
-    def _pre_forward(self, units: tuple[int, ...]):
+    def _pre_forward(self, name: str, units: tuple[int, ...]):
         def hook(module, args):
             for u in units:
                 self.gather(u, backward=self.in_backward)
+            if not self.in_backward and torch.is_grad_enabled():
+                # Once the gradients of the block's inputs exist, backward is done with its weights (frozen
+                # ones too: a frozen weight is needed to pass gradients on, after its block's trainable
+                # parameters may already have theirs).
+                inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if inputs:
+                    self._inputs_open[name] = self._inputs_open.get(name, 0) + 1
+                    torch.autograd.graph.register_multi_grad_hook(
+                        inputs, self._post_backward(name), mode="all"
+                    )
+
+        return hook
+
+    def _post_backward(self, name: str):
+        def hook(grads):
+            self._inputs_open[name] -= 1
+            self._maybe_release(name)
 
         return hook
 
@@ -154,7 +184,7 @@ class UnitGatherer:
         shard = self.shards[u]
         if shard.device != full.device:  # parameter offload: the shard comes up from host memory first
             shard = shard.to(full.device, non_blocking=True)
-        self.pending[u] = self.comm.all_gather(shard, full, async_op=True)
+        self.pending[u] = self.comm.all_gather(shard, full, async_op=True, stream="gather")
 
     def _prefetch_after(self, u: int, backward: bool) -> None:
         if self.recording or not self.prefetch_numel or u not in self.order:
@@ -164,7 +194,7 @@ class UnitGatherer:
         for nxt in seq[seq.index(u) + 1 :]:
             # Units already held count against the window too, or each gather would reach another
             # prefetch_bucket_size further and the gathered set would grow toward the whole model.
-            budget -= self.plan.units[nxt].padded
+            budget -= self.plan.all_units[nxt].padded
             if budget < 0:
                 break
             if not self.gathered[nxt]:
@@ -185,9 +215,27 @@ class UnitGatherer:
         finally:
             self.internal = False
 
+    def slot_done(self, slot: int) -> None:
+        """Trainable parameter `slot` has its gradient (the reducer's callback, once per backward)."""
+        block = self._slot_block[slot]
+        self._done[block] = self._done.get(block, 0) + 1
+        self._maybe_release(block)
+
+    def _maybe_release(self, block: str) -> None:
+        """Free a block (its frozen units included) once every trainable parameter in it has its gradient and
+        the gradients of every input it was called with exist: backward needs none of its weights after that
+        (a weight's own gradient comes from the node that used it, which has run by then)."""
+        done = self._done.get(block, 0) >= self._trainable.get(block, 0)
+        if done and self._inputs_open.get(block, 0) == 0:
+            for v in self.block_units.get(block, ()):
+                self.release(v)
+
     def release_all(self) -> None:
         """Free every gathered unit: after backward, and before a step changes the shards."""
         self.in_backward = False
+        self._done.clear()
+        self._inputs_open.clear()
+        self._graph_pending = False
         for u in range(len(self.full)):
             self.release(u)
 
@@ -205,7 +253,7 @@ class UnitGatherer:
         n = len(counts)
         for u in range(n):
             if self.comm.world * sums[n + u] != sums[u] ** 2:
-                block = self.plan.units[u].modules[0] if self.plan.units[u].modules else f"unit {u}"
+                block = self.plan.all_units[u].modules[0] if self.plan.all_units[u].modules else f"unit {u}"
                 raise UnsupportedModelError(
                     f"zero.stage 3: block '{block or 'the root'}' ran on some ranks and not on others in this "
                     f"micro-batch (rank {self.comm.rank} gathered it {counts[u]} time(s)); stage 3 needs every "
@@ -226,8 +274,8 @@ class UnitGatherer:
         for u, full in enumerate(self.full):
             if self.managed[u] and not self.gathered[u] and full.untyped_storage()._cdata == storage._cdata:
                 at = t.storage_offset()
-                for si in self.plan.units[u].slots:
-                    s = self.plan.slots[si]
+                for si in self.plan.all_units[u].slots:
+                    s = self.plan.all_slots[si]
                     if s.offset <= at < s.offset + s.numel:
                         return s.names[0]
                 return f"unit {u}"
@@ -281,7 +329,8 @@ class _ReleasedReadGuard(TorchFunctionMode):
         if param is None:
             return
         block = next(
-            (m for u in self.gatherer.plan.units for m in u.modules if param in _names(self.gatherer, u)), ""
+            (m for u in self.gatherer.plan.all_units for m in u.modules if param in _names(self.gatherer, u)),
+            "",
         )
         raise UnsupportedModelError(
             f"zero.stage 3: parameter '{param}' was read by module '{self.gatherer.reading_module()}' outside "
@@ -291,4 +340,4 @@ class _ReleasedReadGuard(TorchFunctionMode):
 
 
 def _names(gatherer: UnitGatherer, unit) -> set[str]:
-    return {n for si in unit.slots for n in gatherer.plan.slots[si].names}
+    return {n for si in unit.slots for n in gatherer.plan.all_slots[si].names}

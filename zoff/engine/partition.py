@@ -41,17 +41,31 @@ class Unit:
 
 @dataclass(frozen=True)
 class PartitionPlan:
+    """`slots`/`units` are the trainable parameters; stage 3 also partitions frozen ones, in `frozen_units`
+    (numbered after the trainable units, their slots after the trainable slots: `all_units`/`all_slots`),
+    which are gathered like the others and have no gradient and no optimizer state."""
+
     world_size: int
     slots: tuple[Slot, ...]
     units: tuple[Unit, ...]
-    frozen: tuple[str, ...]  # frozen parameters stay whole on every rank and have no optimizer state
+    frozen: tuple[str, ...]  # frozen parameters kept whole on every rank (no optimizer state either)
+    frozen_slots: tuple[Slot, ...] = ()
+    frozen_units: tuple[Unit, ...] = ()
+
+    @property
+    def all_slots(self) -> tuple[Slot, ...]:
+        return self.slots + self.frozen_slots
+
+    @property
+    def all_units(self) -> tuple[Unit, ...]:
+        return self.units + self.frozen_units
 
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slots)
 
     def shard_range(self, unit: int, rank: int) -> tuple[int, int]:
-        size = self.units[unit].shard
+        size = self.all_units[unit].shard
         return rank * size, (rank + 1) * size
 
     def decay_runs(self, unit: int, rank: int) -> list[tuple[int, int, bool]]:
@@ -72,8 +86,8 @@ class PartitionPlan:
         Rank r's piece starts at offset + param_start - r*shard in its shard of the unit; checkpoints use this
         to read exactly the byte ranges a rank needs.
         """
-        s = self.slots[slot]
-        u = self.units[s.unit]
+        s = self.all_slots[slot]
+        u = self.all_units[s.unit]
         out = []
         for r in range(self.world_size):
             lo, hi = self.shard_range(s.unit, r)
@@ -137,62 +151,55 @@ def plan_partition(
     order in which backward usually completes them): persistent units first, then the root, then blocks.
     """
     aliases: dict[int, list[str]] = {}
-    frozen: list[str] = []
     ordered: list[tuple[str, torch.Tensor]] = []  # distinct trainable params, in module order
+    still: list[tuple[str, torch.Tensor]] = []  # distinct frozen params, in module order
     owner: dict[int, str] = {}  # param id -> the block (or "" for the root) that owns it
     blocks = find_blocks(model) if per_block else []
     for mod_name, mod in model.named_modules():
         block = next((b for b in blocks if mod_name == b or mod_name.startswith(b + ".")), "")
         for p_name, p in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if not p.requires_grad:
-                frozen.append(full)
-                continue
             if id(p) in aliases:
                 aliases[id(p)].append(full)
                 continue
             aliases[id(p)] = [full]
             owner[id(p)] = block
-            ordered.append((full, p))
+            (ordered if p.requires_grad else still).append((full, p))
+    # Stage 3 partitions frozen parameters too (a frozen base under LoRA is most of the model); small ones and
+    # every frozen one at stages 0-2 stay whole.
+    big_still = [(n, p) for n, p in still if per_block and p.numel() > persistence_threshold]
+    whole = {id(p) for n, p in still} - {id(p) for n, p in big_still}
+    frozen = [a for n, p in still if id(p) in whole for a in aliases[id(p)]]
 
     members: list[tuple[list[tuple[str, torch.Tensor]], bool, tuple[str, ...]]] = []
     if per_block:
-        small: list[tuple[str, torch.Tensor]] = []
-        small_size = 0
-        for n, p in ordered:
-            if p.numel() <= persistence_threshold:
-                if small and small_size + p.numel() > bucket_numel:
-                    members.append((small, True, ()))
-                    small, small_size = [], 0
-                small.append((n, p))
-                small_size += p.numel()
-        if small:
-            members.append((small, True, ()))
+        small = [(n, p) for n, p in ordered if p.numel() <= persistence_threshold]
+        members += [(bucket, True, ()) for bucket in _buckets(small, bucket_numel)]
         for group in ["", *blocks]:
             params = [
                 (n, p) for n, p in ordered if owner[id(p)] == group and p.numel() > persistence_threshold
             ]
-            if params:
-                members.append((params, False, (group,)))
+            # A block is gathered whole but reduced in bucket-sized units: the gradients waiting for their
+            # reduction are a bucket, not a block.
+            members += [(bucket, False, (group,)) for bucket in _buckets(params, bucket_numel)]
     else:
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for n, p in ordered:
-            if bucket and size + p.numel() > bucket_numel:
-                members.append((bucket, False, ()))
-                bucket, size = [], 0
-            bucket.append((n, p))
-            size += p.numel()
-        if bucket:
-            members.append((bucket, False, ()))
+        members += [(bucket, False, ()) for bucket in _buckets(ordered, bucket_numel)]
+
+    frozen_members = []
+    for group in ["", *blocks]:
+        params = [(n, p) for n, p in big_still if owner[id(p)] == group]
+        if params:
+            frozen_members.append((params, False, (group,)))
 
     slots: list[Slot] = []
     units: list[Unit] = []
-    for ui, (params, persistent, mods) in enumerate(members):
-        params = [x for x in params if decay_fn(*x)] + [x for x in params if not decay_fn(*x)]
-        offset, idx, decay_numel = 0, [], 0
+    for params, persistent, mods in members + frozen_members:
+        trainable = params[0][1].requires_grad
+        if trainable:
+            params = [x for x in params if decay_fn(*x)] + [x for x in params if not decay_fn(*x)]
+        offset, idx, decay_numel, ui = 0, [], 0, len(units)
         for name, p in params:
-            decay = decay_fn(name, p)
+            decay = trainable and decay_fn(name, p)
             idx.append(len(slots))
             slots.append(Slot(tuple(aliases[id(p)]), tuple(p.shape), p.numel(), ui, offset, decay))
             offset += p.numel()
@@ -201,4 +208,21 @@ def plan_partition(
         units.append(
             Unit(ui, tuple(idx), offset, padded, padded // world_size, decay_numel, persistent, mods)
         )
-    return PartitionPlan(world_size, tuple(slots), tuple(units), tuple(frozen))
+    n_units, n_slots = len(members), sum(len(m[0]) for m in members)
+    return PartitionPlan(
+        world_size, tuple(slots[:n_slots]), tuple(units[:n_units]), tuple(frozen),
+        tuple(slots[n_slots:]), tuple(units[n_units:]),
+    )  # fmt: skip
+
+
+def _buckets(params: list[tuple[str, torch.Tensor]], numel: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of `params` of at most `numel` elements each (a larger parameter alone)."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for n, p in params:
+        if not out or size + p.numel() > numel:
+            out.append([])
+            size = 0
+        out[-1].append((n, p))
+        size += p.numel()
+    return out

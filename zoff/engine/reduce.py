@@ -53,10 +53,10 @@ class GradReducer:
         dtype: torch.dtype,
         device: torch.device,
         overlap: bool,
-        on_unit_done: Callable[[int], None] | None = None,
+        on_slot_done: Callable[[int], None] | None = None,
     ):
         self.plan, self.comm, self.stage, self.gfull, self.gshard = plan, comm, stage, gfull, gshard
-        self.dtype, self.device, self.overlap, self.on_unit_done = dtype, device, overlap, on_unit_done
+        self.dtype, self.device, self.overlap, self.on_slot_done = dtype, device, overlap, on_slot_done
         self.keep_full_grads = stage <= 1  # full gradients accumulate in persistent flat buffers
         # Stage 2/3 on gloo: no bucket; autograd's gradients wait in _held until their unit is sent.
         self.direct = not self.keep_full_grads and comm.backend not in FLAT_INPUT_BACKENDS
@@ -103,7 +103,6 @@ class GradReducer:
         # Stages 2-3 reduce every micro-batch into the shard; stages 0-1 only the last one of the window.
         self._launching = sync or not self.keep_full_grads
         self._fires = [0] * len(self.plan.slots)
-        self._missing = [len(u.slots) for u in self.plan.units]  # slots without any gradient yet
         self._launched = [False] * len(self.plan.units)
         self._cursor = 0
         self._late: dict[int, dict[int, torch.Tensor]] = {}
@@ -166,10 +165,10 @@ class GradReducer:
                 filled = self._filled[u]
                 piece.add_(g) if slot in filled else piece.copy_(g)
                 filled.add(slot)
-            if self._fires[slot] == 1:
-                self._missing[u] -= 1
-                if self._missing[u] == 0 and self.on_unit_done is not None:
-                    self.on_unit_done(u)  # every parameter of the unit has its gradient: stage 3 may release
+            if self._fires[slot] == 1 and self.on_slot_done is not None:
+                self.on_slot_done(
+                    slot
+                )  # stage 3 may release the block once all of its parameters have theirs
             if self._launching:
                 self._advance()
 

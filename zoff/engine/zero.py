@@ -114,7 +114,7 @@ class ZeroEngine:
             )
         self.reducer = GradReducer(
             self.plan, self.comm, self.stage, self.gfull, self.gshard, dtype=self.dtype, device=self.device,
-            overlap=zero.overlap_comm, on_unit_done=self.gatherer.release if self.gatherer else None,
+            overlap=zero.overlap_comm, on_slot_done=self.gatherer.slot_done if self.gatherer else None,
         )  # fmt: skip
         self._published = 0
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
@@ -128,25 +128,30 @@ class ZeroEngine:
     # --------------------------------------------------------------------------------------- set-up
     def _distinct_params(self, model: nn.Module) -> list[nn.Parameter]:
         named = dict(model.named_parameters(remove_duplicate=False))
+        self._frozen_params = [named[s.names[0]] for s in self.plan.frozen_slots]
         return [named[s.names[0]] for s in self.plan.slots]
 
     def _build_buffers(self) -> None:
         """Put every parameter into its unit's flat buffer, identical on all ranks: rank 0's values are
         broadcast, or a meta-device model initialises the parameters this rank owns (see _init_owned)."""
         self.full, self.shard_params, self.gfull, self.gshard = [], [], [], []
-        for u in self.plan.units:
+        n_trainable = len(self.plan.slots)
+        for u in self.plan.all_units:  # trainable units, then stage 3's frozen ones
+            trainable = u.index < len(self.plan.units)
             lo, hi = self.plan.shard_range(u.index, self.rank)
             sharded = self.stage == 3 and not u.persistent  # only the shard stays; the full buffer is freed
             # empty, not zeros, for a buffer that is freed at once: its pages are never touched
             full = (torch.empty if sharded else torch.zeros)(u.padded, dtype=self.dtype, device=self.device)
+            full[u.numel :].zero_()  # the padding (empty's pages stay untouched but for this tail)
             for si in u.slots:
-                s = self.plan.slots[si]
+                s = self.plan.all_slots[si]
                 view = full[s.offset : s.offset + s.numel].view(s.shape)
                 if self.deferred:
                     self._params[si] = self._replace_param(s.names, view)
                 else:
-                    view.copy_(self._params[si].detach())
-                    self._params[si].data = view
+                    param = self._params[si] if trainable else self._frozen_params[si - n_trainable]
+                    view.copy_(param.detach())
+                    param.data = view
             if sharded:
                 host = self.offload_params  # stage 3 param offload: the shard lives on the host
                 shard = torch.zeros(u.shard, dtype=self.dtype, device=self.device)
@@ -171,6 +176,8 @@ class ZeroEngine:
                     self.comm.broadcast(full, src=0)
             self.full.append(full)
             self.shard_params.append(shard)
+            if not trainable:  # no gradient, no optimizer state
+                continue
             if self.keep_full_grads:
                 g = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
                 self.gfull.append(g)
@@ -375,7 +382,9 @@ class ZeroEngine:
         separate_master = [m for m, s in zip(self.masters, self.shard_params) if m is not s]
         opt = nbytes(self.optimizer.exp_avg) + nbytes(self.optimizer.exp_avg_sq) + nbytes(separate_master)
         gathered = self.gatherer.peak_gathered if self.gatherer else 0
-        frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
+        whole = set(self.plan.frozen)
+        frozen = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n in whole)
+        frozen += nbytes(self.shard_params[len(self.plan.units) :])  # stage 3's frozen shards
         host_grads = nbytes(self.optimizer.host_grads) if self.offload else 0
         return {
             "params": params,
@@ -431,6 +440,11 @@ class ZeroEngine:
             "scaler": self.scaler.state_dict(),
             "skipped_steps": {s.names[0]: n for s, n in zip(self.plan.slots, self.skipped_steps) if n},
         }
+
+    def load_frozen_shards(self, shards: list[torch.Tensor]) -> None:
+        """Stage 3's frozen parameter shards (plan.frozen_units, in order), e.g. from a checkpoint."""
+        for dst, src in zip(self.shard_params[len(self.plan.units) :], shards, strict=True):
+            dst.copy_(src)
 
     def load_state_dict(self, state: dict) -> None:
         skipped = state.get("skipped_steps", {})

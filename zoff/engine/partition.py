@@ -154,6 +154,7 @@ def plan_partition(
     ordered: list[tuple[str, torch.Tensor]] = []  # distinct trainable params, in module order
     still: list[tuple[str, torch.Tensor]] = []  # distinct frozen params, in module order
     owner: dict[int, str] = {}  # param id -> the block (or "" for the root) that owns it
+    module_of: dict[int, str] = {}  # param id -> the module that holds it directly
     blocks = find_blocks(model) if per_block else []
     for mod_name, mod in model.named_modules():
         block = next((b for b in blocks if mod_name == b or mod_name.startswith(b + ".")), "")
@@ -164,6 +165,7 @@ def plan_partition(
                 continue
             aliases[id(p)] = [full]
             owner[id(p)] = block
+            module_of[id(p)] = mod_name
             (ordered if p.requires_grad else still).append((full, p))
     # Stage 3 partitions frozen parameters too (a frozen base under LoRA is most of the model); small ones and
     # every frozen one at stages 0-2 stay whole.
@@ -179,9 +181,13 @@ def plan_partition(
             params = [
                 (n, p) for n, p in ordered if owner[id(p)] == group and p.numel() > persistence_threshold
             ]
-            # A block is gathered whole but reduced in bucket-sized units: the gradients waiting for their
-            # reduction are a bucket, not a block.
-            members += [(bucket, False, (group,)) for bucket in _buckets(params, bucket_numel)]
+            # A block is gathered whole but reduced module by module (bucket-sized at most): the gradients
+            # waiting for their reduction are a module's, not a block's.
+            by_module: dict[str, list[tuple[str, torch.Tensor]]] = {}
+            for n, p in params:
+                by_module.setdefault(module_of[id(p)], []).append((n, p))
+            for mod_params in by_module.values():
+                members += [(bucket, False, (group,)) for bucket in _buckets(mod_params, bucket_numel)]
     else:
         members += [(bucket, False, ()) for bucket in _buckets(ordered, bucket_numel)]
 

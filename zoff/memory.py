@@ -249,7 +249,9 @@ def pending_gradients(
     early = sum(u.numel for u in root) - max(
         (plan.slots[si].numel for u in root for si in u.slots), default=0
     )
-    sizes = sorted((u.padded for u in plan.units if stage < 3 or u.modules != ("",)), reverse=True)
+    sizes = sorted((u.padded for u in plan.units if stage < 3 or u.modules not in (("",), ())), reverse=True)
+    # Persistent units (small parameters of every block) are reduced last too: held through backward.
+    early += sum(u.padded for u in plan.units if stage == 3 and u.persistent)
     held = max(early + sum(sizes[:n]), sum(u.padded for u in root))
     shards = sorted((u.shard for u in plan.units), reverse=True)
     return c * (held + (n * shards[0] if accumulating else 0))

@@ -28,6 +28,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.partition import PartitionPlan
 from zoff.errors import UserError
@@ -48,13 +49,15 @@ class UnitGatherer:
         full: list[torch.Tensor],
         shards: list[torch.Tensor],
         prefetch_numel: int,
+        blocks: BlockTracker,
     ):
         self.model, self.plan, self.comm, self.full, self.shards = model, plan, comm, full, shards
+        self.blocks = blocks  # also says whether backward is running (a forward then is a recompute)
+        blocks.listeners.append(self._maybe_release)
         self.prefetch_numel = prefetch_numel
         self.managed = [not u.persistent for u in plan.all_units]
         self.gathered = [u.persistent for u in plan.all_units]
         self.pending: dict[int, Handle] = {}
-        self.in_backward = False  # set by the engine around loss.backward()
         self.order: list[int] = []  # forward gather order of block units, recorded in the first step
         self.recording = True
         self.peak_gathered = 0
@@ -70,13 +73,9 @@ class UnitGatherer:
                     by_block.setdefault(m, []).append(u.index)
         self.block_units = {name: tuple(units) for name, units in by_block.items()}
         # Each trainable parameter's block (persistent small ones included), to know when a block's are all in.
-        blocks = sorted((b for b in self.block_units if b), key=len, reverse=True)
-        self._slot_block = [
-            next((b for b in blocks if s.names[0].startswith(b + ".")), "") for s in plan.slots
-        ]
+        self._slot_block = blocks.slot_blocks(plan)
         self._trainable = {b: self._slot_block.count(b) for b in self.block_units}
         self._done: dict[str, int] = {}  # per block: trainable parameters whose gradient is in
-        self._inputs_open: dict[str, int] = {}  # per block: calls whose input gradients backward still owes
         self.root_units = tuple(by_block.pop("", ()))
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
@@ -85,7 +84,7 @@ class UnitGatherer:
         for name, module in model.named_modules():
             if name in by_block:
                 units = tuple(by_block[name])
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward(name, units)))
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
                 self._handles.append(module.register_forward_hook(self._post_forward(units)))
 
     # -------------------------------------------------------------------------------------------- hooks
@@ -107,27 +106,14 @@ class UnitGatherer:
             for u in self.root_units:
                 self.release(u)
 
-    def _pre_forward(self, name: str, units: tuple[int, ...]):
+    @property
+    def in_backward(self) -> bool:
+        return self.blocks.in_backward
+
+    def _pre_forward(self, units: tuple[int, ...]):
         def hook(module, args):
             for u in units:
                 self.gather(u, backward=self.in_backward)
-            if not self.in_backward and torch.is_grad_enabled():
-                # Once the gradients of the block's inputs exist, backward is done with its weights (frozen
-                # ones too: a frozen weight is needed to pass gradients on, after its block's trainable
-                # parameters may already have theirs).
-                inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                if inputs:
-                    self._inputs_open[name] = self._inputs_open.get(name, 0) + 1
-                    torch.autograd.graph.register_multi_grad_hook(
-                        inputs, self._post_backward(name), mode="all"
-                    )
-
-        return hook
-
-    def _post_backward(self, name: str):
-        def hook(grads):
-            self._inputs_open[name] -= 1
-            self._maybe_release(name)
 
         return hook
 
@@ -223,18 +209,19 @@ class UnitGatherer:
 
     def _maybe_release(self, block: str) -> None:
         """Free a block (its frozen units included) once every trainable parameter in it has its gradient and
-        the gradients of every input it was called with exist: backward needs none of its weights after that
-        (a weight's own gradient comes from the node that used it, which has run by then)."""
+        the gradients of every input it was called with exist (blocks.py): backward needs none of its weights
+        after that (a weight's own gradient comes from the node that used it, which has run by then; a frozen
+        weight may still be needed to pass gradients on after its block's trainable parameters have theirs).
+        """
         done = self._done.get(block, 0) >= self._trainable.get(block, 0)
-        if done and self._inputs_open.get(block, 0) == 0:
+        if done and self.blocks.open(block) == 0:
             for v in self.block_units.get(block, ()):
                 self.release(v)
 
     def release_all(self) -> None:
         """Free every gathered unit: after backward, and before a step changes the shards."""
-        self.in_backward = False
+        self.blocks.reset()
         self._done.clear()
-        self._inputs_open.clear()
         self._graph_pending = False
         for u in range(len(self.full)):
             self.release(u)

@@ -13,6 +13,7 @@ import torch.optim.adam as torch_adam
 import torch.optim.adamw as torch_adamw
 
 from zoff.config import OptimConfig
+from zoff.engine.partition import PartitionPlan
 
 Run = tuple[int, int, bool]  # (start, end, weight-decayed) within a shard
 # (start, end, weight-decayed, Adam step) within a shard: what one step updates, where some parameters got no
@@ -24,6 +25,33 @@ StepRun = tuple[int, int, bool, int]
 def all_runs(runs: list[list[Run]], step: int) -> list[list[StepRun]]:
     """Every run of every shard at one step count: the usual case, when every parameter has a gradient."""
     return [[(a, b, decay, step) for a, b, decay in unit] for unit in runs]
+
+
+def step_runs(
+    plan: PartitionPlan, rank: int, unused: set[int], skipped: list[int], step: int
+) -> list[list[StepRun]]:
+    """What this step updates: every parameter with a gradient on some rank, at its own Adam step.
+
+    torch's optimizers skip a parameter whose .grad is None (no gradient anywhere in the step: an expert
+    no token picked on any rank): no weight decay, no moment decay, and its step count (bias correction)
+    stays behind. zoff does the same, so its numbers equal plain PyTorch's; a zero gradient instead would
+    still move the parameter. Cost: runs split at those parameters (one kernel call per run).
+    """
+    out: list[list[StepRun]] = []
+    for unit in plan.units:
+        lo, hi = plan.shard_range(unit.index, rank)
+        runs: list[StepRun] = []
+        for si in unit.slots:
+            s = plan.slots[si]
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a >= b or si in unused:
+                continue
+            run = (a - lo, b - lo, s.decay, step - skipped[si])
+            if runs and runs[-1][1] == run[0] and runs[-1][2:] == run[2:]:
+                run = (runs.pop()[0], *run[1:])
+            runs.append(run)
+        out.append(runs)
+    return out
 
 
 class ShardAdam:

@@ -54,6 +54,7 @@ class GradReducer:
         device: torch.device,
         overlap: bool,
         on_slot_done: Callable[[int], None] | None = None,
+        slot_blocks: list[str] | None = None,
     ):
         self.plan, self.comm, self.stage, self.gfull, self.gshard = plan, comm, stage, gfull, gshard
         self.dtype, self.device, self.overlap, self.on_slot_done = dtype, device, overlap, on_slot_done
@@ -62,6 +63,11 @@ class GradReducer:
         self.direct = not self.keep_full_grads and comm.backend not in FLAT_INPUT_BACKENDS
         self.order = [u.index for u in reversed(plan.units)]  # the fixed reduction order, the same everywhere
         self.expected = [1] * len(plan.slots)  # hook firings per backward, learned (at least once each)
+        self.corrections = 0  # correcting reductions issued so far (late gradients): each costs a reduction
+        self._block_slots: dict[str, list[int]] = {}  # the parameters of each block (blocks.py)
+        for slot, block in enumerate(slot_blocks or []):
+            if block:
+                self._block_slots.setdefault(block, []).append(slot)
         self._held: dict[int, dict[int, torch.Tensor]] = {}
         self._held_bytes = self._peak_held_bytes = 0
         self._handles: list[Handle] = []
@@ -103,6 +109,9 @@ class GradReducer:
         # Stages 2-3 reduce every micro-batch into the shard; stages 0-1 only the last one of the window.
         self._launching = sync or not self.keep_full_grads
         self._fires = [0] * len(self.plan.slots)
+        self._settled = [False] * len(
+            self.plan.slots
+        )  # no more gradient expected (its block's backward is done)
         self._launched = [False] * len(self.plan.units)
         self._cursor = 0
         self._late: dict[int, dict[int, torch.Tensor]] = {}
@@ -174,11 +183,22 @@ class GradReducer:
 
         return hook
 
+    def block_done(self, block: str) -> None:
+        """Backward is done with `block` (blocks.py): its parameters that got no gradient will get none (an
+        idle expert), so their units need not wait for the end of backward. One that still does is late."""
+        for slot in self._block_slots.get(block, ()):
+            self._settled[slot] = True
+        if self._launching:
+            self._advance()
+
     def _advance(self) -> None:
         """Launch units in the fixed order for as long as the next one is complete."""
         while self._cursor < len(self.order):
             u = self.order[self._cursor]
-            if any(self._fires[si] < self.expected[si] for si in self.plan.units[u].slots):
+            if any(
+                self._fires[si] < self.expected[si] and not self._settled[si]
+                for si in self.plan.units[u].slots
+            ):
                 return
             self._launch(u)
 
@@ -291,6 +311,7 @@ class GradReducer:
         else:
             units = [u for u in self.order if u in self._late]
         scale = 1.0 / self.comm.world if self._sync else 1.0
+        self.corrections += len(units)
         for u in units:
             unit, late = self.plan.units[u], self._late.pop(u, {})
             out = self.gfull[u] if self.stage == 0 else self.gshard[u]

@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from zoff.config import OptimConfig, ZeroConfig
+from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
+from zoff.engine.materialize import init_owned, replace_param
 from zoff.engine.offload import OffloadAdam, host_buffer
-from zoff.engine.optimizer import ShardAdam, StepRun
+from zoff.engine.optimizer import ShardAdam, step_runs
 from zoff.engine.partition import plan_partition
 from zoff.engine.pool import mmap_large_allocations
 from zoff.engine.precision import DTYPES, LossScaler
@@ -107,15 +109,24 @@ class ZeroEngine:
                 [self._make_master(u) for u in range(len(self.plan.units))], runs, optim
             )
         self.masters = self.optimizer.masters
+        self.blocks = BlockTracker(model)
         self.gatherer = None
         if self.stage == 3:
             self.gatherer = UnitGatherer(
-                model, self.plan, self.comm, self.full, self.shard_params, zero.prefetch_bucket_size
+                model,
+                self.plan,
+                self.comm,
+                self.full,
+                self.shard_params,
+                zero.prefetch_bucket_size,
+                self.blocks,
             )
         self.reducer = GradReducer(
             self.plan, self.comm, self.stage, self.gfull, self.gshard, dtype=self.dtype, device=self.device,
             overlap=zero.overlap_comm, on_slot_done=self.gatherer.slot_done if self.gatherer else None,
+            slot_blocks=self.blocks.slot_blocks(self.plan),
         )  # fmt: skip
+        self.blocks.listeners.append(self.reducer.block_done)
         self._published = 0
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
@@ -133,7 +144,7 @@ class ZeroEngine:
 
     def _build_buffers(self) -> None:
         """Put every parameter into its unit's flat buffer, identical on all ranks: rank 0's values are
-        broadcast, or a meta-device model initialises the parameters this rank owns (see _init_owned)."""
+        broadcast, or a meta-device model initialises the parameters this rank owns (see materialize.init_owned)."""
         self.full, self.shard_params, self.gfull, self.gshard = [], [], [], []
         n_trainable = len(self.plan.slots)
         for u in self.plan.all_units:  # trainable units, then stage 3's frozen ones
@@ -147,7 +158,7 @@ class ZeroEngine:
                 s = self.plan.all_slots[si]
                 view = full[s.offset : s.offset + s.numel].view(s.shape)
                 if self.deferred:
-                    self._params[si] = self._replace_param(s.names, view)
+                    self._params[si] = replace_param(self.model, s.names, view)
                 else:
                     param = self._params[si] if trainable else self._frozen_params[si - n_trainable]
                     view.copy_(param.detach())
@@ -158,7 +169,7 @@ class ZeroEngine:
                 if host:
                     shard = host_buffer(shard, self.dtype, self.zero.offload_param.pin_memory)
                 if self.deferred:
-                    self._init_owned(u.index, full, shard, lo)
+                    init_owned(self.model, self.plan, u.index, full, shard, lo)
                 else:
                     self.comm.broadcast(full, src=0)
                     shard.copy_(full[lo:hi])
@@ -168,10 +179,10 @@ class ZeroEngine:
             else:  # the full buffer stays: the shard is a view, not a copy
                 shard = full[lo:hi]
                 if self.deferred and self.stage >= 1:
-                    self._init_owned(u.index, full, shard, lo)
+                    init_owned(self.model, self.plan, u.index, full, shard, lo)
                     self.comm.all_gather(shard, full)
                 elif self.deferred:  # stage 0: one partition, which every rank owns
-                    self._init_owned(u.index, full, full, 0)
+                    init_owned(self.model, self.plan, u.index, full, full, 0)
                 else:
                     self.comm.broadcast(full, src=0)
             self.full.append(full)
@@ -185,41 +196,6 @@ class ZeroEngine:
             else:
                 self.gshard.append(torch.zeros(u.shard, dtype=self.accum_dtype, device=self.device))
 
-    def _init_owned(self, u: int, full: torch.Tensor, shard: torch.Tensor, lo: int) -> None:
-        """Initialise the parameters of unit u that overlap this rank's shard [lo, lo + len(shard)), into it.
-
-        Each rank draws only what it owns plus the rest of the (at most two) parameters that cross its shard's
-        edges: O(psi/N) time and memory, not O(psi). Each parameter has its own generator (seeded by name), so
-        the weights are the same at every world size and stage. A parameter that lies wholly in the shard is
-        initialised in place; one that crosses an edge is drawn whole into a temporary and its piece copied.
-        """
-        hi = lo + shard.numel()
-        for si in self.plan.units[u].slots:
-            s = self.plan.slots[si]
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a >= b:
-                continue
-            if lo <= s.offset and s.offset + s.numel <= hi and full.untyped_storage().nbytes():
-                self.model.init_parameter(s.names[0], full[s.offset : s.offset + s.numel].view(s.shape))
-                if shard.data_ptr() != full[lo:hi].data_ptr():
-                    shard[a - lo : b - lo].copy_(full[a:b])
-                continue
-            tmp = torch.empty(s.shape, dtype=self.dtype, device=self.device)
-            self.model.init_parameter(s.names[0], tmp)
-            shard[a - lo : b - lo].copy_(tmp.view(-1)[a - s.offset : b - s.offset])
-
-    def _replace_param(self, names: tuple[str, ...], value: torch.Tensor) -> nn.Parameter:
-        """A materialised Parameter in place of a meta one, under every (tied) name."""
-        # .data rather than Parameter(value): a Parameter made from a view shares the version counter of the
-        # whole flat buffer, and every write into the buffer (a gather, the next unit's init) would then
-        # invalidate what autograd saved of this parameter.
-        param = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device))
-        param.data = value
-        for name in names:
-            owner, _, attr = name.rpartition(".")
-            setattr(self.model.get_submodule(owner), attr, param)
-        return param
-
     def _make_master(self, u: int) -> torch.Tensor:
         shard = self.shard_params[u]
         # fp32 training needs no separate master: the shard itself is stepped (16 B/param, not 20).
@@ -231,12 +207,13 @@ class ZeroEngine:
         self.reducer.begin(sync)
         if self.gatherer is not None:
             self.gatherer.check_same_gathers()  # the forward's gathers, before backward's could hang on them
-            self.gatherer.in_backward = True
+        self.blocks.in_backward = True
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         finally:
             if self.gatherer is not None:
                 self.gatherer.release_all()  # no gathered copy outlives backward: the step changes the shards
+            self.blocks.reset()
         self.reducer.end_backward()  # autograd is done: every hook that will fire has fired
         if self.gatherer is not None:
             self.gatherer.check_same_gathers()
@@ -293,7 +270,9 @@ class ZeroEngine:
         if unused or any(self.skipped_steps):
             for slot in unused:
                 self.skipped_steps[slot] += 1
-            runs = self._step_runs(set(unused), self.optimizer.step_count + 1)
+            runs = step_runs(
+                self.plan, self.rank, set(unused), self.skipped_steps, self.optimizer.step_count + 1
+            )
         in_flight = self.optimizer.step(
             grads, lr, on_unit=publish, runs=runs
         )  # True: DPU, published next step
@@ -305,30 +284,6 @@ class ZeroEngine:
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
         self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
-
-    def _step_runs(self, unused: set[int], step: int) -> list[list[StepRun]]:
-        """What this step updates: every parameter with a gradient on some rank, at its own Adam step.
-
-        torch's optimizers skip a parameter whose .grad is None (no gradient anywhere in the step: an expert
-        no token picked on any rank): no weight decay, no moment decay, and its step count (bias correction)
-        stays behind. zoff does the same, so its numbers equal plain PyTorch's; a zero gradient instead would
-        still move the parameter. Cost: runs split at those parameters (one kernel call per run).
-        """
-        out: list[list[StepRun]] = []
-        for unit in self.plan.units:
-            lo, hi = self.plan.shard_range(unit.index, self.rank)
-            runs: list[StepRun] = []
-            for si in unit.slots:
-                s = self.plan.slots[si]
-                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if a >= b or si in unused:
-                    continue
-                run = (a - lo, b - lo, s.decay, step - self.skipped_steps[si])
-                if runs and runs[-1][1] == run[0] and runs[-1][2:] == run[2:]:
-                    run = (runs.pop()[0], *run[1:])
-                runs.append(run)
-            out.append(runs)
-        return out
 
     def flush(self) -> None:
         """Finish a delayed (DPU) optimizer step in flight and publish its parameters; otherwise a no-op."""
@@ -405,6 +360,7 @@ class ZeroEngine:
             "comm_elements_total": sum(self.last_step_comm.values()),
             "peak_bucket_bytes": self.reducer.peak_bucket_bytes,
             "grad_reduction": self.reducer.mode,
+            "late_corrections": self.reducer.corrections,  # reductions repeated for late gradients, all steps
             "skipped_steps": self.scaler.skipped,
             "params": self.plan.numel,
             # stage 3: gathered once per step (forward through backward), not once for each

@@ -109,9 +109,8 @@ class GradReducer:
         # Stages 2-3 reduce every micro-batch into the shard; stages 0-1 only the last one of the window.
         self._launching = sync or not self.keep_full_grads
         self._fires = [0] * len(self.plan.slots)
-        self._settled = [False] * len(
-            self.plan.slots
-        )  # no more gradient expected (its block's backward is done)
+        # no more gradient expected: its block's backward is done (block_done)
+        self._settled = [False] * len(self.plan.slots)
         self._launched = [False] * len(self.plan.units)
         self._cursor = 0
         self._late: dict[int, dict[int, torch.Tensor]] = {}
@@ -155,6 +154,9 @@ class GradReducer:
             g, p.grad = p.grad.reshape(-1), None
             self._fires[slot] += 1
             self.used[slot] = True
+            if self._fires[slot] == 1 and self.on_slot_done is not None:
+                # stage 3 may release the block once all of its parameters have theirs
+                self.on_slot_done(slot)
             if self._launched[u]:  # its unit is already being reduced: corrected at the end of backward
                 late = self._late.setdefault(u, {})
                 late[slot] = late[slot] + g if slot in late else g
@@ -174,10 +176,6 @@ class GradReducer:
                 filled = self._filled[u]
                 piece.add_(g) if slot in filled else piece.copy_(g)
                 filled.add(slot)
-            if self._fires[slot] == 1 and self.on_slot_done is not None:
-                self.on_slot_done(
-                    slot
-                )  # stage 3 may release the block once all of its parameters have theirs
             if self._launching:
                 self._advance()
 

@@ -273,9 +273,8 @@ class ZeroEngine:
             runs = step_runs(
                 self.plan, self.rank, set(unused), self.skipped_steps, self.optimizer.step_count + 1
             )
-        in_flight = self.optimizer.step(
-            grads, lr, on_unit=publish, runs=runs
-        )  # True: DPU, published next step
+        # True: a delayed (DPU) update runs in the background and is published next step
+        in_flight = self.optimizer.step(grads, lr, on_unit=publish, runs=runs)
         t1 = time.perf_counter()
         for h in handles:
             h.wait()
@@ -290,9 +289,7 @@ class ZeroEngine:
         if self.optimizer.step_count > self._published:
             t0 = time.perf_counter()
             self.optimizer.finish()
-            self.last_flush_s = (
-                time.perf_counter() - t0
-            )  # DPU: time spent waiting for the background CPU step
+            self.last_flush_s = time.perf_counter() - t0  # DPU: waiting for the background CPU step
             self._publish_params()
 
     def _publish_params(self) -> None:

@@ -185,4 +185,20 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"optimizer {gib(mem['optimizer_states'])}",
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
+    ] + _stage3_line(plan)
+
+
+def _stage3_line(plan) -> list[str]:
+    """What stage 3 gathers at once: a model without repeated blocks is gathered whole (the root unit)."""
+    blocks: dict[str, int] = {}
+    for u in plan.all_units:
+        if not u.persistent and u.modules:
+            blocks[u.modules[0]] = blocks.get(u.modules[0], 0) + u.numel
+    if not blocks:
+        return []
+    root = blocks.pop("", 0)
+    largest = max(blocks.values(), default=0)
+    return [
+        f"  stage 3 gathers {len(blocks)} block(s) one at a time (largest {largest:,} params) and a root "
+        f"unit of {root:,} params kept from forward to the end of backward"
     ]

@@ -109,8 +109,8 @@ def default_decay(name: str, p: torch.Tensor) -> bool:
 def find_blocks(model: nn.Module) -> list[str]:
     """The repeated layers stage 3 gathers as one unit each, in module order.
 
-    A block is a module whose class HF lists in `_no_split_modules`, or an element of a ModuleList of two or
-    more modules of one class (a transformer's layers). Blocks do not nest: a MoE block's expert list is
+    A block is a module whose class HF lists in `_no_split_modules`, or an element of a ModuleList or
+    Sequential of two or more modules of one class (a transformer's layers). Blocks do not nest: a MoE block's expert list is
     part of its block. Gathering a whole block (FSDP2's unit) lets any code inside its forward read any of
     its parameters, a parent reading a child's weight included.
     """
@@ -122,7 +122,11 @@ def find_blocks(model: nn.Module) -> list[str]:
             name = f"{prefix}.{child_name}" if prefix else child_name
             if type(child).__name__ in no_split:
                 out.append(name)
-            elif isinstance(child, nn.ModuleList) and len(child) >= 2 and len({type(c) for c in child}) == 1:
+            elif (
+                isinstance(child, nn.ModuleList | nn.Sequential)
+                and len(child) >= 2
+                and len({type(c) for c in child}) == 1
+            ):
                 out.extend(f"{name}.{i}" for i, _ in child.named_children())
             else:
                 walk(child, name)

@@ -1,0 +1,52 @@
+"""Stage 3's units follow the model's repeated blocks (engine/partition.find_blocks), like FSDP2's."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from zoff.engine.partition import find_blocks, plan_partition
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+
+class MoELayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 2)
+        self.experts = nn.ModuleList(Expert() for _ in range(2))  # inside a block: not blocks themselves
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(MoELayer() for _ in range(3))
+        self.mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))  # mixed classes: not blocks
+        self.tower = nn.Sequential(Expert(), Expert())  # a Sequential of one class: blocks
+        self.head = nn.Linear(8, 16)
+
+
+def test_blocks_are_repeated_layers_and_never_nest() -> None:
+    assert find_blocks(Model()) == ["layers.0", "layers.1", "layers.2", "tower.0", "tower.1"]
+
+
+def test_hf_no_split_modules_name_blocks() -> None:
+    model = Model()
+    model._no_split_modules = ["MoELayer"]
+    model.tower = nn.Linear(8, 8)
+    assert find_blocks(model) == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_stage3_units_gather_by_block_and_the_rest_is_the_root() -> None:
+    plan = plan_partition(Model(), 2, 10_000, per_block=True, persistence_threshold=0)
+    owners = {}
+    for u in plan.units:
+        for si in u.slots:
+            owners[plan.slots[si].names[0]] = u.modules[0]
+    assert owners["layers.1.experts.0.fc.weight"] == "layers.1"
+    assert owners["tower.0.fc.bias"] == "tower.0"
+    assert {owners[n] for n in ("emb.weight", "mlp.0.weight", "head.weight")} == {""}

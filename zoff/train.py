@@ -118,16 +118,17 @@ def train_loop(
         lr = lr_at(step, base_lr, train.max_steps, schedule)
         engine.model.train()
         engine.zero_grad()
-        local_loss = 0.0
+        # Summed on the device, read once per step: a .item() per micro-batch would wait for the GPU each time.
+        local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         for micro in range(accum):
             x, y = batches.micro_batch_at(step, micro)
             loss = lm_loss(engine.model(x.to(engine.device)), y.to(engine.device)) / accum
             engine.backward(loss, sync=micro == accum - 1)
-            local_loss += loss.item()
+            local_loss += loss.detach()
         result = engine.step(lr)
         # One all-reduce carries the loss and whether any rank was asked to stop (preemption).
         mean_loss, stopping = comm.sum_scalars(
-            [local_loss / comm.world, float(stop is not None and stop.requested)]
+            [float(local_loss) / comm.world, float(stop is not None and stop.requested)]
         )
         dt = time.perf_counter() - t0
         done = step + 1

@@ -52,6 +52,16 @@ def test_missing_config_file(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_activation_checkpointing_without_a_switch_is_refused_before_launch(tmp_path):
+    p = zoff(
+        "train", TINY, "model.name=python:tests.fixtures_models:tied_frozen", "train.activation_checkpointing=true",
+        "--run-dir", tmp_path / "run",
+    )  # fmt: skip
+    line = assert_user_error(p, "train.activation_checkpointing", "TiedFrozen")
+    assert "has no switch for it" in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
     (tmp_path / "broken.yaml").write_text("train:\n  max_steps: 5\n bad: 1\n")
     line = assert_user_error(zoff("train", "broken.yaml", cwd=tmp_path), "broken.yaml", "YAML syntax error")

@@ -188,10 +188,12 @@ def _preflight(cfg: Config) -> None:
     import torch
 
     from zoff.data import preflight as preflight_data
-    from zoff.models import build_model
+    from zoff.models import build_model, enable_activation_checkpointing
 
     with torch.device("meta"):
-        build_model(cfg.model)
+        model = build_model(cfg.model)
+    if cfg.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
     preflight_data(cfg.data)
     if cfg.log.tensorboard:
         try:

@@ -89,6 +89,9 @@ class Comm:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.backend = dist.get_backend(group) if self.distributed else "none"
+        # NCCL reduces only device tensors (also the few scalars of sum_scalars); gloo takes host ones.
+        nccl = self.backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.stats = CommStats()
         self.scratch = BufferPool()  # gloo reduce-scatter's receive slices, reused across steps
         # Point-to-point tags per stream: stage 3's gathers run on their own, so a reduction one rank starts
@@ -258,7 +261,7 @@ class Comm:
 
     def sum_scalars(self, values: list[float]) -> list[float]:
         """All-reduce a few float64 scalars (squared norms, overflow flags) in one call; not counted as traffic."""
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world > 1:
             self._run("all_reduce", lambda: dist.all_reduce(t, group=self.group))
         return t.tolist()

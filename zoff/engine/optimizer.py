@@ -95,7 +95,8 @@ class ShardAdam:
 
     def _adam(self, params, grads, m, v, *, lr: float, weight_decay: float, step: int) -> None:
         fn = torch_adamw.adamw if self.cfg.name == "adamw" else torch_adam.adam
-        steps = [torch.tensor(float(step - 1)) for _ in params]  # the kernel increments them
+        # the kernel increments them; torch's fused CUDA kernel reads them on the params' device
+        steps = [torch.tensor(float(step - 1), device=p.device) for p in params]
         fn(
             params, grads, m, v, [], steps, fused=self.fused, foreach=False if not self.fused else None,
             amsgrad=False, beta1=self.cfg.betas[0], beta2=self.cfg.betas[1], lr=lr,

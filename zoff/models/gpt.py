@@ -99,9 +99,10 @@ class GPT(nn.Module):
             # GPT-2's scaled init of residual projections keeps the residual stream's variance flat with depth.
             std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj.weight") else 0.02
             gen = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
-            if out.dtype == torch.float32:
+            if out.dtype == torch.float32 and out.device.type == "cpu":
                 out.normal_(0.0, std, generator=gen)
-            else:  # drawn in fp32 and rounded: the same values as an fp32 model cast to this dtype
+            else:  # drawn in fp32 on the host (the generator's device), then rounded and/or moved: the
+                # same values as a CPU fp32 model's, whatever the dtype and device
                 out.copy_(torch.empty(out.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

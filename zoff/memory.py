@@ -224,7 +224,7 @@ def device_buffers(
         slices = plan.world_size - (1 if policy.stage == 1 else 2)
         out += c * max(0, slices) * sum(shards[: MAX_IN_FLIGHT + 1])
     if policy.stage == 3:
-        out += c * stage3_working_set(plan, zero, policy.activation_checkpointing)
+        out += c * stage3_working_set(plan, zero)
     return out
 
 
@@ -257,7 +257,7 @@ def pending_gradients(
     return c * (held + (n * shards[0] if accumulating else 0))
 
 
-def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig, checkpointing: bool) -> int:
+def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig) -> int:
     """Elements gathered at once in stage 3 (an upper bound; engine/gather.py).
 
     The root unit (gathered from the start of forward to the end of backward), the block in use and the one

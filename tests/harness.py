@@ -24,6 +24,26 @@ from zoff.models import build_model
 from zoff.schedule import lr_at
 from zoff.train import build_session, lm_loss, train_loop
 
+# scripts/gpu_check.sh sets ZOFF_TEST_DEVICE=cuda: the same ranks then run over NCCL, one GPU each, and the
+# reference runs on GPU 0. Everywhere else the ranks are host processes over gloo.
+TEST_DEVICE = os.environ.get("ZOFF_TEST_DEVICE", "cpu")
+BACKEND = "nccl" if TEST_DEVICE == "cuda" else "gloo"
+
+
+def rank_device(rank: int) -> torch.device:
+    return (
+        torch.device("cuda", rank % torch.cuda.device_count())
+        if TEST_DEVICE == "cuda"
+        else torch.device("cpu")
+    )
+
+
+def init_rank(rank: int, world: int, **kwargs) -> None:
+    """Join the test's process group on this rank's device (gloo on the host, NCCL with ZOFF_TEST_DEVICE=cuda)."""
+    if TEST_DEVICE == "cuda":
+        torch.cuda.set_device(rank_device(rank))
+    dist.init_process_group(BACKEND, rank=rank, world_size=world, **kwargs)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,7 +55,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, Path(out) / f"rank{rank}.pt")
@@ -60,7 +80,7 @@ def zoff_rank(
     With `run_dir`, checkpoints go to cfg's checkpoint.dir or <run_dir>/checkpoints and `resume` is honoured.
     """
     cfg = config_from_dict(cfg_dict)
-    s = build_session(cfg, torch.device("cpu"))
+    s = build_session(cfg, rank_device(rank))
     ckpt, start = None, 0
     if run_dir is not None:
         ckpt = Checkpointer(s.engine, cfg.checkpoint, Path(run_dir), dump_yaml(cfg), cfg.train.max_steps)
@@ -83,7 +103,7 @@ def zoff_rank(
         "start": start,
         "losses": losses,
         "grad_norms": norms,
-        "params": s.engine.gathered_params(),
+        "params": {k: v.cpu() for k, v in s.engine.gathered_params().items()},
         "memory": s.engine.memory_report(),
         "stats": s.engine.stats(),
     }
@@ -113,7 +133,8 @@ def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> d
     parameters of ZeRO-Offload's delayed parameter update, applied explicitly.
     """
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
+    device = rank_device(0)
+    model = build_model(cfg.model).to(device)
     live = model
     if delay_warmup is not None:
         model = copy.deepcopy(live)  # the masters; `live` is what forward/backward sees
@@ -137,7 +158,7 @@ def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> d
         opt.zero_grad()
         live.zero_grad()
         x, y = batches.micro_batch_at(step, 0)
-        loss = lm_loss(live(x), y)
+        loss = lm_loss(live(x.to(device)), y.to(device))
         loss.backward()
         if live is not model:
             for p, q in zip(model.parameters(), live.parameters()):
@@ -157,7 +178,9 @@ def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> d
                     q.copy_(old if stale else p)
         losses.append(loss.item())
     params = {
-        n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+        n: p.detach().cpu().clone()
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if p.requires_grad
     }
     return {"losses": losses, "params": params, "grad_norms": norms}
 

@@ -238,7 +238,10 @@ def test_cpu_memory_is_summed_per_node_not_over_all_gpus() -> None:
     pol = E.Policy(2, "cpu")
     plan = E.engine_plan(E.meta_model(cfg.model), 2, 8, cfg.zero)
     _, per_rank = E.model_states(plan, pol, cfg.train.precision)
-    assert two.world_size == 8 and two.get(pol).cpu_bytes_per_node == 4 * sum(per_rank.values())
+    staging = E.host_staging(pol, cfg.zero, "cuda")  # each rank's bounded pinned buffers (engine/staging.py)
+    assert staging == 64 << 20
+    assert two.world_size == 8 and two.get(pol).cpu_bytes_per_node == 4 * (sum(per_rank.values()) + staging)
+    assert two.get(pol).pinned == staging  # offloaded optimizer states stay pageable
     assert two.get(pol).cpu_bytes_per_node < one.get(pol).cpu_bytes_per_node  # 8 shards, 4 of them per node
 
 

@@ -65,7 +65,7 @@ def save_checkpoint(
         for u in range(len(engine.plan.units), len(engine.plan.all_units)):  # stage 3's frozen shards
             tensors[f"u{u}.master"] = engine.shard_params[u].detach().float().cpu().contiguous()
         files.update(_write(tmp / f"shard_{engine.rank:05d}.safetensors", tensors))
-    files.update(_write(tmp / f"rng_{rank:05d}.safetensors", {"cpu": torch.get_rng_state()}))
+    files.update(_write(tmp / f"rng_{rank:05d}.safetensors", rng_states(engine.device)))
     if rank == 0:
         files.update(_write(tmp / "extra.safetensors", _extra_tensors(engine)))
         (tmp / "config.yaml").write_text(config_yaml)
@@ -311,8 +311,24 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
         )
         rng_file = path / f"rng_{engine.comm.rank:05d}.safetensors"
         if manifest["world_size"] == engine.comm.world and rng_file.is_file():
-            torch.set_rng_state(readers.get(rng_file.name).read("cpu"))
+            rng = readers.get(rng_file.name)
+            set_rng_states({k: rng.read(k) for k in rng.keys()}, engine.device)
     return manifest["trainer"]
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's generators: the host one, and the CUDA one that dropout on a GPU draws from."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore rng_states(); a GPU run resumed on a host-only machine (or the reverse) keeps only the host one."""
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 def _assemble_shard(

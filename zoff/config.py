@@ -57,7 +57,10 @@ class DataConfig:
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
     device: Literal["none", "cpu"] = "none"
-    pin_memory: bool = True
+    pin_memory: bool = True  # page-lock the staging buffers (GPU only): DMA at full speed, async with compute
+    # Gradient shards go down and parameter shards up through this many MiB of staging buffers per rank; the
+    # fp32 master and moments stay pageable (pinning them would lock 12 B/param/N of host memory).
+    staging_mb: int = field(default=64, metadata=_rng(1))
     delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
     delay_update_warmup: int = field(default=0, metadata=_rng(0))
 

@@ -29,6 +29,7 @@ from zoff.memory import (  # noqa: F401 - the estimate's arithmetic, re-exported
     engine_plan,
     estimate,
     gpt_activations,
+    host_staging,
     meta_model,
     model_states,
     probe_activations,
@@ -104,6 +105,7 @@ def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig,
         "policies": [
             {**pe.policy.to_dict(), "name": pe.policy.name, "gpu_bytes": pe.gpu_bytes,
              "cpu_bytes_per_node": pe.cpu_bytes_per_node, "gpu": dict(pe.gpu), "cpu": dict(pe.cpu),
+             "pinned_bytes_per_node": pe.pinned * pe.local_ranks,
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train)}
             for pe in est.policies
         ],
@@ -125,7 +127,7 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
     )
     table = Table(title=title, title_justify="left")
     for col in ("policy", "act.ckpt", "params", "grads", "optim", "buffers", "activations", "GPU total",
-                "CPU/node", "fits"):  # fmt: skip
+                "CPU/node", "pinned/node", "fits"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("policy", "act.ckpt") else "right")
     for pe in est.policies:
         configured = _is_configured(pe.policy, zero, train)
@@ -135,6 +137,7 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
             ("▶ " if configured else "  ") + pe.policy.name,
             "on" if pe.policy.activation_checkpointing else "off",
             *(human(g[k]) for k in GPU_KEYS), human(pe.gpu_bytes), human(pe.cpu_bytes_per_node),
+            human(pe.pinned * pe.local_ranks),
             "yes" if fits else "no",
             style="bold" if configured else (None if fits else "dim"),
         )  # fmt: skip

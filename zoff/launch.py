@@ -91,6 +91,14 @@ class Preempted(RuntimeError):
 
 
 @record
+def pg_timeout_s(backend: str, timeout_s: float) -> float:
+    """The process group's own timeout. gloo raises it in the waiting call (Comm turns that into a
+    CollectiveError). NCCL's watchdog instead aborts the process once a collective passes it, with no word of
+    which rank is missing; zoff's host waits (Comm.sum_scalars, once a step) use launch.timeout_s, so the
+    watchdog gets twice that and the named CollectiveError comes first for steps shorter than the timeout."""
+    return 2 * timeout_s if backend == "nccl" else timeout_s
+
+
 def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
     """One rank: threads, device, process group, then the trainer."""
     from zoff.preempt import STOP
@@ -109,7 +117,7 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.launch.timeout_s))
+    dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout_s(backend, cfg.launch.timeout_s)))
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "auto"  # a restarted group continues from the latest complete checkpoint by itself
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 # Re-exported: the estimate's callers and tests take every memory figure from this module.
@@ -21,6 +22,7 @@ from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.reduce import MAX_IN_FLIGHT
+from zoff.engine.staging import chunk_bytes, needs_staging
 from zoff.errors import UserError
 from zoff.models import meta_model
 from zoff.units import human
@@ -91,6 +93,7 @@ class PolicyEstimate:
     gpu: dict[str, int]  # per rank
     cpu: dict[str, int]  # per node: the sum over its local ranks
     local_ranks: int
+    pinned: int = 0  # page-locked host bytes per rank (a part of cpu: hosts cap it, and it cannot swap)
 
     @property
     def gpu_bytes(self) -> int:
@@ -203,6 +206,30 @@ def model_states(
     return gpu, cpu
 
 
+def host_staging(policy: Policy, zero: ZeroConfig, device_type: str) -> int:
+    """Host bytes of one rank's offload staging buffers (engine/staging.py): only where the device is not the host."""
+    if policy.offload_optimizer == "none" or not needs_staging(torch.device(device_type)):
+        return 0
+    return 2 * chunk_bytes(zero.offload_optimizer.staging_mb << 20)
+
+
+def pinned_host_bytes(
+    plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, device_type: str
+) -> int:
+    """Page-locked host bytes of one rank, as ZeroEngine.pinned_bytes() counts them: the staging buffers (when
+    offload_optimizer.pin_memory) and stage 3's offloaded parameter shards (when offload_param.pin_memory)."""
+    if device_type != "cuda":
+        return 0
+    staged = host_staging(policy, zero, device_type) if zero.offload_optimizer.pin_memory else 0
+    shards = sum(u.shard for u in plan.units if not u.persistent)
+    par = (
+        DTYPES[precision].itemsize * shards
+        if policy.offload_param == "cpu" and zero.offload_param.pin_memory
+        else 0
+    )
+    return staged + par
+
+
 def device_buffers(
     plan: PartitionPlan,
     policy: Policy,
@@ -302,9 +329,12 @@ def estimate(
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
             delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
         )  # fmt: skip
+        cpu["staging"] = host_staging(pol, zero_cfg, device_type)
+        pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, device_type)
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
-        out.append(PolicyEstimate(pol, gpu, {k: v * gpus_per_node for k, v in cpu.items()}, gpus_per_node))
+        per_node = {k: v * gpus_per_node for k, v in cpu.items()}
+        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (

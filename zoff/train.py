@@ -184,6 +184,15 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"  params {plan.numel:,} trainable in {len(plan.units)} unit(s); this rank's shard {shard:,} elements",
         f"  model-state memory per rank: params {gib(mem['params'])}, grads {gib(mem['grads'])}, "
         f"optimizer {gib(mem['optimizer_states'])}",
+        *(
+            [
+                f"  host memory per rank (offload): params {gib(mem['cpu_params'])}, grads {gib(mem['cpu_grads'])}, "
+                f"optimizer {gib(mem['cpu_optimizer_states'])}, staging {gib(mem['cpu_staging'])}; "
+                f"page-locked {gib(engine.pinned_bytes())}"
+            ]
+            if engine.offload
+            else []
+        ),
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
     ] + _stage3_line(plan)

@@ -5,16 +5,23 @@ Skipped where torch has no CUDA device. On a GPU machine: `python -m pytest -q t
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tests.harness import free_port
-from zoff.config import OptimConfig
-from zoff.engine.collectives import Comm
+from zoff.checkpoint import rng_states, set_rng_states
+from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
+from zoff.engine import build_engine
+from zoff.engine.collectives import CollectiveError, Comm
 from zoff.engine.optimizer import ShardAdam
+from zoff.engine.staging import Staging
+from zoff.memory import Policy, pinned_host_bytes
 from zoff.models.gpt import GPT
 
 pytestmark = [
@@ -60,3 +67,107 @@ def test_gpt_init_on_a_cuda_view_equals_the_cpu_init() -> None:
     out = torch.empty(model.get_parameter(name).shape, device="cuda")
     model.init_parameter(name, out)
     assert torch.equal(out.cpu(), model.get_parameter(name).detach())
+
+
+def test_cuda_rng_state_round_trips_through_rng_states() -> None:
+    """Checkpoints hold the CUDA generator too: dropout on a GPU draws from it, and a resume must continue it."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.manual_seed(5)
+    states = rng_states(dev)
+    assert set(states) == {"cpu", "cuda"}
+    want = torch.rand(8, device=dev)
+    torch.rand(100, device=dev)  # the stream moves on
+    set_rng_states(states, dev)
+    assert torch.equal(torch.rand(8, device=dev), want)
+
+
+def test_staging_moves_device_shards_through_pinned_chunks() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    st = Staging(8192, dev)
+    assert st.pinned_bytes == st.nbytes == 8192 and all(b.is_pinned() for b in st.buffers)
+    src = torch.randn(50_001, device=dev, dtype=torch.bfloat16)
+    host = torch.empty(50_001)
+    st.download(src, host)
+    assert torch.equal(host, src.float().cpu())
+    shard = torch.empty(50_001, device=dev, dtype=torch.bfloat16)
+    master = torch.randn(50_001)
+    st.upload(master, shard)  # asynchronous on the side stream
+    st.uploads_done()  # the compute stream waits for it
+    assert torch.equal(shard.cpu(), master.to(torch.bfloat16))
+
+
+def _engine_losses(zero: ZeroConfig, precision: str = "fp32") -> tuple[list[float], object]:
+    torch.manual_seed(0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = GPT(2, 2, 32, 64, 16)
+    eng = build_engine(model, zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision=precision, device=dev)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(4):
+        eng.zero_grad()
+        x = torch.randint(0, 64, (2, 16), generator=gen).to(dev)
+        loss = eng.model(x).float().logsumexp(-1).mean()
+        eng.backward(loss)
+        eng.step(1e-2)
+        losses.append(loss.item())
+    eng.flush()
+    return losses, eng
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_on_cuda_equals_the_device_optimizer(stage: int) -> None:
+    """Optimizer (and at stage 3 parameter) offload on a GPU: gradients down and parameters up through the
+    pinned staging buffers, the CPU Adam on pageable states, the gathers reading host shards; the same
+    numbers as torch's fused AdamW on the device, and exactly the pinned bytes the estimate predicts."""
+    want, ref = _engine_losses(ZeroConfig(stage=stage))
+    off = ZeroConfig(
+        stage=stage,
+        offload_optimizer=OffloadOptimizerConfig(device="cpu", staging_mb=1),
+        offload_param=OffloadParamConfig(device="cpu" if stage == 3 else "none"),
+    )
+    got, eng = _engine_losses(off)
+    assert eng.staging is not None and eng.staging.chunks > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(eng.masters, ref.masters, strict=True):
+        torch.testing.assert_close(a.cuda(), b, rtol=1e-5, atol=1e-6)
+    policy = Policy(stage, "cpu", off.offload_param.device)
+    assert eng.pinned_bytes() == pinned_host_bytes(eng.plan, policy, off, "fp32", "cuda")
+    assert not any(t.is_pinned() for t in eng.optimizer.exp_avg + eng.optimizer.exp_avg_sq)
+
+
+def test_delayed_update_with_parameter_offload_runs_on_cuda() -> None:
+    """DPU + parameter offload: the publish waits for the gathers' uploads of the host shards it overwrites."""
+    zero = ZeroConfig(
+        stage=3,
+        offload_optimizer=OffloadOptimizerConfig(device="cpu", delay_update=True, staging_mb=1),
+        offload_param=OffloadParamConfig(device="cpu"),
+    )
+    losses, eng = _engine_losses(zero, "bf16")
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def _nccl_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    comm = Comm(timeout_s=5.0)
+    result = {"separate_gather_group": comm.gather_group is not comm.group}
+    assert comm.sum_scalars([float(rank)]) == [1.0]
+    if rank == 0:
+        try:
+            comm.sum_scalars([1.0])  # rank 1 never joins this one
+            result["error"] = None
+        except CollectiveError as e:
+            result["error"] = str(e)
+    else:
+        time.sleep(25)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    os._exit(0)  # the group is out of step: no teardown
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_timeout_names_the_missing_rank_and_gathers_have_their_own_group(tmp_path) -> None:
+    mp.start_processes(_nccl_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    r0 = torch.load(tmp_path / "rank0.pt")
+    assert r0["separate_gather_group"]
+    assert r0["error"] is not None and "rank(s) not answering: 1" in r0["error"], r0["error"]

@@ -51,7 +51,8 @@ STEPS = 12
 
 # The default slice: accumulation on, the stages that partition something, and the two data-dependent
 # patterns under plain data parallelism too (a stage-0 failure there points at the model, not at ZeRO).
-SLICE_WORLD, SLICE_ACCUM = 2, 3
+# scripts/gpu_check.sh runs the slice at world 1 on a single GPU (ZOFF_TEST_WORLD=1).
+SLICE_WORLD, SLICE_ACCUM = int(os.environ.get("ZOFF_TEST_WORLD", "2")), 3
 SLICE = [(p, s) for p in PATTERNS for s in (1, 2, 3)] + [("moe", 0), ("moe_idle_expert", 0), ("branch", 0)]
 FULL = [(p, s) for p in PATTERNS for s in STAGES]
 GRID = [(w, a, p, s) for w in WORLDS for a in ACCUMS for p, s in FULL]
@@ -124,9 +125,7 @@ def _cells_entry(rank: int, world: int, port: int, cfgs: list[dict], out_dir: st
     os.dup2(log, 1)
     os.dup2(log, 2)
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    )
+    harness.init_rank(rank, world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     for i, cfg in enumerate(cfgs):
         try:
             record = zoff_rank(rank, world, cfg)

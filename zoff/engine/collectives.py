@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -61,13 +62,17 @@ class Handle:
         self.wait()
         return True
 
-    def wait(self) -> None:
+    def wait(self, host_timeout_s: float | None = None) -> None:
+        """Block until done. NCCL's wait() only orders the current CUDA stream after the collective; with
+        `host_timeout_s` the host itself waits (at most that long), so a peer that never joins surfaces here
+        as a CollectiveError instead of a hang at the next host read or the watchdog's abort."""
         if self._after is not None:
             self._after.wait()
             self._after = None
+        timeout = {} if host_timeout_s is None else {"timeout": timedelta(seconds=host_timeout_s)}
         while self._works:
             try:
-                self._works[0].wait()
+                self._works[0].wait(**timeout)
             except RuntimeError as e:
                 raise (self._explain(e) if self._explain else e) from e
             self._works.pop(0)
@@ -97,6 +102,16 @@ class Comm:
         # Point-to-point tags per stream: stage 3's gathers run on their own, so a reduction one rank starts
         # earlier than another (its data completed the unit sooner) can never pair with a gather.
         self._tags = dict.fromkeys(STREAMS, 0)
+        # NCCL has no tags: one communicator runs its collectives in issue order, and stage 3's gathers and the
+        # reductions may be issued in different interleavings on different ranks (a rank whose unit completed
+        # sooner). The gathers get a communicator of their own, as the "gather" tag stream does on gloo.
+        # Cost: a second NCCL communicator (its buffers, ~100s of MB of GPU memory at large scale).
+        self.gather_group = self.group
+        if nccl and self.world > 1:
+            self.gather_group = dist.new_group(
+                list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group),
+                backend="nccl",
+            )
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Handle:
         self.stats.add("all_reduce", 2 * t.numel())
@@ -207,9 +222,10 @@ class Comm:
             return DONE
         n = shard.numel()
         if self.backend == "nccl":
+            group = self.gather_group if stream == "gather" else self.group
             return self._run(
                 "all_gather",
-                lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=async_op),
+                lambda: dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op),
             )
         mine = full[self.rank * n : (self.rank + 1) * n]
         if shard.data_ptr() != mine.data_ptr():
@@ -263,7 +279,8 @@ class Comm:
         """All-reduce a few float64 scalars (squared norms, overflow flags) in one call; not counted as traffic."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world > 1:
-            self._run("all_reduce", lambda: dist.all_reduce(t, group=self.group))
+            handle = self._run("all_reduce", lambda: dist.all_reduce(t, group=self.group, async_op=True))
+            handle.wait(self.timeout_s if self.backend == "nccl" else None)
         return t.tolist()
 
     def _run(self, kind: str, issue: Callable[[], object], then: Callable[[], None] | None = None) -> Handle:

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.partition import PartitionPlan
+from zoff.engine.staging import NullEvent
 from zoff.errors import UserError
 
 
@@ -56,6 +57,10 @@ class UnitGatherer:
         blocks.listeners.append(self._maybe_release)
         self.prefetch_numel = prefetch_numel
         self.managed = [not u.persistent for u in plan.all_units]
+        # Parameter offload: the last upload of a host shard, which the host must not overwrite (the step's
+        # publish) before the GPU has read it; the host runs ahead of the device.
+        cuda = any(f.device.type == "cuda" for f in full)
+        self.host_reads = torch.cuda.Event() if cuda else NullEvent()
         self.gathered = [u.persistent for u in plan.all_units]
         self.pending: dict[int, Handle] = {}
         self.order: list[int] = []  # forward gather order of block units, recorded in the first step
@@ -170,6 +175,7 @@ class UnitGatherer:
         shard = self.shards[u]
         if shard.device != full.device:  # parameter offload: the shard comes up from host memory first
             shard = shard.to(full.device, non_blocking=True)
+            self.host_reads.record()
         self.pending[u] = self.comm.all_gather(shard, full, async_op=True, stream="gather")
 
     def _prefetch_after(self, u: int, backward: bool) -> None:
@@ -217,6 +223,10 @@ class UnitGatherer:
         if done and self.blocks.open(block) == 0:
             for v in self.block_units.get(block, ()):
                 self.release(v)
+
+    def wait_host_reads(self) -> None:
+        """Block until every upload of a host-resident shard issued so far has landed on the device."""
+        self.host_reads.synchronize()
 
     def release_all(self) -> None:
         """Free every gathered unit: after backward, and before a step changes the shards."""

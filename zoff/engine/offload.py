@@ -2,7 +2,7 @@
 
 Per step and rank the device<->host traffic is the minimum the ZeRO-Offload paper gives: the reduced gradient
 shard down (2 B/param in 16-bit) and the updated 16-bit parameter shard up. Host buffers are allocated once
-(pinned when a GPU is present) and reused every step. On a CPU-only machine the "device" is the host: the
+and reused every step; they stay pageable, and the copies go through a few pinned staging buffers (staging.py). On a CPU-only machine the "device" is the host: the
 copies vanish (host buffers alias the device shards) and the same code runs.
 
 Delayed parameter update (DPU): the CPU step of step i runs in a background thread while the next
@@ -18,6 +18,7 @@ import torch
 
 from zoff.config import OffloadOptimizerConfig, OptimConfig
 from zoff.engine.optimizer import Run, StepRun, all_runs
+from zoff.engine.staging import Staging
 from zoff.optim import cpu_adam_step
 
 
@@ -44,36 +45,51 @@ class OffloadAdam:
         offload: OffloadOptimizerConfig,
         alias_masters: bool,
         threads: int,
+        grad_dtype: torch.dtype,
+        staging: Staging | None = None,
     ):
         self.cfg, self.runs, self.threads = optim, runs, threads
         self.delay = offload.delay_update
         self.warmup = offload.delay_update_warmup
-        pin = offload.pin_memory
+        self.staging = staging  # device <-> host transfers (GPU); None: shards and states share host memory
         on_host = all(p.device.type == "cpu" for p in shard_params)
+        # The states stay pageable: only the staging buffers are page-locked (staging.py).
         if alias_masters:  # fp32 on a CPU-only machine without DPU: the shard itself is the master
             self.masters = list(shard_params)
         else:
-            self.masters = [host_buffer(p, torch.float32, pin).copy_(p) for p in shard_params]
-        self.exp_avg = [host_buffer(m, torch.float32, pin) for m in self.masters]
-        self.exp_avg_sq = [host_buffer(m, torch.float32, pin) for m in self.masters]
+            self.masters = [host_buffer(p, torch.float32, pin=False) for p in shard_params]
+            for m, p in zip(self.masters, shard_params):
+                self._download(p, m)
+        self.exp_avg = [host_buffer(m, torch.float32, pin=False) for m in self.masters]
+        self.exp_avg_sq = [host_buffer(m, torch.float32, pin=False) for m in self.masters]
         # Gradients: the device shard is read directly when it already is in host memory and nothing will
         # overwrite it while the step runs (DPU's next backward would).
-        self.copy_grads = not on_host or self.delay
+        self.copy_grads = not on_host or self.delay or staging is not None
+        # Allocated once in the one dtype the engine hands over (fp32 when clipping or loss scaling rescales
+        # the gradients on the device, else the compute dtype): a 16-bit step after an fp32 one reuses it.
+        self.host_grads = [
+            host_buffer(m, grad_dtype, pin=False) if self.copy_grads else None for m in self.masters
+        ]
         # 16-bit training with host-resident shards and no DPU: the kernel writes the new 16-bit parameters
         # straight into the live shards in the same pass (saves the separate fp32 -> 16-bit copy, ~30-50%).
         self.out16 = None
         if (
             on_host
+            and staging is None
             and not self.delay
             and not alias_masters
             and shard_params[0].dtype in (torch.bfloat16, torch.float16)
         ):
             self.out16 = list(shard_params)
-        self.host_grads: list[torch.Tensor | None] = [None] * len(self.masters)
         self.step_count = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.pinned = pin and torch.cuda.is_available()
+
+    def _download(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.staging is not None:
+            self.staging.download(src, dst)
+        else:
+            dst.copy_(src)
 
     # ------------------------------------------------------------------------------------------------ step
     def step(
@@ -90,12 +106,8 @@ class OffloadAdam:
         """
         self.finish()
         if self.copy_grads:
-            for i, g in enumerate(grads):
-                if self.host_grads[i] is None or self.host_grads[i].dtype != g.dtype:
-                    self.host_grads[i] = host_buffer(g, g.dtype, self.pinned)
-                self.host_grads[i].copy_(g, non_blocking=self.pinned)
-            if self.pinned:
-                torch.cuda.current_stream().synchronize()  # the D2H copies must land before the CPU reads
+            for g, host in zip(grads, self.host_grads):
+                self._download(g, host)  # complete on return: staging waits on its copies' CUDA events
             grads = self.host_grads
         self.step_count += 1
         runs = runs or all_runs(self.runs, self.step_count)

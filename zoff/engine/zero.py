@@ -26,6 +26,7 @@ from zoff.engine.partition import plan_partition
 from zoff.engine.pool import mmap_large_allocations
 from zoff.engine.precision import DTYPES, LossScaler
 from zoff.engine.reduce import GradReducer
+from zoff.engine.staging import Staging, needs_staging
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class ZeroEngine:
         self._build_buffers()
         runs = [self.plan.decay_runs(u.index, self.rank) for u in self.plan.units]
         self.cpu_threads = torch.get_num_threads()
+        self.staging: Staging | None = None  # offload on a GPU: bounded pinned buffers for host <-> device
         if self.offload:
             # fp32 on a host-only machine needs no master copy, unless DPU must keep the live params apart.
             alias = (
@@ -96,14 +98,15 @@ class ZeroEngine:
                 and self.device.type == "cpu"
                 and not zero.offload_optimizer.delay_update
             )
+            oz = zero.offload_optimizer
+            if needs_staging(self.device):
+                self.staging = Staging(oz.staging_mb << 20, self.device, pin=oz.pin_memory)
+            # what step() hands the optimizer: rescaled gradients are fp32, the others stay as reduced
+            rescaled = grad_clip > 0 or precision == "fp16" or self.accum_dtype == torch.float32
             self.optimizer = OffloadAdam(
-                self.shard_params,
-                runs,
-                optim,
-                zero.offload_optimizer,
-                alias_masters=alias,
-                threads=self.cpu_threads,
-            )
+                self.shard_params, runs, optim, oz, alias_masters=alias, threads=self.cpu_threads,
+                grad_dtype=torch.float32 if rescaled else self.dtype, staging=self.staging,
+            )  # fmt: skip
         else:
             self.optimizer = ShardAdam(
                 [self._make_master(u) for u in range(len(self.plan.units))], runs, optim
@@ -302,10 +305,22 @@ class ZeroEngine:
             h.wait()
 
     def _publish_unit(self, u: int, copy_master: bool, handles: list[Handle]) -> None:
-        if self.masters[u] is not self.shard_params[u] and copy_master:
-            self.shard_params[u].copy_(self.masters[u])
+        shard = self.shard_params[u]
+        if self.masters[u] is not shard and copy_master:
+            if self._host_shard(u):  # parameter offload: a gather may still be copying this shard up
+                self.gatherer.wait_host_reads()
+                shard.copy_(self.masters[u])
+            elif self.staging is not None:
+                self.staging.upload(self.masters[u], shard)  # asynchronous: the next unit's step overlaps it
+                self.staging.uploads_done()  # the gather below (and any later kernel) waits for it, on the GPU
+            else:
+                shard.copy_(self.masters[u])
         if self.stage in (1, 2) or (self.stage == 3 and self.plan.units[u].persistent):
             handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
+
+    def _host_shard(self, u: int) -> bool:
+        """Stage 3 parameter offload on a GPU: unit u's shard lives in host memory, not on the device."""
+        return self.shard_params[u].device.type == "cpu" and self.device.type != "cpu"
 
     def zero_grad(self) -> None:
         """Start an accumulation window: stages 0-1 zero their flat buffers, 2-3 overwrite the shard next time."""
@@ -347,7 +362,14 @@ class ZeroEngine:
             "cpu_params": nbytes(offloaded),
             "cpu_grads": host_grads,
             "cpu_optimizer_states": opt if self.offload else 0,
+            "cpu_staging": self.staging.nbytes if self.staging is not None else 0,
         }
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory this rank holds: the staging buffers and pinned offloaded parameter shards."""
+        shards = [t for u, t in enumerate(self.shard_params) if self._host_shard(u) and t.is_pinned()]
+        staged = self.staging.pinned_bytes if self.staging is not None else 0
+        return staged + sum(t.numel() * t.element_size() for t in shards)
 
     def stats(self) -> dict:
         return {

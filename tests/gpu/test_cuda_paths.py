@@ -5,6 +5,7 @@ Skipped where torch has no CUDA device. On a GPU machine: `python -m pytest -q t
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -22,6 +23,7 @@ from zoff.engine.collectives import CollectiveError, Comm
 from zoff.engine.optimizer import ShardAdam
 from zoff.engine.staging import Staging
 from zoff.memory import Policy, pinned_host_bytes
+from zoff.metrics import GPU_PEAK_TFLOPS, MetricsWriter, peak_flops
 from zoff.models.gpt import GPT
 
 pytestmark = [
@@ -171,3 +173,16 @@ def test_nccl_timeout_names_the_missing_rank_and_gathers_have_their_own_group(tm
     r0 = torch.load(tmp_path / "rank0.pt")
     assert r0["separate_gather_group"]
     assert r0["error"] is not None and "rank(s) not answering: 1" in r0["error"], r0["error"]
+
+
+def test_metrics_read_the_gpus_memory_and_peak(tmp_path) -> None:
+    """The run's metrics report the device's allocator peak, and MFU where the GPU's peak is in the table."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.ones(1 << 20, device=dev)
+    w = MetricsWriter(
+        tmp_path, 1, 0, False, logging.getLogger("t"), tensorboard=False, flops_per_token=1e9, device=dev
+    )
+    out = w._resources({"tokens_per_s": 1000.0})
+    assert out["peak_alloc_mib"] >= 4.0
+    known = any(key in torch.cuda.get_device_name(dev) for key, _, _ in GPU_PEAK_TFLOPS)
+    assert (peak_flops(dev, "bf16") is not None) == known and ("mfu" in out) == known

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,9 +17,10 @@ import yaml
 from zoff.errors import ConfigError, UserError
 from zoff.schema import build, kind, range_meta, strip_optional, suggest, to_dict
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RECIPES_DIR = REPO_ROOT / "recipes"
-CONFIGS_DIR = REPO_ROOT / "configs"
+# Shipped inside the package (package data), so an installed wheel finds them as a checkout does; the
+# checkout's top-level configs/ and recipes/ are links to these.
+RECIPES_DIR = Path(str(resources.files("zoff") / "recipes"))
+CONFIGS_DIR = Path(str(resources.files("zoff") / "configs"))
 
 
 _rng = range_meta
@@ -168,12 +170,23 @@ class Config:
 
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a YAML config, apply `key.path=value` overrides, resolve the zero recipe, validate."""
-    path = Path(path)
+    """Read a YAML config, apply `key.path=value` overrides, resolve the zero recipe, validate.
+
+    A path that does not exist but names a shipped config (`quickstart`, `configs/quickstart.yaml`) reads the
+    shipped one: the README's commands then work from an installed wheel, outside a checkout."""
+    path = shipped_config(Path(path))
     raw = _read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {kind(raw)}")
     return config_from_dict(raw, overrides, source=str(path))
+
+
+def shipped_config(path: Path) -> Path:
+    """`path` itself when it exists, else the shipped config it names (if any)."""
+    if path.exists() or path.parent not in (Path("."), Path("configs")) or path.suffix not in ("", ".yaml"):
+        return path
+    shipped = CONFIGS_DIR / f"{path.stem}.yaml"
+    return shipped if shipped.is_file() else path
 
 
 def config_from_dict(raw: dict, overrides: typing.Sequence[str] = (), source: str = "<dict>") -> Config:

@@ -91,7 +91,7 @@ def test_zoff_plot_draws_the_runs_curves(run, tmp_path):
     assert len(drawn) == 2
     recs = records(run)
     for series in drawn.values():
-        for key in ("loss", "val_loss", "tokens_per_s"):
+        for key in ("loss", "val_loss", "tokens_per_s", "peak_rss_mib"):  # memory beside the loss
             steps, values = series.curves[key]
             assert steps == [r["step"] for r in recs if key in r]
             assert values == [r[key] for r in recs if key in r]

@@ -152,3 +152,16 @@ def test_worker_failure_is_reported_by_zoff(boom_run):
     assert p.returncode == 1
     assert re.search(r"zoff: training failed: rank [01] failed \(exit code 1\): RuntimeError: boom", p.stderr)
     assert f"zoff: per-rank logs are in {run_dir / 'logs'}" in p.stderr
+
+
+def test_plan_and_summary_compare_model_states_with_plain_data_parallelism(run2):
+    """The first run shows what ZeRO saved: the allocated model states per rank against DDP's 16 B/param."""
+    cfg = load_config(TINY, list(OVERRIDES))
+    summary = json.loads((run2 / "summary.json").read_text())
+    held, ddp = summary["model_state_mib_per_rank"], summary["ddp_model_state_mib_per_rank"]
+    log = (run2 / "logs" / "rank0.log").read_text()
+    assert f"against {ddp:,.1f} MiB under plain data parallelism" in log
+    assert f"= {held:,.1f} MiB of model states" in log
+    assert cfg.zero.stage == 0  # tiny.yaml is plain data parallelism: the two figures agree (padding aside)
+    assert held == pytest.approx(ddp, rel=0.01)
+    assert summary["peak_rss_mib"] > 50

@@ -12,7 +12,7 @@ from torch import nn
 
 from zoff.config import DataConfig, ModelConfig
 from zoff.engine.precision import DTYPES
-from zoff.models import meta_model
+from zoff.models import lm_loss, meta_model
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,6 @@ def probe_activations(
     real length keeps whatever grows faster than linearly in seq (the meta device runs the math attention
     kernel, so this over-estimates models that use flash attention on GPUs).
     """
-    from zoff.train import lm_loss
 
     model = meta_model(m).to(DTYPES[precision]).train()
     switch = hasattr(model, "activation_checkpointing")

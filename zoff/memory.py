@@ -206,6 +206,12 @@ def model_states(
     return gpu, cpu
 
 
+def data_parallel_bytes(trainable_params: int) -> int:
+    """Plain data parallelism's model states per rank (design.md §1): 16 B/param, fp32 or mixed precision
+    (a 16-bit param and gradient plus the fp32 master and both moments, or fp32 param, grad and moments)."""
+    return 16 * trainable_params
+
+
 def host_staging(policy: Policy, zero: ZeroConfig, device_type: str) -> int:
     """Host bytes of one rank's offload staging buffers (engine/staging.py): only where the device is not the host."""
     if policy.offload_optimizer == "none" or not needs_staging(torch.device(device_type)):

@@ -146,7 +146,8 @@ class MetricsWriter:
         self.log.info(msg)
         (self.bar.console.print if self.bar is not None else print)(msg)
 
-    def close(self) -> dict:
+    def close(self, extra: dict | None = None) -> dict:
+        """Write summary.json and print the summary table; `extra` adds the trainer's own figures (memory)."""
         if self.bar is not None:
             self.bar.stop()
         if self.tb is not None:
@@ -162,6 +163,8 @@ class MetricsWriter:
             if train
             else 0,
             "train_time_s": time.perf_counter() - self.start,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # rank 0's process
+            **(extra or {}),
         }
         (self.path.parent / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         table = Table(title="zoff run summary", show_header=False)

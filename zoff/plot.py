@@ -1,4 +1,4 @@
-"""`zoff plot`: loss, val loss and tokens/s against step for one or more run directories, as one PNG.
+"""`zoff plot`: loss, val loss, tokens/s and memory (rank 0's peak RSS; the GPU allocator's peak) against step for one or more run directories, as one PNG.
 
 matplotlib is an optional extra (`pip install zoff[plot]`). `plot_runs` returns the data of every curve it
 drew, read back from the figure, so what the picture shows can be checked against metrics.jsonl.
@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zoff.errors import UserError
+
+
+SERIES = ("loss", "val_loss", "tokens_per_s", "peak_rss_mib", "peak_alloc_mib")
 
 
 @dataclass
@@ -36,7 +39,7 @@ def read_series(run_dir: Path) -> RunSeries:
             raise UserError(f"{path}:{n}: not valid JSON") from None
         if "event" in rec or "step" not in rec:
             continue
-        for key in ("loss", "val_loss", "tokens_per_s"):
+        for key in SERIES:
             if isinstance(rec.get(key), (int, float)):
                 steps, values = out.curves.setdefault(key, ([], []))
                 steps.append(rec["step"])
@@ -57,7 +60,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> dict[str, RunSeries]:
         raise UserError(f"--out: its folder {out.parent} does not exist")
     runs = [read_series(Path(d)) for d in run_dirs]
     labels = _labels([Path(d) for d in run_dirs])
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(1, 3, figsize=(17, 4.5))
     drawn: dict[str, RunSeries] = {}
     for i, (run, label) in enumerate(zip(runs, labels)):
         color = f"C{i % 10}"
@@ -66,12 +69,15 @@ def plot_runs(run_dirs: list[Path], out: Path) -> dict[str, RunSeries]:
             "loss": (ax_loss, "-", None),
             "val_loss": (ax_loss, "--", "o"),
             "tokens_per_s": (ax_tps, "-", None),
+            "peak_rss_mib": (ax_mem, "-", None),
+            "peak_alloc_mib": (ax_mem, ":", None),
         }
         for key, (ax, ls, marker) in styles.items():
             if key not in run.curves:
                 continue
             steps, values = run.curves[key]
-            name = label if key == "loss" or key == "tokens_per_s" else f"{label} (val)"
+            name = {"val_loss": f"{label} (val)", "peak_rss_mib": f"{label} (host RSS)"}.get(key, label)
+            name = f"{label} (GPU allocated)" if key == "peak_alloc_mib" else name
             (line,) = ax.plot(steps, values, ls, marker=marker, color=color, label=name, markersize=4)
             drawn[label].curves[key] = (
                 [float(x) for x in line.get_xdata()],
@@ -79,7 +85,8 @@ def plot_runs(run_dirs: list[Path], out: Path) -> dict[str, RunSeries]:
             )
     ax_loss.set(title="loss", xlabel="step", ylabel="cross-entropy (nats/token)")
     ax_tps.set(title="throughput", xlabel="step", ylabel="tokens/s")
-    for ax in (ax_loss, ax_tps):
+    ax_mem.set(title="memory (rank 0, peak so far)", xlabel="step", ylabel="MiB")
+    for ax in (ax_loss, ax_tps, ax_mem):
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)

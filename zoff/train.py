@@ -9,22 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from zoff.checkpoint import Checkpointer
 from zoff.config import Config, ScheduleConfig, TrainConfig, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
+from zoff.memory import data_parallel_bytes
 from zoff.metrics import MetricsWriter, flops_per_token, rank_logger
-from zoff.models import build_model, enable_activation_checkpointing, meta_model
+from zoff.models import build_model, enable_activation_checkpointing, lm_loss, meta_model  # noqa: F401 - lm_loss re-exported for the tests and scripts
 from zoff.preempt import STOP, StopRequest
 from zoff.schedule import lr_at
-
-
-def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy in fp32; accepts raw logits or an output object with `.logits` (HF models)."""
-    logits = getattr(output, "logits", output)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 @dataclass
@@ -94,7 +88,9 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start, stop)
     log.info("engine stats %s", json.dumps(s.engine.stats()))
     log.info("memory report %s", json.dumps(s.engine.memory_report()))
-    return writer.close() if writer is not None else None
+    held, ddp = model_state_bytes(s.engine)
+    mib = {"model_state_mib_per_rank": held / 2**20, "ddp_model_state_mib_per_rank": ddp / 2**20}
+    return writer.close(mib) if writer is not None else None
 
 
 def train_loop(
@@ -184,6 +180,7 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"  params {plan.numel:,} trainable in {len(plan.units)} unit(s); this rank's shard {shard:,} elements",
         f"  model-state memory per rank: params {gib(mem['params'])}, grads {gib(mem['grads'])}, "
         f"optimizer {gib(mem['optimizer_states'])}",
+        _vs_data_parallel(engine),
         *(
             [
                 f"  host memory per rank (offload): params {gib(mem['cpu_params'])}, grads {gib(mem['cpu_grads'])}, "
@@ -196,6 +193,21 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
     ] + _stage3_line(plan)
+
+
+def model_state_bytes(engine: ZeroEngine) -> tuple[int, int]:
+    """(this rank's device model-state bytes as allocated, what plain data parallelism would hold)."""
+    mem = engine.memory_report()
+    held = mem["params"] + mem["grads"] + mem["optimizer_states"] + mem["frozen_params"]
+    return held, data_parallel_bytes(engine.plan.numel) + mem["frozen_params"]
+
+
+def _vs_data_parallel(engine: ZeroEngine) -> str:
+    held, ddp = model_state_bytes(engine)
+    return (
+        f"  = {held / 2**20:,.1f} MiB of model states on this rank's device (allocated), against "
+        f"{ddp / 2**20:,.1f} MiB under plain data parallelism (DDP, 16 B/param): {ddp / max(held, 1):.1f}x less"
+    )
 
 
 def _stage3_line(plan) -> list[str]:

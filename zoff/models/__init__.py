@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zoff.config import ModelConfig
@@ -13,6 +14,12 @@ from zoff.errors import UserError
 from zoff.models.gpt import GPT
 
 BUILTIN = ("gpt",)
+
+
+def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy in fp32; accepts raw logits or an output object with `.logits` (HF models)."""
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

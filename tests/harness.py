@@ -30,6 +30,12 @@ TEST_DEVICE = os.environ.get("ZOFF_TEST_DEVICE", "cpu")
 BACKEND = "nccl" if TEST_DEVICE == "cuda" else "gloo"
 
 
+def worlds_under_test(default: tuple[int, ...]) -> tuple[int, ...]:
+    """The world sizes a multi-rank test runs: ZOFF_TEST_WORLD (gpu_check.sh: one rank per GPU) or its own."""
+    world = os.environ.get("ZOFF_TEST_WORLD")
+    return (int(world),) if world else default
+
+
 def rank_device(rank: int) -> torch.device:
     return (
         torch.device("cuda", rank % torch.cuda.device_count())

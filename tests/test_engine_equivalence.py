@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import reference_run, run_zoff_many, spawn, tiny_cfg, zoff_rank_many
+from tests.harness import reference_run, run_zoff_many, spawn, tiny_cfg, worlds_under_test, zoff_rank_many
 from zoff.config import config_from_dict
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def _user(stage: int) -> dict:
     )
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+@pytest.fixture(scope="module", params=worlds_under_test((2, 3)), ids=lambda w: f"{w}-ranks")
 def gpt_runs(request) -> tuple[int, list[dict], dict]:
     world = request.param
     results = run_zoff_many([_gpt(s) for s in STAGES], world)

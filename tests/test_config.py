@@ -442,6 +442,7 @@ def test_dump_has_every_section_fully_resolved():
         "offload_optimizer": {
             "device": "cpu",
             "pin_memory": True,
+            "staging_mb": 64,
             "delay_update": False,
             "delay_update_warmup": 0,
         },

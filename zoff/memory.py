@@ -10,7 +10,6 @@ from a saved-tensor probe forward on the meta device. No process group, no real 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +18,8 @@ from torch import nn
 # Re-exported: the estimate's callers and tests take every memory figure from this module.
 from zoff.activations import Activations, activations, gpt_activations, probe_activations, saved_bytes  # noqa: F401
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
-from zoff.engine.partition import PartitionPlan, plan_partition
+from zoff.engine.partition import PartitionPlan
+from zoff.engine.policy import POLICIES, Policy, engine_plan  # noqa: F401 - the policy table, re-exported
 from zoff.engine.precision import DTYPES
 from zoff.engine.reduce import MAX_IN_FLIGHT
 from zoff.engine.staging import chunk_bytes, needs_staging
@@ -33,36 +33,6 @@ CPU_KEYS = ("params", "grads", "optimizer_states")
 
 # ---------------------------------------------------------------------------------------------- policies
 
-
-@dataclass(frozen=True)
-class Policy:
-    stage: int
-    offload_optimizer: str = "none"  # none | cpu
-    offload_param: str = "none"  # none | cpu (stage 3 only)
-    activation_checkpointing: bool = False
-
-    @property
-    def name(self) -> str:
-        """The recipe names: zero2-offload, zero3-offload (both offloads); zero3-offload-opt (optimizer only)."""
-        if self.offload_optimizer == "none":
-            return f"zero{self.stage}"
-        return f"zero{self.stage}-offload" + (
-            "-opt" if self.stage == 3 and self.offload_param == "none" else ""
-        )
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _policies(ac: bool) -> list[Policy]:
-    """Every policy the engine accepts: offload needs stage >= 1, parameter offload also optimizer offload."""
-    out = [Policy(0, activation_checkpointing=ac)]
-    for stage in (1, 2, 3):
-        out += [Policy(stage, "none", "none", ac), Policy(stage, "cpu", "none", ac)]
-    return out + [Policy(3, "cpu", "cpu", ac)]
-
-
-POLICIES = tuple(_policies(False) + _policies(True))
 
 # Fastest first. Stages 0-2 move the same 2 psi per step, so all three without recompute beat any of them with
 # it; from there on each step costs more than activation checkpointing's extra forward (~1/3 of compute), so
@@ -149,17 +119,6 @@ def frozen_param_bytes(model: nn.Module, plan: PartitionPlan, precision: str) ->
     return DTYPES[precision].itemsize * (numel + sum(u.shard for u in plan.frozen_units))
 
 
-def engine_plan(model: nn.Module, stage: int, world: int, zero: ZeroConfig) -> PartitionPlan:
-    """The plan ZeroEngine.__init__ builds: stage 0 is one partition that every rank owns."""
-    return plan_partition(
-        model,
-        world if stage >= 1 else 1,
-        zero.reduce_bucket_size,
-        per_block=stage == 3,
-        persistence_threshold=zero.param_persistence_threshold,
-    )
-
-
 def model_states(
     plan: PartitionPlan,
     policy: Policy,
@@ -197,7 +156,7 @@ def model_states(
         cpu["params"] = c * shard_np if par_off else 0
     # Stages 0-1 keep the full gradient in flat buffers; 2-3 keep only their reduced shard, which accumulates
     # micro-batches in fp32.
-    gpu["grads"] = c * padded if policy.stage <= 1 else (4 if accumulating else c) * shard
+    gpu["grads"] = c * padded if policy.keeps_full_grads else (4 if accumulating else c) * shard
     if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
         gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
     else:
@@ -253,9 +212,8 @@ def device_buffers(
     c = DTYPES[precision].itemsize
     shards = sorted((u.shard for u in plan.units), reverse=True)
     out = pending_gradients(plan, policy.stage, precision, accumulating, zero.overlap_comm)
-    if policy.stage >= 1 and device_type == "cpu":
-        slices = plan.world_size - (1 if policy.stage == 1 else 2)
-        out += c * max(0, slices) * sum(shards[: MAX_IN_FLIGHT + 1])
+    if device_type == "cpu":  # gloo's receive slices
+        out += c * policy.receive_slices(plan.world_size) * sum(shards[: MAX_IN_FLIGHT + 1])
     if policy.stage == 3:
         out += c * stage3_working_set(plan, zero)
     return out

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from zoff.errors import UserError
 
-
 SERIES = ("loss", "val_loss", "tokens_per_s", "peak_rss_mib", "peak_alloc_mib")
 
 

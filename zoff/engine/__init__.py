@@ -11,6 +11,7 @@ from torch import nn
 
 from zoff.config import OptimConfig, ZeroConfig
 from zoff.engine.collectives import Comm
+from zoff.engine.policy import Policy
 from zoff.engine.zero import StepResult, ZeroEngine
 from zoff.errors import ConfigError
 
@@ -29,14 +30,9 @@ def build_engine(
     comm: Comm | None = None,
 ) -> ZeroEngine:
     """Wrap `model` for the ZeRO policy in `zero`; call on every rank after the process group is up."""
-    if zero.offload_param.device != "none" and zero.stage != 3:
-        raise ConfigError("zero.offload_param.device: parameter offload needs zero.stage 3")
-    if zero.offload_param.device != "none" and zero.offload_optimizer.device == "none":
-        raise ConfigError(
-            "zero.offload_param.device: parameter offload needs zero.offload_optimizer.device cpu"
-        )
-    if zero.offload_optimizer.device != "none" and zero.stage == 0:
-        raise ConfigError("zero.offload_optimizer.device: optimizer offload needs zero.stage 1, 2 or 3")
+    bad = Policy.of(zero).invalid()
+    if bad is not None:
+        raise ConfigError(f"{bad[0]}: {bad[1]}")
     return ZeroEngine(
         model, zero, optim, precision=precision, grad_clip=grad_clip, grad_accum=grad_accum, comm=comm,
         device=device,

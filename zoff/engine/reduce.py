@@ -30,6 +30,7 @@ import torch
 
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.partition import PartitionPlan
+from zoff.engine.policy import Policy
 from zoff.engine.pool import BufferPool
 
 # Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a unit's
@@ -58,7 +59,8 @@ class GradReducer:
     ):
         self.plan, self.comm, self.stage, self.gfull, self.gshard = plan, comm, stage, gfull, gshard
         self.dtype, self.device, self.overlap, self.on_slot_done = dtype, device, overlap, on_slot_done
-        self.keep_full_grads = stage <= 1  # full gradients accumulate in persistent flat buffers
+        policy = Policy(stage)
+        self.keep_full_grads = policy.keeps_full_grads  # full gradients accumulate in persistent flat buffers
         # Stage 2/3 on gloo: no bucket; autograd's gradients wait in _held until their unit is sent.
         self.direct = not self.keep_full_grads and comm.backend not in FLAT_INPUT_BACKENDS
         self.order = [u.index for u in reversed(plan.units)]  # the fixed reduction order, the same everywhere
@@ -83,7 +85,7 @@ class GradReducer:
         self._pool = BufferPool(device, budget_bytes=budget * dtype.itemsize)
         # gloo's reduce-scatter receives other ranks' slices into scratch (collectives.py): N-1 slices when
         # the output is this rank's own slice of the input (stage 1), N-2 otherwise, per reduction in flight.
-        slices = max(0, comm.world - (1 if stage == 1 else 2))
+        slices = policy.receive_slices(comm.world)
         shards = sorted((u.shard for u in plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
         comm.scratch.budget = slices * sum(shards) * dtype.itemsize
 

@@ -22,7 +22,7 @@ from zoff.engine.gather import UnitGatherer
 from zoff.engine.materialize import init_owned, replace_param
 from zoff.engine.offload import OffloadAdam, host_buffer
 from zoff.engine.optimizer import ShardAdam, step_runs
-from zoff.engine.partition import plan_partition
+from zoff.engine.policy import Policy, engine_plan
 from zoff.engine.pool import mmap_large_allocations
 from zoff.engine.precision import DTYPES, LossScaler
 from zoff.engine.reduce import GradReducer
@@ -54,20 +54,13 @@ class ZeroEngine:
         self.zero, self.grad_clip = zero, grad_clip
         self.dtype = DTYPES[precision]
         self.device = device or torch.device("cpu")
-        self.keep_full_grads = self.stage <= 1  # full gradients accumulate in persistent flat buffers
+        policy = Policy.of(zero)
+        self.keep_full_grads = policy.keeps_full_grads  # full gradients accumulate in persistent flat buffers
         # Stages 2-3 accumulate micro-batches into the shard: in fp32 under 16-bit compute (2 B/param/N more;
         # a bf16 sum of many micro-batches loses the small ones), in the compute dtype when nothing accumulates.
         self.accum_dtype = torch.float32 if self.stage >= 2 and grad_accum > 1 else self.dtype
-        self.rank = self.comm.rank if self.stage >= 1 else 0  # stage 0: one partition that every rank owns
-        parts = self.comm.world if self.stage >= 1 else 1
-        bucket = zero.reduce_bucket_size
-        self.plan = plan_partition(
-            model,
-            parts,
-            bucket,
-            per_block=self.stage == 3,
-            persistence_threshold=zero.param_persistence_threshold,
-        )
+        self.rank = policy.rank_in_partition(self.comm.rank)  # stage 0: one partition that every rank owns
+        self.plan = engine_plan(model, self.stage, self.comm.world, zero)
         # A model built on the meta device is materialised unit by unit in _build_buffers: no rank ever
         # holds the whole model unless its stage keeps it whole anyway.
         self.deferred = any(p.is_meta for p in model.parameters())
@@ -85,8 +78,7 @@ class ZeroEngine:
         # would put large errors into the angles of long positions.
         self.scaler = LossScaler(enabled=precision == "fp16")
         self._params = self._distinct_params(model)
-        self.offload = zero.offload_optimizer.device == "cpu"
-        self.offload_params = zero.offload_param.device == "cpu"
+        self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
         self._build_buffers()
         runs = [self.plan.decay_runs(u.index, self.rank) for u in self.plan.units]
         self.cpu_threads = torch.get_num_threads()

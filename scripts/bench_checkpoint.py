@@ -53,16 +53,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
-from benchlib import print_targets  # noqa: E402
+from benchlib import print_targets, spawn  # noqa: E402
 
-from tests.harness import spawn  # noqa: E402
 from zoff.checkpoint import load_checkpoint, save_checkpoint, step_dir_name  # noqa: E402
 from zoff.config import Config, config_from_dict, dump_yaml  # noqa: E402
-from zoff.models import build_model  # noqa: E402
-from zoff.train import build_session, lm_loss  # noqa: E402
+from zoff.models import build_model, lm_loss  # noqa: E402
+from zoff.trainer.session import build_session  # noqa: E402
 
 WORLD = 2
 VARIANTS = ("zoff", "torch.save", "dcp")
@@ -209,7 +206,7 @@ def bench_rank(rank: int, world: int, args: dict, tmp: str) -> dict:
 MEASURE = r"""
 import json, sys, threading, time
 from pathlib import Path
-import safetensors.torch, torch, zoff.cli, zoff.convert  # noqa: F401
+import safetensors.torch, torch, zoff.cli, zoff.checkpoint.convert  # noqa: F401
 from safetensors.torch import load_file, save_file
 
 mode, report_path, ckpt, out = sys.argv[1:5]

@@ -28,7 +28,6 @@ import platform
 import resource
 import statistics
 import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -46,17 +45,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
-from benchlib import gpt_config, print_targets  # noqa: E402
+from benchlib import gpt_config, print_targets, spawn  # noqa: E402
 
-from tests.harness import spawn  # noqa: E402
 from zoff.config import Config  # noqa: E402
 from zoff.data import GlobalBatches, load_corpus  # noqa: E402
 from zoff.engine.partition import default_decay  # noqa: E402
-from zoff.models import build_model  # noqa: E402
-from zoff.train import build_session, lm_loss  # noqa: E402
+from zoff.models import build_model, lm_loss  # noqa: E402
+from zoff.trainer.session import build_session  # noqa: E402
 
 WORLD = 2
 VARIANTS = ("ddp", "zoff0", "zoff1", "zoff2", "zoff3", "fsdp2")

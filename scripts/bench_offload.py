@@ -59,7 +59,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -70,19 +69,16 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
-from benchlib import gpt_config  # noqa: E402
+from benchlib import gpt_config, spawn  # noqa: E402
 
-from tests.harness import spawn  # noqa: E402
 from zoff.config import Config  # noqa: E402
 from zoff.data import GlobalBatches, load_corpus  # noqa: E402
 from zoff.engine import ZeroEngine  # noqa: E402
 from zoff.engine.offload import OffloadAdam  # noqa: E402
-from zoff.models import build_model  # noqa: E402
+from zoff.models import build_model, lm_loss  # noqa: E402
 from zoff.optim import backend_info, cpu_adam_step  # noqa: E402
-from zoff.train import build_session, lm_loss  # noqa: E402
+from zoff.trainer.session import build_session  # noqa: E402
 
 VARIANTS = ("stage2", "offload", "dpu")
 OFFLOAD = {

@@ -20,9 +20,10 @@ from zoff.checkpoint import Checkpointer
 from zoff.config import Config, config_from_dict, dump_yaml
 from zoff.data import GlobalBatches, load_corpus
 from zoff.engine.partition import default_decay
-from zoff.models import build_model
-from zoff.schedule import lr_at
-from zoff.train import build_session, lm_loss, train_loop
+from zoff.models import build_model, lm_loss
+from zoff.trainer.loop import train_loop
+from zoff.trainer.schedule import lr_at
+from zoff.trainer.session import build_session
 
 # scripts/gpu_check.sh sets ZOFF_TEST_DEVICE=cuda: the same ranks then run over NCCL, one GPU each, and the
 # reference runs on GPU 0. Everywhere else the ranks are host processes over gloo.

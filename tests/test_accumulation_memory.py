@@ -8,9 +8,10 @@ import torch
 
 from tests.harness import spawn, tiny_cfg
 from zoff.config import config_from_dict
-from zoff.memory import Policy, engine_plan, model_states, pending_gradients
 from zoff.models import meta_model
-from zoff.train import build_session, train_loop
+from zoff.planning.memory import Policy, engine_plan, model_states, pending_gradients
+from zoff.trainer.loop import train_loop
+from zoff.trainer.session import build_session
 
 pytestmark = pytest.mark.slow
 ACCUM = 4

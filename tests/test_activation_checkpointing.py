@@ -9,7 +9,8 @@ import torch
 from tests.harness import reference_run, spawn, tiny_cfg
 from tests.test_engine_equivalence import assert_close_losses, assert_close_params
 from zoff.config import config_from_dict
-from zoff.train import build_session, train_loop
+from zoff.trainer.loop import train_loop
+from zoff.trainer.session import build_session
 
 pytestmark = pytest.mark.slow
 STAGES = [0, 1, 2, 3]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoff.catalog import describe, entries
 from zoff.config import CONFIGS_DIR, RECIPES_DIR, load_config
+from zoff.config.catalog import describe, entries
 from zoff.data import preflight
 from zoff.models import build_model
 

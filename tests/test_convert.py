@@ -201,7 +201,7 @@ def test_pt_format_loads_with_weights_only(trained, converted) -> None:
 # sampled peak growth of RssAnon (heap only, without the file pages the converter maps).
 MEASURE = r"""
 import json, sys, threading, time
-import safetensors.torch, torch, zoff.cli, zoff.convert  # noqa: F401
+import safetensors.torch, torch, zoff.cli, zoff.checkpoint.convert  # noqa: F401
 
 def status():
     out = {}

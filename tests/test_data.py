@@ -11,8 +11,8 @@ import torch
 
 from zoff.config import config_from_dict
 from zoff.data import GlobalBatches, check_vocab, load_corpus
+from zoff.data.tokenize import BYTES_EOS, load_tokenizer
 from zoff.errors import UserError
-from zoff.tokenize import BYTES_EOS, load_tokenizer
 
 DOCS = [f"def f{i}(x):\n    return x * {i}  # dokument {i} — ünïcode\n" * (1 + i % 3) for i in range(40)]
 

@@ -9,7 +9,9 @@ import torch
 
 from tests.harness import reference_run, run_zoff_many, spawn, tiny_cfg
 from zoff.config import config_from_dict
-from zoff.train import build_session, lm_loss, train_loop
+from zoff.models import lm_loss
+from zoff.trainer.loop import train_loop
+from zoff.trainer.session import build_session
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from tests.harness import spawn, tiny_cfg
-from zoff import estimate as E
 from zoff.config import config_from_dict, load_config
+from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
-from zoff.models import build_model
-from zoff.train import lm_loss
+from zoff.models import build_model, lm_loss, meta_model
+from zoff.planning import activations as A
+from zoff.planning import estimate as E
+from zoff.planning import memory as M
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +58,7 @@ CASES = (
 
 def _measure(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case through the real session: build, one forward/backward/step, read memory_report()."""
-    from zoff.train import build_session
+    from zoff.trainer.session import build_session
 
     out = []
     for c in cases:
@@ -81,11 +83,11 @@ def measured() -> list[dict]:
     return spawn(_measure, 2, CASES)[0]
 
 
-def _policy_estimate(c: dict, world: int = 2, device_type: str = "cpu") -> E.PolicyEstimate:
+def _policy_estimate(c: dict, world: int = 2, device_type: str = "cpu") -> M.PolicyEstimate:
     cfg = config_from_dict(c)
-    est = E.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, world, 1, device_type)
+    est = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, world, 1, device_type)
     z = cfg.zero
-    pol = E.Policy(
+    pol = M.Policy(
         z.stage, z.offload_optimizer.device, z.offload_param.device, cfg.train.activation_checkpointing
     )
     return est.get(pol)
@@ -132,10 +134,10 @@ def test_device_buffers_bound_the_measured_peaks(measured: list[dict]) -> None:
 def _saved(model_cfg: dict, batch: int, seq: int, precision: str, ac: bool) -> int:
     cfg = config_from_dict(tiny_cfg(model=model_cfg))
     torch.manual_seed(0)
-    model = build_model(cfg.model).to(E.DTYPES[precision]).train()
+    model = build_model(cfg.model).to(DTYPES[precision]).train()
     model.activation_checkpointing = ac
     x, y = torch.randint(0, cfg.model.vocab_size, (2, batch, seq))
-    return E.saved_bytes(model, lambda: lm_loss(model(x), y))
+    return A.saved_bytes(model, lambda: lm_loss(model(x), y))
 
 
 GPTS = [
@@ -162,14 +164,14 @@ def test_gpt_activations_match_saved_tensors(model_cfg: dict, batch: int, seq: i
     m = config_from_dict(tiny_cfg(model=model_cfg)).model
     real = {ac: _saved(model_cfg, batch, seq, precision, ac) for ac in (False, True)}
     for ac in (False, True):
-        est = E.gpt_activations(m, batch, seq, precision, ac, "cpu")
+        est = A.gpt_activations(m, batch, seq, precision, ac, "cpu")
         assert abs(est.saved - real[ac]) <= 0.15 * real[ac], (ac, est.saved, real[ac])
         assert est.saved == real[ac]  # in fact exact
         if m.dropout == 0:  # the CUDA form differs only in LayerNorm statistics' dtype (fp32)
-            cuda = E.gpt_activations(m, batch, seq, precision, ac, "cuda").saved
+            cuda = A.gpt_activations(m, batch, seq, precision, ac, "cuda").saved
             assert abs(cuda - real[ac]) <= 0.15 * real[ac], (ac, cuda, real[ac])
     # With checkpointing, backward recomputes one block at a time: what a block saves beyond its input.
-    est = E.gpt_activations(m, batch, seq, precision, True, "cpu")
+    est = A.gpt_activations(m, batch, seq, precision, True, "cpu")
     assert est.peak - est.saved == (real[False] - real[True]) // m.n_layer
 
 
@@ -177,12 +179,12 @@ def test_probe_measures_any_model_on_the_meta_device() -> None:
     """A python: model (tied and frozen weights): the meta-device probe equals a real forward's saved bytes."""
     model_cfg = {"name": "python:tests.fixtures_models:tied_frozen", "d_model": 48}
     m = config_from_dict(tiny_cfg(model=model_cfg)).model
-    est = E.probe_activations(m, 3, 20, "fp32", False)
+    est = A.probe_activations(m, 3, 20, "fp32", False)
     assert est.method.startswith("measured: meta-device forward")
     torch.manual_seed(0)
     model = build_model(m).train()
     x, y = torch.randint(0, m.vocab_size, (2, 3, 20))
-    assert est.saved == E.saved_bytes(model, lambda: lm_loss(model(x), y))
+    assert est.saved == A.saved_bytes(model, lambda: lm_loss(model(x), y))
 
 
 # ---------------------------------------------------------------------------------- design.md §1 arithmetic
@@ -195,11 +197,11 @@ def _states(stage: int, n: int, opt="none", par="none", device_type="cuda", clip
             zero={"param_persistence_threshold": 0},
         )
     )
-    model = E.meta_model(cfg.model)
-    psi = E.count_params(model)[1]
-    plan = E.engine_plan(model, stage, n, cfg.zero)
-    gpu, cpu = E.model_states(
-        plan, E.Policy(stage, opt, par), precision, device_type=device_type, fp32_grad_staging=clip
+    model = meta_model(cfg.model)
+    psi = M.count_params(model)[1]
+    plan = M.engine_plan(model, stage, n, cfg.zero)
+    gpu, cpu = M.model_states(
+        plan, M.Policy(stage, opt, par), precision, device_type=device_type, fp32_grad_staging=clip
     )
     return psi, gpu, cpu
 
@@ -233,12 +235,12 @@ def test_offload_arithmetic() -> None:
 
 def test_cpu_memory_is_summed_per_node_not_over_all_gpus() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml")
-    one = E.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 4, 1)
-    two = E.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 4, 2)
-    pol = E.Policy(2, "cpu")
-    plan = E.engine_plan(E.meta_model(cfg.model), 2, 8, cfg.zero)
-    _, per_rank = E.model_states(plan, pol, cfg.train.precision)
-    staging = E.host_staging(pol, cfg.zero, "cuda")  # each rank's bounded pinned buffers (engine/staging.py)
+    one = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 4, 1)
+    two = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 4, 2)
+    pol = M.Policy(2, "cpu")
+    plan = M.engine_plan(meta_model(cfg.model), 2, 8, cfg.zero)
+    _, per_rank = M.model_states(plan, pol, cfg.train.precision)
+    staging = M.host_staging(pol, cfg.zero, "cuda")  # each rank's bounded pinned buffers (engine/staging.py)
     assert staging == 64 << 20
     assert two.world_size == 8 and two.get(pol).cpu_bytes_per_node == 4 * (sum(per_rank.values()) + staging)
     assert two.get(pol).pinned == staging  # offloaded optimizer states stay pageable
@@ -268,15 +270,15 @@ GIB = 2**30
 )
 def test_suggest_policy(config: str, gpus: int, gpu_gib: int, cpu_gib: int, expected: tuple) -> None:
     cfg = load_config(REPO / "configs" / config)
-    got = E.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, gpus, gpu_gib * GIB, cpu_gib * GIB)
+    got = M.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, gpus, gpu_gib * GIB, cpu_gib * GIB)
     assert got[:4] == expected, got[4]
-    assert got[4].startswith(E._label(E.Policy(*expected))) and "\n" not in got[4]
+    assert got[4].startswith(M._label(M.Policy(*expected))) and "\n" not in got[4]
 
 
 def test_suggest_policy_when_nothing_fits() -> None:
     cfg = load_config(REPO / "configs" / "gpt-70b.yaml")
     with pytest.raises(UserError, match="no policy fits"):
-        E.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 8 * GIB, 64 * GIB)
+        M.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 8 * GIB, 64 * GIB)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -316,7 +318,7 @@ def test_cli_big_configs_without_materialising(name: str) -> None:
     assert out["params"] == out["trainable_params"] == _gpt_params(cfg.model)
     assert out["world_size"] == 8 and len(out["policies"]) == 16
     for pol in out["policies"]:
-        assert pol["gpu_bytes"] == sum(pol["gpu"].values()) and set(pol["gpu"]) == set(E.GPU_KEYS)
+        assert pol["gpu_bytes"] == sum(pol["gpu"].values()) and set(pol["gpu"]) == set(M.GPU_KEYS)
         assert pol["cpu_bytes_per_node"] == sum(pol["cpu"].values())
     assert sum(pol["configured"] for pol in out["policies"]) == 1
     maxrss_kib = int(p.stderr.split("maxrss")[-1])

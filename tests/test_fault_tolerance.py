@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zoff.convert import convert
+from zoff.checkpoint.convert import convert
 
 pytestmark = pytest.mark.slow
 

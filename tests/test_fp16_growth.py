@@ -15,7 +15,9 @@ import torch.distributed as dist
 from tests.harness import spawn, tiny_cfg
 from zoff.config import config_from_dict
 from zoff.engine.precision import LossScaler
-from zoff.train import build_session, lm_loss, train_loop
+from zoff.models import lm_loss
+from zoff.trainer.loop import train_loop
+from zoff.trainer.session import build_session
 
 STAGES = [0, 1, 2, 3]
 STEPS = 4

@@ -12,10 +12,10 @@ from torch import nn
 
 from tests.harness import reference_run, run_zoff, run_zoff_many, tiny_cfg
 from tests.test_engine_equivalence import assert_close_losses, assert_close_params
+from zoff.checkpoint.convert import convert
 from zoff.config import config_from_dict
-from zoff.convert import convert
-from zoff.memory import engine_plan, frozen_param_bytes
 from zoff.models import meta_model
+from zoff.planning.memory import engine_plan, frozen_param_bytes
 
 pytestmark = pytest.mark.slow
 

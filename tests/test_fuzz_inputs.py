@@ -703,7 +703,7 @@ def test_there_are_50_checkpoint_corruptions():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _params())
 def test_convert_of_a_corrupted_checkpoint_is_a_user_error_naming_a_file(real_checkpoint, tmp_path, name):
-    from zoff.convert import convert
+    from zoff.checkpoint.convert import convert
 
     d = _corrupted_copy(real_checkpoint, tmp_path, name)
     out = tmp_path / "out.safetensors"

@@ -13,12 +13,11 @@ import torch
 
 from tests.harness import reference_run, run_zoff, tiny_cfg
 from tests.test_data import DOCS, make_tokenizer, write_jsonl
+from zoff.checkpoint.convert import convert
 from zoff.config import ModelConfig, config_from_dict
-from zoff.convert import convert
 from zoff.data import GlobalBatches, load_corpus
 from zoff.errors import UserError
-from zoff.models import build_model
-from zoff.train import lm_loss
+from zoff.models import build_model, lm_loss
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

@@ -15,7 +15,8 @@ import torch
 from tests.harness import reference_run, run_zoff_many, tiny_cfg
 from tests.test_engine_equivalence import assert_close_losses, assert_close_params
 from zoff.config import config_from_dict
-from zoff.train import build_session, lm_loss
+from zoff.models import lm_loss
+from zoff.trainer.session import build_session
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow

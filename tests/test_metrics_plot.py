@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.test_data import DOCS, write_parquet
-from zoff.metrics import MetricsWriter, flops_per_token, peak_flops
+from zoff.trainer.metrics import MetricsWriter, flops_per_token, peak_flops
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_zoff_plot_draws_the_runs_curves(run, tmp_path):
     assert p.returncode == 0, p.stderr
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
-    from zoff.plot import plot_runs
+    from zoff.trainer.plot import plot_runs
 
     drawn = plot_runs([run, run], tmp_path / "two.png")  # the same run twice: two labelled copies
     assert len(drawn) == 2

@@ -11,7 +11,8 @@ from torch import nn
 
 from tests.harness import spawn, tiny_cfg
 from zoff.config import config_from_dict
-from zoff.train import build_session, train_loop
+from zoff.trainer.loop import train_loop
+from zoff.trainer.session import build_session
 
 pytestmark = pytest.mark.slow
 

@@ -98,7 +98,7 @@ def estimate(
     suggest: bool = typer.Option(False, "--suggest", help="Name the fastest policy that fits, and why"),
 ) -> None:
     """Memory needs per GPU and per CPU node for every ZeRO stage and offload choice, activations included."""
-    from zoff.estimate import run_cli
+    from zoff.planning.estimate import run_cli
 
     # Counts arrive as text so that bad values get zoff's one-line error rather than click's usage block.
     run_cli(config, list(overrides or []), gpus_per_node, nodes, gpu_memory, cpu_memory, as_json, suggest)
@@ -119,7 +119,7 @@ def convert(
     ),
 ) -> None:
     """Merge a sharded checkpoint into one state dict with exactly model.state_dict()'s keys."""
-    from zoff.convert import convert as run
+    from zoff.checkpoint.convert import convert as run
 
     files = run(checkpoint, out, fmt, dtype, max_shard_size)
     print(f"zoff: wrote {len(files)} file(s) to {out}")
@@ -149,7 +149,7 @@ def doctor() -> None:
 @app.command("ls")
 def ls() -> None:
     """List the shipped configs and recipes with their one-line descriptions."""
-    from zoff.catalog import listing
+    from zoff.config.catalog import listing
 
     print(listing())
 
@@ -162,7 +162,7 @@ def cp(
     dest: Path = typer.Argument(..., help="File to create, or an existing folder to copy into"),
 ) -> None:
     """Copy a shipped config or recipe out for editing (never overwrites)."""
-    from zoff.catalog import copy
+    from zoff.config.catalog import copy
 
     print(f"zoff: wrote {copy(name, dest)}")
 
@@ -175,7 +175,7 @@ def plot(
     ),
 ) -> None:
     """Plot loss, val loss and tokens/s against step, comparing runs, into one PNG."""
-    from zoff.plot import plot_runs
+    from zoff.trainer.plot import plot_runs
 
     if out is None:
         out = run_dirs[0] / "plot.png" if len(run_dirs) == 1 else Path("zoff-plot.png")
@@ -208,7 +208,8 @@ def _choose_policy(cfg: Config) -> Config:
     """`zero: auto`: the fastest policy that fits this hardware, by the same arithmetic as `zoff estimate`."""
     import dataclasses
 
-    from zoff.estimate import detect_budget, resolve_auto
+    from zoff.planning.estimate import detect_budget
+    from zoff.planning.memory import resolve_auto
 
     budget, device_type = detect_budget(None, None)
     local = cfg.launch.nproc_per_node

@@ -101,10 +101,10 @@ def pg_timeout_s(backend: str, timeout_s: float) -> float:
 
 def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
     """One rank: threads, device, process group, then the trainer."""
-    from zoff.preempt import STOP
+    from zoff.trainer.preempt import STOP
 
     STOP.install()  # first: a SIGTERM during start-up must still end in a checkpointed stop
-    from zoff.train import run_training  # imported in the child: keeps the launcher process light
+    from zoff.trainer.session import run_training  # imported in the child: keeps the launcher process light
 
     cfg = config_from_dict(cfg_dict)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

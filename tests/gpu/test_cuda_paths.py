@@ -22,9 +22,9 @@ from zoff.engine import build_engine
 from zoff.engine.collectives import CollectiveError, Comm
 from zoff.engine.optimizer import ShardAdam
 from zoff.engine.staging import Staging
-from zoff.memory import Policy, pinned_host_bytes
-from zoff.metrics import GPU_PEAK_TFLOPS, MetricsWriter, peak_flops
 from zoff.models.gpt import GPT
+from zoff.planning.memory import Policy, pinned_host_bytes
+from zoff.trainer.metrics import GPU_PEAK_TFLOPS, MetricsWriter, peak_flops
 
 pytestmark = [
     pytest.mark.cuda,

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from zoff.config import ModelConfig
+from zoff.config.schema import suggest
 from zoff.errors import UserError
-from zoff.schema import suggest
 
 PREFIX = "hf:"
 DROPOUT_KEYS = (

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import yaml
 
+from zoff.config.schema import build, kind, range_meta, strip_optional, suggest, to_dict
 from zoff.errors import ConfigError, UserError
-from zoff.schema import build, kind, range_meta, strip_optional, suggest, to_dict
 
 # Shipped inside the package (package data), so an installed wheel finds them as a checkout does; the
 # checkout's top-level configs/ and recipes/ are links to these.
@@ -76,7 +76,7 @@ class OffloadParamConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     recipe: str | None = None  # the preset this section was built from, kept for the record
-    auto: bool = False  # `zero: auto`: zoff train picks the fastest policy that fits (zoff.estimate)
+    auto: bool = False  # `zero: auto`: zoff train picks the fastest policy that fits (zoff.planning.estimate)
     stage: int = field(default=0, metadata=_rng(0, 3))
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from zoff.checkpoint.safetensors_io import SafetensorsReader
 from zoff.config import CheckpointConfig
 from zoff.engine import ZeroEngine
 from zoff.engine.partition import PartitionPlan
 from zoff.errors import UserError
-from zoff.safetensors_io import SafetensorsReader
 
 # 2: per-parameter skipped_steps (its Adam step count) and stage 3's frozen parameters in the shard files;
 # version 1 checkpoints load as they are.

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoff.config import CONFIGS_DIR, RECIPES_DIR
+from zoff.config.schema import suggest
 from zoff.errors import UserError
-from zoff.schema import suggest
 
 KINDS = {"configs": CONFIGS_DIR, "recipes": RECIPES_DIR}
 

@@ -1,6 +1,6 @@
 """Activation bytes per micro-batch: a closed form for the builtin GPT, a meta-device probe for other models.
 
-Part of the memory arithmetic (zoff.memory re-exports it); no process group, no real memory.
+Part of the memory arithmetic (zoff.planning.memory re-exports it); no process group, no real memory.
 """
 
 from __future__ import annotations

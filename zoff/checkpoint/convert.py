@@ -20,8 +20,8 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from zoff.checkpoint import find_checkpoint, read_manifest
+from zoff.checkpoint.safetensors_io import SafetensorsReader, write_streaming
 from zoff.errors import UserError
-from zoff.safetensors_io import SafetensorsReader, write_streaming
 from zoff.units import parse_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -115,8 +115,8 @@ def _convert_hf(ckpt: Path, src: _Source, out: Path, target: torch.dtype, limit:
     import yaml
 
     from zoff.config import config_from_dict
+    from zoff.data.tokenize import load_tokenizer
     from zoff.models.hf import save_hf_config
-    from zoff.tokenize import load_tokenizer
 
     cfg = config_from_dict(
         yaml.safe_load((ckpt / "config.yaml").read_text()), source=str(ckpt / "config.yaml")

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# Re-exported: the estimate's callers and tests take every memory figure from this module.
-from zoff.activations import Activations, activations, gpt_activations, probe_activations, saved_bytes  # noqa: F401
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import POLICIES, Policy, engine_plan  # noqa: F401 - the policy table, re-exported
@@ -25,6 +23,7 @@ from zoff.engine.reduce import MAX_IN_FLIGHT
 from zoff.engine.staging import chunk_bytes, needs_staging
 from zoff.errors import UserError
 from zoff.models import meta_model
+from zoff.planning.activations import activations
 from zoff.units import human
 
 GPU_KEYS = ("params", "grads", "optimizer_states", "buffers", "activations")

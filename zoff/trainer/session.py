@@ -1,24 +1,24 @@
-"""The fixed trainer: `run_training` wires the components once per rank; `train_loop` reads top to bottom."""
+"""One rank's training session: `build_session` wires model, engine and data once; `run_training` resumes,
+prints the plan and hands everything to the fixed loop (loop.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zoff.checkpoint import Checkpointer
-from zoff.config import Config, ScheduleConfig, TrainConfig, derive_grad_accum, dump_yaml
+from zoff.config import Config, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
-from zoff.memory import data_parallel_bytes
-from zoff.metrics import MetricsWriter, flops_per_token, rank_logger
-from zoff.models import build_model, enable_activation_checkpointing, lm_loss, meta_model  # noqa: F401 - lm_loss re-exported for the tests and scripts
-from zoff.preempt import STOP, StopRequest
-from zoff.schedule import lr_at
+from zoff.models import build_model, enable_activation_checkpointing, meta_model
+from zoff.planning.memory import data_parallel_bytes
+from zoff.trainer.loop import train_loop
+from zoff.trainer.metrics import MetricsWriter, flops_per_token, rank_logger
+from zoff.trainer.preempt import STOP
 
 
 @dataclass
@@ -91,81 +91,6 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     held, ddp = model_state_bytes(s.engine)
     mib = {"model_state_mib_per_rank": held / 2**20, "ddp_model_state_mib_per_rank": ddp / 2**20}
     return writer.close(mib) if writer is not None else None
-
-
-def train_loop(
-    engine: ZeroEngine,
-    batches: GlobalBatches,
-    train: TrainConfig,
-    schedule: ScheduleConfig,
-    base_lr: float,
-    writer: MetricsWriter | None,
-    comm: Comm,
-    ckpt: Checkpointer | None = None,
-    start_step: int = 0,
-    stop: StopRequest | None = None,
-) -> list[float]:
-    """lr -> micro-batches -> step -> log -> eval -> save -> stop. Steps are 1-based in logs (step k = k updates done)."""
-    accum = batches.grad_accum
-    losses = []
-    tokens_per_step = batches.global_batch * batches.seq_len
-    for step in range(start_step, train.max_steps):
-        t0 = time.perf_counter()
-        lr = lr_at(step, base_lr, train.max_steps, schedule)
-        engine.model.train()
-        engine.zero_grad()
-        # Summed on the device, read once per step: a .item() per micro-batch would wait for the GPU each time.
-        local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
-        for micro in range(accum):
-            x, y = batches.micro_batch_at(step, micro)
-            loss = lm_loss(engine.model(x.to(engine.device)), y.to(engine.device)) / accum
-            engine.backward(loss, sync=micro == accum - 1)
-            local_loss += loss.detach()
-        result = engine.step(lr)
-        # One all-reduce carries the loss and whether any rank was asked to stop (preemption).
-        mean_loss, stopping = comm.sum_scalars(
-            [float(local_loss) / comm.world, float(stop is not None and stop.requested)]
-        )
-        dt = time.perf_counter() - t0
-        done = step + 1
-        losses.append(mean_loss)
-        if done == train.max_steps:
-            engine.flush()  # a delayed (DPU) update still in flight lands before the final eval and save
-        if writer is not None:
-            record = {
-                "step": done,
-                "loss": mean_loss,
-                "lr": lr,
-                "grad_norm": result.grad_norm,
-                "tokens_per_s": tokens_per_step / dt,
-                "step_time_s": dt,
-                "skipped": not result.stepped,
-            }
-            writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
-        if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
-            val = evaluate(engine, batches, train.eval_batches, comm)
-            if writer is not None:
-                writer.eval(done, val)
-        if ckpt is not None and (ckpt.due(done) or stopping):
-            ckpt.save(done, {"step": done, "data": batches.state_dict()})
-        if stopping:
-            engine.flush()
-            if writer is not None:
-                writer.event("preempted", done)
-            break
-    return losses
-
-
-@torch.no_grad()
-def evaluate(engine: ZeroEngine, batches: GlobalBatches, n_batches: int, comm: Comm) -> float:
-    """Mean loss over the first n global batches of the val split (same batches every time)."""
-    engine.model.eval()
-    total, micro = 0.0, batches.val_batches(n_batches)
-    for x, y in micro:
-        total += lm_loss(engine.model(x.to(engine.device)), y.to(engine.device)).item()
-    (mean,) = comm.sum_scalars([total / len(micro) / comm.world])
-    engine.model.train()
-    return mean
 
 
 def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, threads: int) -> list[str]:

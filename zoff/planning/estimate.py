@@ -1,6 +1,6 @@
 """`zoff estimate`: the memory table for every ZeRO policy on the given or detected hardware.
 
-The numbers come from zoff.memory (pure functions shared with `zero: auto` and the trainer's plan); this
+The numbers come from zoff.planning.memory (pure functions shared with `zero: auto` and the trainer's plan); this
 module detects the hardware budget and prints the table or JSON.
 """
 
@@ -14,29 +14,15 @@ from pathlib import Path
 import torch
 
 from zoff.config import TrainConfig, ZeroConfig
-from zoff.engine.precision import DTYPES  # noqa: F401 - re-exported
 from zoff.errors import UserError
-from zoff.memory import (  # noqa: F401 - the estimate's arithmetic, re-exported for callers and tests
-    CPU_KEYS,
+from zoff.planning.memory import (
     GPU_KEYS,
     Budget,
     Estimate,
     Policy,
-    PolicyEstimate,
-    _budget_text,
-    _label,
-    count_params,
-    engine_plan,
     estimate,
-    gpt_activations,
-    host_staging,
-    meta_model,
-    model_states,
-    probe_activations,
-    resolve_auto,
-    saved_bytes,
     suggest_policy,
-)  # fmt: skip
+)
 from zoff.units import human
 from zoff.units import parse_size as _parse_size
 

@@ -1,7 +1,7 @@
 """Datasets and the global-batch sampler.
 
 Documents come from the Python standard library, text files, JSON lines, Parquet files or a `datasets` spec on
-local files; they are tokenized once per machine into a cached token stream (zoff.tokenize) with an
+local files; they are tokenized once per machine into a cached token stream (zoff.data.tokenize) with an
 end-of-document token after each, and every k-th document goes to the validation split.
 
 The sample order is a pure function of (seed, step) for the *global* batch, and rank r takes its contiguous
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from zoff.config import DataConfig
+from zoff.data.tokenize import cache_key, cache_root, cached_corpus, load_tokenizer
 from zoff.errors import UserError
-from zoff.tokenize import cache_key, cache_root, cached_corpus, load_tokenizer
 
 VOCAB_BYTES = 256
 

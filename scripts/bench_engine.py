@@ -111,7 +111,7 @@ def torch_variant(cfg: Config, kind: str) -> Variant:
         {"params": [p for n, p in named if not default_decay(n, p)], "weight_decay": 0.0},
     ]
     o = cfg.optim
-    # fused=True for both: the same kernel zoff's ShardAdam calls, so the comparison is not about Adam.
+    # fused=True for both: the same kernel zoff's device-tier ShardOptimizer calls, so the comparison is not about Adam.
     opt = torch.optim.AdamW(
         groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
     )

@@ -4,7 +4,7 @@
 Not a test. A ~100M-parameter builtin GPT (12 layers, d_model 768, byte vocabulary: ~85M parameters) trains on
 synthetic data with AdamW and gradient clipping at 1.0 (the config default) in three variants:
 
-stage2   zero.stage 2: the partition is stepped by torch's fused CPU AdamW (zoff's ShardAdam)
+stage2   zero.stage 2: the partition is stepped by torch's fused CPU AdamW (zoff's ShardOptimizer on the device tier)
 offload  + zero.offload_optimizer {device: cpu}: the same partition stepped by zoff's fused C++ CPU Adam
 dpu      + delay_update: true, delay_update_warmup 2: the CPU step of step i runs in a background thread
          while forward/backward of step i+1 runs on parameters one step stale
@@ -75,7 +75,6 @@ from benchlib import gpt_config, spawn  # noqa: E402
 from zoff.config import Config  # noqa: E402
 from zoff.data import GlobalBatches, load_corpus  # noqa: E402
 from zoff.engine import ZeroEngine  # noqa: E402
-from zoff.engine.offload import OffloadAdam  # noqa: E402
 from zoff.models import build_model, lm_loss  # noqa: E402
 from zoff.optim import backend_info, cpu_adam_step  # noqa: E402
 from zoff.trainer.session import build_session  # noqa: E402
@@ -113,7 +112,7 @@ def instrument(eng: ZeroEngine) -> dict[str, float]:
     """Time what the engine's own timers lump together, by wrapping (not editing) three of its methods:
     join   waiting for a delayed CPU step (optimizer.finish); the engine's dpu_wait_s also includes the publish
     publish  16-bit copy + all-gather of new params, wherever it happens (under DPU: inside flush)
-    cpu_step  the duration of each CPU Adam update (OffloadAdam._update), in the background thread under DPU
+    cpu_step  the duration of each CPU Adam update (ShardOptimizer._update), in the background thread under DPU
     """
     acc = {"join": 0.0, "publish": 0.0, "cpu_step": 0.0, "cpu_steps": 0}
 
@@ -131,7 +130,7 @@ def instrument(eng: ZeroEngine) -> dict[str, float]:
 
     eng._publish_params = timed(eng._publish_params, "publish")
     opt = eng.optimizer
-    if isinstance(opt, OffloadAdam):
+    if opt.tier.kind == "host":
         opt.finish = timed(opt.finish, "join")
         opt._update = timed(opt._update, "cpu_step", "cpu_steps")
     return acc
@@ -149,7 +148,7 @@ def run_step(eng: ZeroEngine, acc: dict, x: torch.Tensor, y: torch.Tensor, lr: f
     t3 = time.perf_counter()
     st = eng.stats()["last_step_times"]
     # A DPU step's background update completes (and is timed) within the next step, the one it overlaps.
-    sync = not isinstance(eng.optimizer, OffloadAdam)
+    sync = eng.optimizer.tier.kind != "host"
     return {
         "fwd": t1 - t0,
         "bwd": t2 - t1,

@@ -93,7 +93,7 @@ def test_cpu_step_gets_the_ranks_share_of_cores(tmp_path: Path, nproc: int) -> N
 
 
 def test_offload_skips_parameters_without_gradient_like_torch() -> None:
-    """The fused CPU Adam path steps the same runs as ShardAdam: an expert no token picked in a step is left
+    """The fused CPU Adam path steps the same runs as the device tier: an expert no token picked in a step is left
     alone (torch skips a parameter whose .grad is None) and keeps its own Adam step count."""
     model = {"name": "python:tests.patterns.models:moe_idle_expert", "d_model": 32, "vocab_size": 256}
     cfgs = [

@@ -66,7 +66,7 @@ def _run(precision: str, delay: bool, clip: float, staged: bool, monkeypatch) ->
         eng.backward(loss)
         eng.step(1e-2)
         losses.append(loss.item())
-        grad_ptrs.append([g.data_ptr() if g is not None else 0 for g in eng.optimizer.host_grads])
+        grad_ptrs.append([g.data_ptr() if g is not None else 0 for g in eng.optimizer.tier.host_grads])
     eng.flush()
     return losses, [m.clone() for m in eng.masters], eng, grad_ptrs
 

@@ -20,8 +20,9 @@ from zoff.checkpoint import rng_states, set_rng_states
 from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine.collectives import CollectiveError, Comm
-from zoff.engine.optimizer import ShardAdam
+from zoff.engine.optimizer import ShardOptimizer, torch_fused_kernel
 from zoff.engine.staging import Staging
+from zoff.engine.tiers import DeviceTier
 from zoff.models.gpt import GPT
 from zoff.planning.memory import Policy, pinned_host_bytes
 from zoff.trainer.metrics import GPU_PEAK_TFLOPS, MetricsWriter, peak_flops
@@ -51,7 +52,7 @@ def test_shard_adam_steps_cuda_shards_with_the_fused_kernel() -> None:
     want = master.clone()
     grad = torch.randn(1000, device="cuda")
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
-    opt = ShardAdam([master], [[(0, 1000, True)]], cfg)
+    opt = ShardOptimizer([master], [[(0, 1000, True)]], cfg, DeviceTier(), torch_fused_kernel)
     opt.step([grad], 1e-2)
     ref = torch.nn.Parameter(want)
     ref.grad = grad

@@ -20,13 +20,13 @@ from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.materialize import init_owned, replace_param
-from zoff.engine.offload import OffloadAdam, host_buffer
-from zoff.engine.optimizer import ShardAdam, step_runs
+from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.policy import Policy, engine_plan
 from zoff.engine.pool import mmap_large_allocations
 from zoff.engine.precision import DTYPES, LossScaler
 from zoff.engine.reduce import GradReducer
 from zoff.engine.staging import Staging, needs_staging
+from zoff.engine.tiers import DeviceTier, HostTier, host_buffer
 
 
 @dataclass(frozen=True)
@@ -80,29 +80,9 @@ class ZeroEngine:
         self._params = self._distinct_params(model)
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
         self._build_buffers()
-        runs = [self.plan.decay_runs(u.index, self.rank) for u in self.plan.units]
         self.cpu_threads = torch.get_num_threads()
-        self.staging: Staging | None = None  # offload on a GPU: bounded pinned buffers for host <-> device
-        if self.offload:
-            # fp32 on a host-only machine needs no master copy, unless DPU must keep the live params apart.
-            alias = (
-                self.dtype == torch.float32
-                and self.device.type == "cpu"
-                and not zero.offload_optimizer.delay_update
-            )
-            oz = zero.offload_optimizer
-            if needs_staging(self.device):
-                self.staging = Staging(oz.staging_mb << 20, self.device, pin=oz.pin_memory)
-            # what step() hands the optimizer: rescaled gradients are fp32, the others stay as reduced
-            rescaled = grad_clip > 0 or precision == "fp16" or self.accum_dtype == torch.float32
-            self.optimizer = OffloadAdam(
-                self.shard_params, runs, optim, oz, alias_masters=alias, threads=self.cpu_threads,
-                grad_dtype=torch.float32 if rescaled else self.dtype, staging=self.staging,
-            )  # fmt: skip
-        else:
-            self.optimizer = ShardAdam(
-                [self._make_master(u) for u in range(len(self.plan.units))], runs, optim
-            )
+        self.optimizer = self._build_optimizer(optim, grad_clip > 0 or precision == "fp16")
+        self.staging = self.optimizer.tier.staging  # offload on a GPU: bounded pinned buffers (staging.py)
         self.masters = self.optimizer.masters
         self.blocks = BlockTracker(model)
         self.gatherer = None
@@ -191,10 +171,32 @@ class ZeroEngine:
             else:
                 self.gshard.append(torch.zeros(u.shard, dtype=self.accum_dtype, device=self.device))
 
-    def _make_master(self, u: int) -> torch.Tensor:
-        shard = self.shard_params[u]
-        # fp32 training needs no separate master: the shard itself is stepped (16 B/param, not 20).
-        return shard if self.dtype == torch.float32 else shard.detach().float()
+    def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
+        """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or host memory
+        under optimizer offload (zoff's fused CPU Adam, DPU optional)."""
+        shards = self.shard_params[: len(self.plan.units)]  # trainable units: frozen ones have no state
+        runs = [self.plan.decay_runs(u.index, self.rank) for u in self.plan.units]
+        oz = self.zero.offload_optimizer
+        if not self.offload:
+            return ShardOptimizer(shards, runs, optim, DeviceTier(), torch_fused_kernel)
+        staging = (
+            Staging(oz.staging_mb << 20, self.device, pin=oz.pin_memory)
+            if needs_staging(self.device)
+            else None
+        )
+        on_host = self.device.type == "cpu"
+        # what step() hands the optimizer: rescaled (clipped, unscaled) gradients are fp32, others as reduced
+        grad_dtype = torch.float32 if rescales or self.accum_dtype == torch.float32 else self.dtype
+        tier = HostTier(
+            staging, grad_dtype,
+            # fp32 on a host-only machine needs no master copy, unless DPU must keep the live params apart
+            alias_masters=self.dtype == torch.float32 and on_host and not oz.delay_update,
+            copy_grads=not on_host or oz.delay_update,
+        )  # fmt: skip
+        return ShardOptimizer(
+            shards, runs, optim, tier, cpu_fused_kernel, delay_update=oz.delay_update,
+            delay_warmup=oz.delay_update_warmup, threads=self.cpu_threads,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
@@ -252,12 +254,10 @@ class ZeroEngine:
             if coef != 1.0:  # x * 1.0 is exact: skipping it when nothing clips keeps results bit-identical
                 g = g.float() if g.dtype != torch.float32 else g
                 g.mul_(coef)
-            elif not self.offload:  # torch's Adam wants fp32 grads; the CPU kernel reads 16-bit ones directly
-                g = g.float()
-            grads.append(g)
+            grads.append(g)  # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
         t0 = time.perf_counter()
         # The fused CPU kernel may have written the 16-bit shards in its own pass.
-        copy = not (self.offload and self.optimizer.out16 is not None)
+        copy = not self.optimizer.writes_live_shards
         handles: list[Handle] = []
         # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
         publish = lambda u: self._publish_unit(u, copy, handles)  # noqa: E731
@@ -302,11 +302,8 @@ class ZeroEngine:
             if self._host_shard(u):  # parameter offload: a gather may still be copying this shard up
                 self.gatherer.wait_host_reads()
                 shard.copy_(self.masters[u])
-            elif self.staging is not None:
-                self.staging.upload(self.masters[u], shard)  # asynchronous: the next unit's step overlaps it
-                self.staging.uploads_done()  # the gather below (and any later kernel) waits for it, on the GPU
-            else:
-                shard.copy_(self.masters[u])
+            else:  # through the tier: asynchronous uploads on a GPU, which the gather below waits for
+                self.optimizer.tier.publish(self.masters[u], shard)
         if self.stage in (1, 2) or (self.stage == 3 and self.plan.units[u].persistent):
             handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
 
@@ -344,16 +341,17 @@ class ZeroEngine:
         whole = set(self.plan.frozen)
         frozen = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n in whole)
         frozen += nbytes(self.shard_params[len(self.plan.units) :])  # stage 3's frozen shards
-        host_grads = nbytes(self.optimizer.host_grads) if self.offload else 0
+        host_grads = self.optimizer.tier.buffer_bytes()
+        on_device = self.optimizer.tier.kind == "device"
         return {
             "params": params,
             "grads": grads,
-            "optimizer_states": 0 if self.offload else opt,
+            "optimizer_states": opt if on_device else 0,
             "buffers": self.reducer.peak_bucket_bytes + self.comm.scratch.peak_bytes + gathered,
             "frozen_params": frozen,
             "cpu_params": nbytes(offloaded),
             "cpu_grads": host_grads,
-            "cpu_optimizer_states": opt if self.offload else 0,
+            "cpu_optimizer_states": 0 if on_device else opt,
             "cpu_staging": self.staging.nbytes if self.staging is not None else 0,
         }
 
@@ -386,8 +384,7 @@ class ZeroEngine:
 
     def gathered_params(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter at full size in fp32, from the masters (a collective: call on all ranks)."""
-        if self.offload:
-            self.optimizer.finish()
+        self.optimizer.finish()
         out = {}
         for u, unit in enumerate(self.plan.units):
             full = torch.zeros(unit.padded, dtype=torch.float32, device=self.device)

@@ -56,7 +56,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 from benchlib import print_targets, spawn  # noqa: E402
 
-from zoff.checkpoint import load_checkpoint, save_checkpoint, step_dir_name  # noqa: E402
+from zoff.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from zoff.checkpoint.format import step_dir_name  # noqa: E402
 from zoff.config import Config, config_from_dict, dump_yaml  # noqa: E402
 from zoff.models import build_model, lm_loss  # noqa: E402
 from zoff.trainer.session import build_session  # noqa: E402

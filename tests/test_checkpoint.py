@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.harness import run_zoff, tiny_cfg
-from zoff.checkpoint import find_checkpoint, read_manifest
+from zoff.checkpoint.format import find_checkpoint, read_manifest
 from zoff.errors import UserError
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from zoff.checkpoint import find_checkpoint, read_manifest
+from zoff.checkpoint.format import find_checkpoint, read_manifest
 
 pytestmark = pytest.mark.slow
 

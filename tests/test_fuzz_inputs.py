@@ -608,7 +608,7 @@ S0, S1, EXTRA, RNG0 = (
     "extra.safetensors",
     "rng_00000.safetensors",
 )
-MANIFEST_TYPES = "zoff/checkpoint.py read_manifest()/verify_file() and zoff/convert.py _Source index manifest fields without checking their types or presence"
+MANIFEST_TYPES = "zoff/checkpoint/format.py read_manifest()/verify_file() and zoff/checkpoint/convert.py _Source index manifest fields without checking their types or presence"
 
 
 def _bug(reason: str):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zoff.engine.zero as zero_mod
-from zoff.checkpoint import rng_states, set_rng_states
+from zoff.checkpoint.format import rng_states, set_rng_states
 from zoff.config import OffloadOptimizerConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine.staging import Staging, chunk_bytes

@@ -252,7 +252,7 @@ def _resume_command(run_dir: Path) -> str:
 
 def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> None:
     """Find and fully verify the checkpoint now: a bad one is a one-line error before any rank starts."""
-    from zoff.checkpoint import find_checkpoint, read_manifest
+    from zoff.checkpoint.format import find_checkpoint, read_manifest
 
     if resume == "auto":
         if cfg.checkpoint.dir is None and run_dir is None:

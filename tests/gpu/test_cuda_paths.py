@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.harness import free_port
-from zoff.checkpoint import rng_states, set_rng_states
+from zoff.checkpoint.format import rng_states, set_rng_states
 from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine.collectives import CollectiveError, Comm

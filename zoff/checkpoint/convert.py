@@ -11,6 +11,7 @@ be laid out from the manifest's shapes before any tensor is loaded.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -19,30 +20,24 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from zoff.checkpoint import find_checkpoint, read_manifest
-from zoff.checkpoint.safetensors_io import SafetensorsReader, write_streaming
+from zoff.checkpoint.format import Readers, find_checkpoint, read_manifest, read_whole
+from zoff.checkpoint.safetensors_io import write_streaming
+from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
 from zoff.units import parse_size
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class _Source:
-    """Where each output tensor comes from: its shape and dtype up front, its data on demand."""
+    """Where each output tensor comes from: its shape and dtype up front, its data on demand (read through the
+    checkpoint format's readers: the manifest was verified once, when read)."""
 
     def __init__(self, ckpt: Path, manifest: dict):
-        self.ckpt, self.manifest = ckpt, manifest
         self.params = {n: p for p in manifest["params"] for n in p["names"]}
-        self._open: dict[str, SafetensorsReader] = {}
-        extra = self._file("extra.safetensors")
+        self.readers = Readers(ckpt)
+        extra = self.readers.get("extra.safetensors")
         self.extra = {k: (extra.shape(k), extra.dtype(k)) for k in extra.keys() if k != "__empty__"}
         keys = manifest.get("state_dict_keys") or list(self.params) + list(self.extra)
         self.keys = [k for k in keys if k in self.params or k in self.extra]
-
-    def _file(self, name: str) -> SafetensorsReader:
-        if name not in self._open:
-            self._open[name] = SafetensorsReader(self.ckpt / name)
-        return self._open[name]
 
     def meta(self, key: str) -> tuple[list[int], torch.dtype]:
         if key in self.params:
@@ -51,15 +46,8 @@ class _Source:
 
     def tensor(self, key: str) -> torch.Tensor:
         if key in self.extra:
-            return self._file("extra.safetensors").read(key)
-        p = self.params[key]
-        flat = torch.empty(_numel(p["shape"]), dtype=torch.float32)
-        for piece in p["pieces"]:
-            s, n = piece["start"], piece["length"]
-            flat[piece["param_start"] : piece["param_start"] + n] = self._file(piece["file"]).read(
-                f"u{piece['unit']}.master", s, n
-            )
-        return flat.view(p["shape"])
+            return self.readers.get("extra.safetensors").read(key)
+        return read_whole(self.params[key], self.readers)
 
 
 def convert(
@@ -81,37 +69,66 @@ def convert(
         raise UserError(f"{out}: its folder {out.parent} does not exist")
     ckpt = find_checkpoint(str(checkpoint), Path("."), label="CHECKPOINT")
     src = _Source(ckpt, read_manifest(ckpt, verify=True))
-    if fmt == "hf":
-        return _convert_hf(ckpt, src, out, DTYPES[dtype], limit)
     target = DTYPES[dtype]
-    out_dtype = lambda dt: target if dt.is_floating_point else dt  # noqa: E731
-    sizes = {k: _numel(src.meta(k)[0]) * out_dtype(src.meta(k)[1]).itemsize for k in src.keys}
-    groups = _group(src.keys, sizes, limit)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    written: list[Path] = []
-    with _progress(sum(sizes.values())) as advance:
-        if limit is None:
-            _write_one(tmp, fmt, src, src.keys, out_dtype, advance)
-            os.replace(tmp, out)
-            return [out]
+    if fmt == "hf":
         tmp.mkdir(parents=True)
-        ext = "safetensors" if fmt == "safetensors" else "bin"
+        written = _hf_files(ckpt, tmp, out, target)
+        # Tied weights are stored once, under the first name, as save_pretrained does; loading re-ties them.
+        keys = [k for k in src.keys if k not in src.params or src.params[k]["names"][0] == k]
+        written += _write_weights(
+            src, keys, tmp, out, "safetensors", target, limit, stem="model", numbered=False
+        )
+    elif limit is None:  # one file: OUT itself
+        written = _write_weights(src, src.keys, tmp, out, fmt, target, None, stem="", numbered=False)
+    else:
+        tmp.mkdir(parents=True)
         stem = "model" if fmt == "safetensors" else "pytorch_model"
-        weight_map = {}
-        for i, keys in enumerate(groups, start=1):
-            name = f"{stem}-{i:05d}-of-{len(groups):05d}.{ext}"
-            _write_one(tmp / name, fmt, src, keys, out_dtype, advance)
-            weight_map.update({k: name for k in keys})
+        written = _write_weights(src, src.keys, tmp, out, fmt, target, limit, stem=stem, numbered=True)
+    os.replace(tmp, out)
+    return written
+
+
+def _write_weights(
+    src: _Source,
+    keys: list[str],
+    tmp: Path,
+    out: Path,
+    fmt: str,
+    target: torch.dtype,
+    limit: int | None,
+    *,
+    stem: str,
+    numbered: bool,
+) -> list[Path]:
+    """Write `keys` into `tmp` in groups of at most `limit` bytes (limit None: `tmp` is the one file). Shards
+    are numbered, with an index.json mapping each key to its file, when `numbered` or when there are several;
+    a single group is `stem`.EXT otherwise (a Hugging Face folder's model.safetensors)."""
+    out_dtype = lambda dt: target if dt.is_floating_point else dt  # noqa: E731
+    sizes = {k: math.prod(src.meta(k)[0]) * out_dtype(src.meta(k)[1]).itemsize for k in keys}
+    groups = _group(keys, sizes, limit)
+    numbered = numbered or len(groups) > 1
+    ext = "safetensors" if fmt == "safetensors" else "bin"
+    written, weight_map = [], {}
+    with _progress(sum(sizes.values())) as advance:
+        if limit is None and not numbered and not stem:
+            _write_one(tmp, fmt, src, keys, out_dtype, advance)
+            return [out]
+        for i, group in enumerate(groups, start=1):
+            name = f"{stem}-{i:05d}-of-{len(groups):05d}.{ext}" if numbered else f"{stem}.{ext}"
+            _write_one(tmp / name, fmt, src, group, out_dtype, advance)
+            weight_map.update({k: name for k in group})
             written.append(out / name)
+    if numbered:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (tmp / f"{stem}.{ext}.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        os.replace(tmp, out)
-    return written + [out / f"{stem}.{ext}.index.json"]
+        written.append(out / f"{stem}.{ext}.index.json")
+    return written
 
 
-def _convert_hf(ckpt: Path, src: _Source, out: Path, target: torch.dtype, limit: int | None) -> list[Path]:
-    """A Hugging Face model folder: config.json from the run's config, safetensors shards, tokenizer files."""
+def _hf_files(ckpt: Path, tmp: Path, out: Path, target: torch.dtype) -> list[Path]:
+    """A Hugging Face model folder's other files: config.json from the run's config, the tokenizer's files."""
     import yaml
 
     from zoff.config import config_from_dict
@@ -123,14 +140,6 @@ def _convert_hf(ckpt: Path, src: _Source, out: Path, target: torch.dtype, limit:
     )
     if not cfg.model.name.startswith("hf:"):
         raise UserError(f"--format hf: the checkpoint's model is '{cfg.model.name}', not an hf: model")
-    # Tied weights are stored once, under the first name, as save_pretrained does; loading re-ties them.
-    keys = [k for k in src.keys if k not in src.params or src.params[k]["names"][0] == k]
-    out_dtype = lambda dt: target if dt.is_floating_point else dt  # noqa: E731
-    sizes = {k: _numel(src.meta(k)[0]) * out_dtype(src.meta(k)[1]).itemsize for k in keys}
-    groups = _group(keys, sizes, limit)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tok = cfg.data.tokenizer  # its files travel with the model; a folder gone since training is skipped
     known = cfg.data.name != "synthetic" and (tok == "bytes" or Path(tok).expanduser().is_dir())
     tokenizer = load_tokenizer(tok) if known else None
@@ -139,20 +148,6 @@ def _convert_hf(ckpt: Path, src: _Source, out: Path, target: torch.dtype, limit:
     for f in tokenizer.files() if tokenizer else []:
         shutil.copy2(f, tmp / f.name)
         written.append(out / f.name)
-    weight_map = {}
-    with _progress(sum(sizes.values())) as advance:
-        for i, group in enumerate(groups, start=1):
-            name = (
-                "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-            )
-            _write_one(tmp / name, "safetensors", src, group, out_dtype, advance)
-            weight_map.update({k: name for k in group})
-            written.append(out / name)
-    if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        written.append(out / "model.safetensors.index.json")
-    os.replace(tmp, out)
     return written
 
 
@@ -198,10 +193,3 @@ class _progress:
 
     def __exit__(self, *exc) -> None:
         self.bar.stop()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

@@ -1,0 +1,240 @@
+"""The checkpoint format: the step folder's name, files written with their checksums, the manifest and its
+checks, readers over a checkpoint's safetensors files, and re-partitioning a unit's shard from the pieces the
+manifest lists (any world size, any stage). Shared by save/load (this package's __init__) and convert."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from zoff.checkpoint.safetensors_io import SafetensorsReader
+from zoff.engine.partition import PartitionPlan
+from zoff.errors import UserError
+
+# 2: per-parameter skipped_steps (its Adam step count) and stage 3's frozen parameters in the shard files;
+# version 1 checkpoints load as they are.
+FORMAT_VERSION = 2
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        os.fsync(f.fileno())
+    return {path.name: {"bytes": path.stat().st_size, "sha256": digest}}
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints (a manifest is present), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.glob("step_*") if (p / "manifest.json").is_file())
+
+
+def find_checkpoint(resume: str, ckpt_dir: Path, label: str = "--resume") -> Path | None:
+    """`auto`: the latest complete checkpoint in ckpt_dir or None; else the given folder (or a checkpoint dir).
+
+    `label` names the argument in errors (--resume, or convert's CHECKPOINT).
+    """
+    if resume == "auto":
+        pointer = ckpt_dir / "latest"
+        if pointer.is_file():
+            cand = ckpt_dir / pointer.read_text().strip()
+            if (cand / "manifest.json").is_file():
+                return cand
+        done = complete_checkpoints(ckpt_dir)
+        return done[-1] if done else None
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"{label}: {path} does not exist")
+    if (path / "manifest.json").is_file():
+        return path
+    done = complete_checkpoints(path)
+    if done:
+        return done[-1]
+    raise UserError(f"{label}: {path} holds no complete checkpoint (no manifest.json)")
+
+
+def read_manifest(path: Path, verify: bool = True) -> dict:
+    """Read and check a checkpoint's manifest; with `verify`, check every file's size and checksum."""
+    mf = path / "manifest.json"
+    if not mf.is_file():
+        raise UserError(f"{mf}: missing manifest (incomplete or not a zoff checkpoint)")
+    try:
+        manifest = json.loads(mf.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{mf}: corrupted manifest ({e})") from None
+    if not isinstance(manifest, dict) or "format_version" not in manifest or "files" not in manifest:
+        raise UserError(f"{mf}: not a zoff checkpoint manifest")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{mf}: corrupted manifest ({problem})")
+    if manifest["format_version"] > FORMAT_VERSION:
+        raise UserError(
+            f"{mf}: format version {manifest['format_version']} is newer than this zoff reads ({FORMAT_VERSION})"
+        )
+    if verify:
+        for name, meta in manifest["files"].items():
+            verify_file(path / name, meta)
+    return manifest
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is structurally wrong with a manifest (None if nothing): checked once, so readers can trust it."""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if not is_int(m.get("format_version")):
+        return "format_version is not a whole number"
+    for k in ("step", "world_size", "partitions", "optimizer_step"):
+        if not is_int(m.get(k)):
+            return f"'{k}' is missing or not a whole number"
+    files = m.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and is_int(v.get("bytes")) and isinstance(v.get("sha256"), str)
+        for v in files.values()
+    ):
+        return "'files' must map file names to their bytes and sha256"
+    if not isinstance(m.get("scaler"), dict) or not isinstance(m.get("trainer"), dict):
+        return "'scaler' or 'trainer' is missing"
+    params = m.get("params")
+    if not isinstance(params, list):
+        return "'params' is missing"
+    for p in params:
+        ok = (
+            isinstance(p, dict)
+            and isinstance(p.get("names"), list) and p["names"] and all(isinstance(n, str) for n in p["names"])
+            and isinstance(p.get("shape"), list) and all(is_int(d) for d in p["shape"])
+            and isinstance(p.get("pieces"), list)
+            and all(
+                isinstance(q, dict) and q.get("file") in files
+                and all(is_int(q.get(k)) for k in ("unit", "start", "length", "param_start"))
+                for q in p["pieces"]
+            )
+        )  # fmt: skip
+        if not ok:
+            return f"entry {str(p)[:60]!r} of 'params' is malformed"
+    keys = m.get("state_dict_keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return "'state_dict_keys' must be a list of names"
+    return None
+
+
+def verify_file(path: Path, meta: dict) -> None:
+    if not path.is_file():
+        raise UserError(f"{path}: missing checkpoint file")
+    size = path.stat().st_size
+    if size != meta["bytes"]:
+        raise UserError(f"{path}: truncated or resized ({size} bytes, manifest says {meta['bytes']})")
+    with open(path, "rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != meta["sha256"]:
+            raise UserError(f"{path}: checksum mismatch (corrupted file)")
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's generators: the host one, and the CUDA one that dropout on a GPU draws from."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore rng_states(); a GPU run resumed on a host-only machine (or the reverse) keeps only the host one."""
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def assemble_shard(plan: PartitionPlan, rank: int, u: int, kind: str, by_name: dict, readers) -> torch.Tensor:
+    """This rank's shard of unit u in the current plan, filled from the saved pieces that overlap it (or, for
+    a frozen parameter the checkpoint kept whole, from extra.safetensors)."""
+    unit = plan.all_units[u]
+    lo, hi = plan.shard_range(u, rank)
+    out = torch.zeros(unit.shard, dtype=torch.float32)
+    for si in unit.slots:
+        s = plan.all_slots[si]
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)  # unit coordinates
+        if a >= b:
+            continue
+        pa, pb = a - s.offset, b - s.offset  # flattened-parameter coordinates
+        if s.names[0] not in by_name:
+            whole = readers.get("extra.safetensors").read(s.names[0]).reshape(-1)
+            out[a - lo : b - lo] = whole[pa:pb]
+            continue
+        for piece in by_name[s.names[0]]["pieces"]:
+            qa, qb = max(pa, piece["param_start"]), min(pb, piece["param_start"] + piece["length"])
+            if qa >= qb:
+                continue
+            src = piece["start"] + (qa - piece["param_start"])
+            data = readers.get(piece["file"]).read(f"u{piece['unit']}.{kind}", src, qb - qa)
+            dst = s.offset + qa - lo
+            out[dst : dst + (qb - qa)] = data
+    return out
+
+
+def read_whole(entry: dict, readers) -> torch.Tensor:
+    """A parameter saved in pieces, whole (a frozen parameter loaded where it is not partitioned)."""
+    out = torch.zeros(math.prod(entry["shape"]), dtype=torch.float32)
+    for piece in entry["pieces"]:
+        data = readers.get(piece["file"]).read(f"u{piece['unit']}.master", piece["start"], piece["length"])
+        out[piece["param_start"] : piece["param_start"] + piece["length"]] = data
+    return out.view(entry["shape"])
+
+
+class Readers:
+    """Opens each checkpoint file once, lazily (verified against `files` first when given)."""
+
+    def __init__(self, root: Path, files: dict | None = None):
+        self.root, self.files, self.open = root, files, {}
+
+    def get(self, name: str) -> SafetensorsReader:
+        if name not in self.open:
+            if self.files is not None:
+                if name not in self.files:
+                    raise UserError(f"{self.root / name}: not listed in the manifest")
+                verify_file(self.root / name, self.files[name])
+            self.open[name] = SafetensorsReader(self.root / name)
+        return self.open[name]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for r in self.open.values():
+            r.close()
+        self.open.clear()
+
+
+def write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

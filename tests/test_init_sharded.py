@@ -11,7 +11,7 @@ import torch
 
 from tests.harness import spawn
 from zoff.config import OptimConfig, ZeroConfig
-from zoff.engine import ZeroEngine
+from zoff.engine import ZeroEngine, build_engine
 from zoff.engine.partition import PartitionPlan
 from zoff.models.gpt import GPT
 
@@ -66,7 +66,7 @@ def _stage3_rss(world: int) -> dict | None:
     model = _gpt(SEED, meta=True, shape=BIG)
     before = _rss_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
-    engine = ZeroEngine(model, ZeroConfig(stage=3, param_persistence_threshold=THRESHOLD), OptimConfig())
+    engine = build_engine(model, ZeroConfig(stage=3, param_persistence_threshold=THRESHOLD), OptimConfig())
     peak = _rss_kib("VmHWM")
     mem = engine.memory_report()
     return {

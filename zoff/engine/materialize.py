@@ -1,11 +1,110 @@
-"""Materialising a meta-device model into the engine's flat buffers, each rank drawing only what it owns."""
+"""Putting the model's parameters into the engine's flat buffers: each unit a padded buffer identical on every
+rank (rank 0's values broadcast, or a meta-device model materialised with each rank drawing only what it
+owns), the parameters becoming views into it, and the gradient buffers beside them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from zoff.engine.collectives import Comm
 from zoff.engine.partition import PartitionPlan
+from zoff.engine.tiers import host_buffer
+
+
+def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, bool]:
+    """(the model on the device, whether it is deferred). A meta-device model is materialised unit by unit in
+    FlatBuffers.build: no rank ever holds the whole model unless its stage keeps it whole anyway."""
+    deferred = any(p.is_meta for p in model.parameters())
+    if deferred and (
+        not hasattr(model, "init_parameter")
+        or any(t.is_meta for t in model.buffers())
+        or any(p.is_meta and not p.requires_grad for p in model.parameters())
+    ):
+        raise ValueError("a meta-device model needs init_parameter() and no frozen params or buffers")
+    model = model if deferred else model.to(device)
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point():  # frozen params compute in the same dtype
+            p.data = p.data.to(dtype)
+    # Buffers keep their dtype, as under torch autocast and FSDP2: an fp32 rotary inv_freq cast to bf16
+    # would put large errors into the angles of long positions.
+    return model, deferred
+
+
+@dataclass
+class FlatBuffers:
+    """Per unit (trainable ones, then stage 3's frozen ones): the full buffer, this rank's shard of it, and,
+    for trainable units, the full gradient buffer (stages 0-1) and the gradient shard."""
+
+    params: list[nn.Parameter]  # the distinct trainable parameters, in slot order
+    full: list[torch.Tensor] = field(default_factory=list)
+    shards: list[torch.Tensor] = field(default_factory=list)
+    gfull: list[torch.Tensor] = field(default_factory=list)
+    gshard: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls, model: nn.Module, plan: PartitionPlan, comm: Comm, *, stage: int, rank: int, dtype: torch.dtype,
+        accum_dtype: torch.dtype, device: torch.device, deferred: bool, keep_full_grads: bool, host_shards: bool,
+        pin_host_shards: bool,
+    ) -> FlatBuffers:  # fmt: skip
+        named = dict(model.named_parameters(remove_duplicate=False))
+        out = cls([named[s.names[0]] for s in plan.slots])
+        frozen = [named[s.names[0]] for s in plan.frozen_slots]
+        for u in plan.all_units:
+            lo, hi = plan.shard_range(u.index, rank)
+            sharded = stage == 3 and not u.persistent  # only the shard stays; the full buffer is freed
+            # empty, not zeros, for a buffer that is freed at once: its pages are never touched
+            full = (torch.empty if sharded else torch.zeros)(u.padded, dtype=dtype, device=device)
+            full[u.numel :].zero_()  # the padding (empty's pages stay untouched but for this tail)
+            for si in u.slots:
+                s = plan.all_slots[si]
+                view = full[s.offset : s.offset + s.numel].view(s.shape)
+                if deferred:
+                    out.params[si] = replace_param(model, s.names, view)
+                else:
+                    param = out.params[si] if si < len(plan.slots) else frozen[si - len(plan.slots)]
+                    view.copy_(param.detach())
+                    param.data = view
+            if sharded:
+                shard = torch.zeros(u.shard, dtype=dtype, device=device)
+                if host_shards:  # stage 3 parameter offload: the shard lives on the host
+                    shard = host_buffer(shard, dtype, pin_host_shards)
+                if deferred:
+                    init_owned(model, plan, u.index, full, shard, lo)
+                else:
+                    comm.broadcast(full, src=0)
+                    shard.copy_(full[lo:hi])
+                # Released at once (the gatherer starts with every managed unit released): holding all the
+                # full buffers until the end would put a whole model copy into this rank's peak memory.
+                full.untyped_storage().resize_(0)
+            else:  # the full buffer stays: the shard is a view, not a copy
+                shard = full[lo:hi]
+                if deferred:  # stage 0: one partition, which every rank owns
+                    init_owned(
+                        model, plan, u.index, full, shard if stage >= 1 else full, lo if stage >= 1 else 0
+                    )
+                    if stage >= 1:
+                        comm.all_gather(shard, full)
+                else:
+                    comm.broadcast(full, src=0)
+            out.full.append(full)
+            out.shards.append(shard)
+            if u.index < len(
+                plan.units
+            ):  # trainable: gradients (frozen units have none, nor optimizer state)
+                out._add_grads(u, lo, hi, keep_full_grads, dtype, accum_dtype, device)
+        return out
+
+    def _add_grads(self, u, lo: int, hi: int, keep_full: bool, dtype, accum_dtype, device) -> None:
+        if keep_full:  # stages 0-1: whole gradients accumulate in persistent flat buffers
+            g = torch.zeros(u.padded, dtype=dtype, device=device)
+            self.gfull.append(g)
+            self.gshard.append(g[lo:hi])
+        else:
+            self.gshard.append(torch.zeros(u.shard, dtype=accum_dtype, device=device))
 
 
 def init_owned(

@@ -9,7 +9,7 @@ optimizer steps each run as one contiguous tensor instead of one call per parame
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -154,56 +154,82 @@ def plan_partition(
     Unit order is the reduction order reversed (gradients are reduced from the last unit to the first, the
     order in which backward usually completes them): persistent units first, then the root, then blocks.
     """
-    aliases: dict[int, list[str]] = {}
-    ordered: list[tuple[str, torch.Tensor]] = []  # distinct trainable params, in module order
-    still: list[tuple[str, torch.Tensor]] = []  # distinct frozen params, in module order
-    owner: dict[int, str] = {}  # param id -> the block (or "" for the root) that owns it
-    module_of: dict[int, str] = {}  # param id -> the module that holds it directly
     blocks = find_blocks(model) if per_block else []
+    walk = _walk(model, blocks)
+    # Stage 3 partitions frozen parameters too (a frozen base under LoRA is most of the model); small ones and
+    # every frozen one at stages 0-2 stay whole.
+    big_still = [(n, p) for n, p in walk.still if per_block and p.numel() > persistence_threshold]
+    whole = {id(p) for n, p in walk.still} - {id(p) for n, p in big_still}
+    frozen = [a for n, p in walk.still if id(p) in whole for a in walk.aliases[id(p)]]
+    if per_block:
+        members = _block_members(walk, blocks, bucket_numel, persistence_threshold)
+    else:
+        members = [(bucket, False, ()) for bucket in _buckets(walk.ordered, bucket_numel)]
+    frozen_members = []
+    for group in ["", *blocks]:
+        params = [(n, p) for n, p in big_still if walk.owner[id(p)] == group]
+        if params:
+            frozen_members.append((params, False, (group,)))
+    slots, units = _layout(members + frozen_members, world_size, walk.aliases, decay_fn)
+    n_units, n_slots = len(members), sum(len(m[0]) for m in members)
+    return PartitionPlan(
+        world_size, tuple(slots[:n_slots]), tuple(units[:n_units]), tuple(frozen),
+        tuple(slots[n_slots:]), tuple(units[n_units:]),
+    )  # fmt: skip
+
+
+Named = list[tuple[str, torch.Tensor]]
+Member = tuple[Named, bool, tuple[str, ...]]  # a unit's params, persistent?, the block it belongs to
+
+
+@dataclass
+class _Walk:
+    aliases: dict[int, list[str]] = field(default_factory=dict)  # param id -> every name it has
+    ordered: Named = field(default_factory=list)  # distinct trainable params, in module order
+    still: Named = field(default_factory=list)  # distinct frozen params, in module order
+    owner: dict[int, str] = field(default_factory=dict)  # param id -> its block ("" for the root)
+    module_of: dict[int, str] = field(default_factory=dict)  # param id -> the module holding it directly
+
+
+def _walk(model: nn.Module, blocks: list[str]) -> _Walk:
+    w = _Walk()
     for mod_name, mod in model.named_modules():
         block = next((b for b in blocks if mod_name == b or mod_name.startswith(b + ".")), "")
         for p_name, p in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if id(p) in aliases:
-                aliases[id(p)].append(full)
+            if id(p) in w.aliases:
+                w.aliases[id(p)].append(full)
                 continue
-            aliases[id(p)] = [full]
-            owner[id(p)] = block
-            module_of[id(p)] = mod_name
-            (ordered if p.requires_grad else still).append((full, p))
-    # Stage 3 partitions frozen parameters too (a frozen base under LoRA is most of the model); small ones and
-    # every frozen one at stages 0-2 stay whole.
-    big_still = [(n, p) for n, p in still if per_block and p.numel() > persistence_threshold]
-    whole = {id(p) for n, p in still} - {id(p) for n, p in big_still}
-    frozen = [a for n, p in still if id(p) in whole for a in aliases[id(p)]]
+            w.aliases[id(p)] = [full]
+            w.owner[id(p)] = block
+            w.module_of[id(p)] = mod_name
+            (w.ordered if p.requires_grad else w.still).append((full, p))
+    return w
 
-    members: list[tuple[list[tuple[str, torch.Tensor]], bool, tuple[str, ...]]] = []
-    if per_block:
-        small = [(n, p) for n, p in ordered if p.numel() <= persistence_threshold]
-        members += [(bucket, True, ()) for bucket in _buckets(small, bucket_numel)]
-        for group in ["", *blocks]:
-            params = [
-                (n, p) for n, p in ordered if owner[id(p)] == group and p.numel() > persistence_threshold
-            ]
-            # A block is gathered whole but reduced module by module (bucket-sized at most): the gradients
-            # waiting for their reduction are a module's, not a block's.
-            by_module: dict[str, list[tuple[str, torch.Tensor]]] = {}
-            for n, p in params:
-                by_module.setdefault(module_of[id(p)], []).append((n, p))
-            for mod_params in by_module.values():
-                members += [(bucket, False, (group,)) for bucket in _buckets(mod_params, bucket_numel)]
-    else:
-        members += [(bucket, False, ()) for bucket in _buckets(ordered, bucket_numel)]
 
-    frozen_members = []
+def _block_members(walk: _Walk, blocks: list[str], bucket_numel: int, threshold: int) -> list[Member]:
+    """Stage 3: small params bucketed into persistent units, then the root's and each block's params."""
+    small = [(n, p) for n, p in walk.ordered if p.numel() <= threshold]
+    members: list[Member] = [(bucket, True, ()) for bucket in _buckets(small, bucket_numel)]
     for group in ["", *blocks]:
-        params = [(n, p) for n, p in big_still if owner[id(p)] == group]
-        if params:
-            frozen_members.append((params, False, (group,)))
+        params = [(n, p) for n, p in walk.ordered if walk.owner[id(p)] == group and p.numel() > threshold]
+        # A block is gathered whole but reduced module by module (bucket-sized at most): the gradients
+        # waiting for their reduction are a module's, not a block's.
+        by_module: dict[str, Named] = {}
+        for n, p in params:
+            by_module.setdefault(walk.module_of[id(p)], []).append((n, p))
+        for mod_params in by_module.values():
+            members += [(bucket, False, (group,)) for bucket in _buckets(mod_params, bucket_numel)]
+    return members
 
+
+def _layout(
+    members: list[Member], world_size: int, aliases: dict[int, list[str]], decay_fn
+) -> tuple[list, list]:
+    """Slots and padded units, in member order; decayed params first within a trainable unit."""
     slots: list[Slot] = []
     units: list[Unit] = []
-    for params, persistent, mods in members + frozen_members:
+    for params, persistent, mods in members:
         trainable = params[0][1].requires_grad
         if trainable:
             params = [x for x in params if decay_fn(*x)] + [x for x in params if not decay_fn(*x)]
@@ -218,11 +244,7 @@ def plan_partition(
         units.append(
             Unit(ui, tuple(idx), offset, padded, padded // world_size, decay_numel, persistent, mods)
         )
-    n_units, n_slots = len(members), sum(len(m[0]) for m in members)
-    return PartitionPlan(
-        world_size, tuple(slots[:n_slots]), tuple(units[:n_units]), tuple(frozen),
-        tuple(slots[n_slots:]), tuple(units[n_units:]),
-    )  # fmt: skip
+    return slots, units
 
 
 def _buckets(params: list[tuple[str, torch.Tensor]], numel: int) -> list[list[tuple[str, torch.Tensor]]]:

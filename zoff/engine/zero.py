@@ -19,14 +19,13 @@ from zoff.config import OptimConfig, ZeroConfig
 from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
-from zoff.engine.materialize import init_owned, replace_param
+from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.policy import Policy, engine_plan
-from zoff.engine.pool import mmap_large_allocations
 from zoff.engine.precision import DTYPES, LossScaler
 from zoff.engine.reduce import GradReducer
 from zoff.engine.staging import Staging, needs_staging
-from zoff.engine.tiers import DeviceTier, HostTier, host_buffer
+from zoff.engine.tiers import DeviceTier, HostTier
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,6 @@ class ZeroEngine:
         device: torch.device | None = None,
     ):
         self.comm = comm or Comm()
-        mmap_large_allocations()  # before any buffer is built: keeps the heap from fragmenting (pool.py)
         self.stage = zero.stage
         self.zero, self.grad_clip = zero, grad_clip
         self.dtype = DTYPES[precision]
@@ -61,25 +59,17 @@ class ZeroEngine:
         self.accum_dtype = torch.float32 if self.stage >= 2 and grad_accum > 1 else self.dtype
         self.rank = policy.rank_in_partition(self.comm.rank)  # stage 0: one partition that every rank owns
         self.plan = engine_plan(model, self.stage, self.comm.world, zero)
-        # A model built on the meta device is materialised unit by unit in _build_buffers: no rank ever
-        # holds the whole model unless its stage keeps it whole anyway.
-        self.deferred = any(p.is_meta for p in model.parameters())
-        if self.deferred and (
-            not hasattr(model, "init_parameter")
-            or any(t.is_meta for t in model.buffers())
-            or any(p.is_meta and not p.requires_grad for p in model.parameters())
-        ):
-            raise ValueError("a meta-device model needs init_parameter() and no frozen params or buffers")
-        self.model = model if self.deferred else model.to(self.device)
-        for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point():  # frozen params compute in the same dtype
-                p.data = p.data.to(self.dtype)
-        # Buffers keep their dtype, as under torch autocast and FSDP2: an fp32 rotary inv_freq cast to bf16
-        # would put large errors into the angles of long positions.
+        self.model, self.deferred = prepare_model(model, self.device, self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")
-        self._params = self._distinct_params(model)
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
-        self._build_buffers()
+        flat = FlatBuffers.build(
+            model, self.plan, self.comm, stage=self.stage, rank=self.rank, dtype=self.dtype,
+            accum_dtype=self.accum_dtype, device=self.device, deferred=self.deferred, keep_full_grads=self.keep_full_grads,
+            host_shards=self.offload_params, pin_host_shards=zero.offload_param.pin_memory,
+        )  # fmt: skip
+        self._params, self.full, self.shard_params, self.gfull, self.gshard = (
+            flat.params, flat.full, flat.shards, flat.gfull, flat.gshard,
+        )  # fmt: skip
         self.cpu_threads = torch.get_num_threads()
         self.optimizer = self._build_optimizer(optim, grad_clip > 0 or precision == "fp16")
         self.staging = self.optimizer.tier.staging  # offload on a GPU: bounded pinned buffers (staging.py)
@@ -112,65 +102,6 @@ class ZeroEngine:
         self.zero_grad()
 
     # --------------------------------------------------------------------------------------- set-up
-    def _distinct_params(self, model: nn.Module) -> list[nn.Parameter]:
-        named = dict(model.named_parameters(remove_duplicate=False))
-        self._frozen_params = [named[s.names[0]] for s in self.plan.frozen_slots]
-        return [named[s.names[0]] for s in self.plan.slots]
-
-    def _build_buffers(self) -> None:
-        """Put every parameter into its unit's flat buffer, identical on all ranks: rank 0's values are
-        broadcast, or a meta-device model initialises the parameters this rank owns (see materialize.init_owned)."""
-        self.full, self.shard_params, self.gfull, self.gshard = [], [], [], []
-        n_trainable = len(self.plan.slots)
-        for u in self.plan.all_units:  # trainable units, then stage 3's frozen ones
-            trainable = u.index < len(self.plan.units)
-            lo, hi = self.plan.shard_range(u.index, self.rank)
-            sharded = self.stage == 3 and not u.persistent  # only the shard stays; the full buffer is freed
-            # empty, not zeros, for a buffer that is freed at once: its pages are never touched
-            full = (torch.empty if sharded else torch.zeros)(u.padded, dtype=self.dtype, device=self.device)
-            full[u.numel :].zero_()  # the padding (empty's pages stay untouched but for this tail)
-            for si in u.slots:
-                s = self.plan.all_slots[si]
-                view = full[s.offset : s.offset + s.numel].view(s.shape)
-                if self.deferred:
-                    self._params[si] = replace_param(self.model, s.names, view)
-                else:
-                    param = self._params[si] if trainable else self._frozen_params[si - n_trainable]
-                    view.copy_(param.detach())
-                    param.data = view
-            if sharded:
-                host = self.offload_params  # stage 3 param offload: the shard lives on the host
-                shard = torch.zeros(u.shard, dtype=self.dtype, device=self.device)
-                if host:
-                    shard = host_buffer(shard, self.dtype, self.zero.offload_param.pin_memory)
-                if self.deferred:
-                    init_owned(self.model, self.plan, u.index, full, shard, lo)
-                else:
-                    self.comm.broadcast(full, src=0)
-                    shard.copy_(full[lo:hi])
-                # Released at once (the gatherer starts with every managed unit released): holding all the
-                # full buffers until the end would put a whole model copy into this rank's peak memory.
-                full.untyped_storage().resize_(0)
-            else:  # the full buffer stays: the shard is a view, not a copy
-                shard = full[lo:hi]
-                if self.deferred and self.stage >= 1:
-                    init_owned(self.model, self.plan, u.index, full, shard, lo)
-                    self.comm.all_gather(shard, full)
-                elif self.deferred:  # stage 0: one partition, which every rank owns
-                    init_owned(self.model, self.plan, u.index, full, full, 0)
-                else:
-                    self.comm.broadcast(full, src=0)
-            self.full.append(full)
-            self.shard_params.append(shard)
-            if not trainable:  # no gradient, no optimizer state
-                continue
-            if self.keep_full_grads:
-                g = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
-                self.gfull.append(g)
-                self.gshard.append(g[lo:hi])
-            else:
-                self.gshard.append(torch.zeros(u.shard, dtype=self.accum_dtype, device=self.device))
-
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
         """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or host memory
         under optimizer offload (zoff's fused CPU Adam, DPU optional)."""
@@ -226,19 +157,7 @@ class ZeroEngine:
         self.flush()
         if self.gatherer is not None:
             self.gatherer.release_all()
-        local_sq, local_bad = 0.0, 0.0
-        for g in self.gshard:
-            # vector_norm accumulates in fp32 without a full-size temporary (3-6x faster than g.float().pow(2))
-            sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
-            local_sq += sq
-            local_bad += 0.0 if math.isfinite(sq) else 1.0
-        # One all-reduce: the squared norm, overflow flags, and which parameters got a gradient on any rank.
-        scalars = [local_sq, local_bad, *(1.0 if x else 0.0 for x in self.reducer.used)]
-        if self.comm.world > 1:
-            scalars = self.comm.sum_scalars(scalars)
-        # stage 0's gradients are already all-reduced: every rank holds the whole squared norm
-        total_sq, bad = local_sq if self.stage == 0 else scalars[0], scalars[1]
-        unused = [slot for slot, n in enumerate(scalars[2:]) if n == 0]
+        total_sq, bad, unused = self._global_norm_sq()
         if bad > 0 and self.scaler.enabled:
             self.scaler.update(overflow=True)
             self.last_step_comm = dict(self.comm.stats.elements)
@@ -261,13 +180,7 @@ class ZeroEngine:
         handles: list[Handle] = []
         # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
         publish = lambda u: self._publish_unit(u, copy, handles)  # noqa: E731
-        runs = None  # every parameter at this step's count
-        if unused or any(self.skipped_steps):
-            for slot in unused:
-                self.skipped_steps[slot] += 1
-            runs = step_runs(
-                self.plan, self.rank, set(unused), self.skipped_steps, self.optimizer.step_count + 1
-            )
+        runs = self._step_runs(unused)
         # True: a delayed (DPU) update runs in the background and is published next step
         in_flight = self.optimizer.step(grads, lr, on_unit=publish, runs=runs)
         t1 = time.perf_counter()
@@ -278,6 +191,29 @@ class ZeroEngine:
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
         self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
+
+    def _global_norm_sq(self) -> tuple[float, float, list[int]]:
+        """(the global squared gradient norm, overflow flags, slots no rank gave a gradient) in one all-reduce."""
+        local_sq, local_bad = 0.0, 0.0
+        for g in self.gshard:
+            # vector_norm accumulates in fp32 without a full-size temporary (3-6x faster than g.float().pow(2))
+            sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+            local_sq += sq
+            local_bad += 0.0 if math.isfinite(sq) else 1.0
+        scalars = [local_sq, local_bad, *(1.0 if x else 0.0 for x in self.reducer.used)]
+        if self.comm.world > 1:
+            scalars = self.comm.sum_scalars(scalars)
+        # stage 0's gradients are already all-reduced: every rank holds the whole squared norm
+        total_sq = local_sq if self.stage == 0 else scalars[0]
+        return total_sq, scalars[1], [slot for slot, n in enumerate(scalars[2:]) if n == 0]
+
+    def _step_runs(self, unused: list[int]) -> list | None:
+        """What this step updates (None: every parameter at this step's count); see optimizer.step_runs."""
+        if not unused and not any(self.skipped_steps):
+            return None
+        for slot in unused:
+            self.skipped_steps[slot] += 1
+        return step_runs(self.plan, self.rank, set(unused), self.skipped_steps, self.optimizer.step_count + 1)
 
     def flush(self) -> None:
         """Finish a delayed (DPU) optimizer step in flight and publish its parameters; otherwise a no-op."""

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.test_data import DOCS, write_parquet
-from zoff.trainer.metrics import MetricsWriter, flops_per_token, peak_flops
+from zoff.models import flops_per_token
+from zoff.trainer.metrics import MetricsWriter, peak_flops
 
 pytestmark = pytest.mark.slow
 

@@ -22,6 +22,38 @@ def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+# ------------------------------------------------------------------- what each model family answers, once
+def builds_sharded(cfg: ModelConfig) -> bool:
+    """The builtin GPT is built on the meta device and materialised shard by shard by the engine (each rank
+    draws only what it owns); other families are built whole, in fp32, on every rank first."""
+    return cfg.name == "gpt"
+
+
+def checks_vocab(cfg: ModelConfig) -> bool:
+    """The trainer checks the corpus's token ids against model.vocab_size; hf: models check their own
+    embedding size, and factories are the user's."""
+    return cfg.name == "gpt"
+
+
+def has_analytic_activations(cfg: ModelConfig) -> bool:
+    """The GPT's saved activations follow a formula (planning/activations.py); others are probed."""
+    return cfg.name == "gpt"
+
+
+def flops_per_token(n_params: int, n_layer: int = 0, d_model: int = 0, seq_len: int = 0) -> float:
+    """Training FLOPs per token: 6N for the matmuls forward and backward, plus 12 L d T for attention (PaLM)."""
+    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
+
+
+def model_flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> float:
+    """flops_per_token for a built (or meta) model: depth and width from its own config where it has one."""
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    hf = getattr(model, "config", None)  # transformers models name them differently from ModelConfig
+    layers = getattr(hf, "num_hidden_layers", None) or cfg.n_layer
+    width = getattr(hf, "hidden_size", None) or cfg.d_model
+    return flops_per_token(n, layers, width, seq_len)
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Build the model a config section names. Use `with torch.device("meta"):` to build without memory."""
     if cfg.name == "gpt":

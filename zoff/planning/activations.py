@@ -12,7 +12,7 @@ from torch import nn
 
 from zoff.config import DataConfig, ModelConfig
 from zoff.engine.precision import DTYPES
-from zoff.models import lm_loss, meta_model
+from zoff.models import has_analytic_activations, lm_loss, meta_model
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,6 @@ def probe_activations(
 def activations(
     m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda"
 ) -> Activations:
-    if m.name == "gpt":
+    if has_analytic_activations(m):
         return gpt_activations(m, d.batch_size, d.seq_len, precision, checkpointing, device_type)
     return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing)

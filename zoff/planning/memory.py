@@ -22,7 +22,7 @@ from zoff.engine.precision import DTYPES
 from zoff.engine.reduce import MAX_IN_FLIGHT
 from zoff.engine.staging import chunk_bytes, needs_staging
 from zoff.errors import UserError
-from zoff.models import meta_model
+from zoff.models import builds_sharded, meta_model
 from zoff.planning.activations import activations
 from zoff.units import human
 
@@ -301,7 +301,7 @@ def estimate(
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (
-        0 if model_cfg.name == "gpt" else sum(p.numel() * p.element_size() for p in model.parameters())
+        0 if builds_sharded(model_cfg) else sum(p.numel() * p.element_size() for p in model.parameters())
     )
     on_device = fp32_model if device_type == "cuda" else 0  # .to("cpu") of a host model moves nothing
     notes = []

@@ -44,21 +44,18 @@ class MetricsWriter:
         progress: bool,
         log: logging.Logger,
         *,
-        tensorboard: bool | None = None,
+        tensorboard: bool = False,
         flops_per_token: float | None = None,
+        precision: str | None = None,
         device: torch.device | None = None,
     ):
-        """tensorboard None: as the run directory's config.yaml says (log.tensorboard)."""
+        """flops_per_token and precision give MFU where the device's peak is known (peak_flops)."""
         self.path = run_dir / "metrics.jsonl"
         if start_step > 0:
             self._truncate_after(start_step)
         self.device = device or _current_device()
-        self.peak_flops = peak_flops(self.device, _run_config(run_dir).get("train", {}).get("precision"))
+        self.peak_flops = peak_flops(self.device, precision)
         self.flops_per_token = flops_per_token
-        if self.peak_flops and flops_per_token is None:  # only where MFU can be reported at all
-            self.flops_per_token = _flops_from_run_config(run_dir)
-        if tensorboard is None:
-            tensorboard = bool(_run_config(run_dir).get("log", {}).get("tensorboard", False))
         self.tb = _tensorboard_writer(run_dir, start_step) if tensorboard else None
         self.console = Console(stderr=False)
         self.log = log
@@ -196,40 +193,6 @@ def peak_flops(device: torch.device, precision: str | None) -> float | None:
         if key in name:
             return (single if precision in (None, "fp32") else half) * 1e12
     return None
-
-
-def flops_per_token(n_params: int, n_layer: int = 0, d_model: int = 0, seq_len: int = 0) -> float:
-    """Training FLOPs per token: 6N for the matmuls forward and backward, plus 12 L d T for attention (PaLM)."""
-    return 6.0 * n_params + 12.0 * n_layer * d_model * seq_len
-
-
-def _flops_from_run_config(run_dir: Path) -> float | None:
-    """Model FLOPs per token from the run's config.yaml, the model built on the meta device (no memory)."""
-    raw = _run_config(run_dir)
-    if not raw:
-        return None
-    from zoff.config import config_from_dict
-    from zoff.models import build_model
-
-    cfg = config_from_dict(raw)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    n = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
-    hf = getattr(model, "config", None)
-    layers = getattr(hf, "num_hidden_layers", None) or cfg.model.n_layer
-    width = getattr(hf, "hidden_size", None) or cfg.model.d_model
-    return flops_per_token(n, layers, width, cfg.data.seq_len)
-
-
-def _run_config(run_dir: Path) -> dict:
-    import yaml
-
-    path = run_dir / "config.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except yaml.YAMLError:
-        return {}
-    return raw if isinstance(raw, dict) else {}
 
 
 def _tensorboard_writer(run_dir: Path, start_step: int):

@@ -14,10 +14,17 @@ from zoff.checkpoint import Checkpointer
 from zoff.config import Config, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
-from zoff.models import build_model, enable_activation_checkpointing, meta_model
+from zoff.models import (
+    build_model,
+    builds_sharded,
+    checks_vocab,
+    enable_activation_checkpointing,
+    meta_model,
+    model_flops_per_token,
+)
 from zoff.planning.memory import data_parallel_bytes
 from zoff.trainer.loop import train_loop
-from zoff.trainer.metrics import MetricsWriter, flops_per_token, rank_logger
+from zoff.trainer.metrics import MetricsWriter, rank_logger
 from zoff.trainer.preempt import STOP
 
 
@@ -36,7 +43,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     comm = Comm(timeout_s=cfg.launch.timeout_s)
     torch.manual_seed(cfg.train.seed)
     # The builtin GPT is built on the meta device and materialised shard by shard by the engine.
-    model = meta_model(cfg.model) if cfg.model.name == "gpt" else build_model(cfg.model)
+    model = meta_model(cfg.model) if builds_sharded(cfg.model) else build_model(cfg.model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
@@ -51,7 +58,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         comm=comm,
     )
     corpus = load_corpus(cfg.data, cfg.train.seed)
-    if cfg.model.name == "gpt":  # hf: models check their own embedding size; factories are the user's
+    if checks_vocab(cfg.model):
         check_vocab(corpus, cfg.model.vocab_size)
     batches = GlobalBatches(
         corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
@@ -76,11 +83,10 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     writer = None
     if s.comm.rank == 0:
         print("\n".join(plan), flush=True)
-        n = s.engine.plan.numel
-        fpt = flops_per_token(n, cfg.model.n_layer, cfg.model.d_model, cfg.data.seq_len)
         writer = MetricsWriter(
-            run_dir, cfg.train.max_steps, start, cfg.log.progress, log,
-            tensorboard=cfg.log.tensorboard, flops_per_token=fpt, device=device,
+            run_dir, cfg.train.max_steps, start, cfg.log.progress, log, tensorboard=cfg.log.tensorboard,
+            flops_per_token=model_flops_per_token(s.engine.model, cfg.model, cfg.data.seq_len),
+            precision=cfg.train.precision, device=device,
         )  # fmt: skip
         if state is not None:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

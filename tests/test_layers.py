@@ -10,7 +10,7 @@ ZOFF = Path(__file__).resolve().parents[1] / "zoff"
 
 # Lowest first. The CLI only parses and calls; planning (the estimate) never imports the trainer.
 LAYERS = [
-    ["zoff.errors"],
+    ["zoff.errors", "zoff.cache"],
     ["zoff.units"],
     ["zoff.config"],
     ["zoff.models", "zoff.data", "zoff.optim"],

@@ -50,7 +50,10 @@ def train(
     cfg = load_config(config, list(overrides or []) + extra)
     _preflight(cfg)
     if cfg.zero.auto:
-        cfg = _choose_policy(cfg)
+        from zoff.planning.estimate import choose_policy  # torch-free start for the other commands
+
+        cfg, why = choose_policy(cfg)
+        print(why, flush=True)
     out_dir = Path(run_dir or cfg.log.run_dir) if (run_dir or cfg.log.run_dir) else None
     if resume is not None:
         _check_resume(resume, cfg, out_dir)
@@ -202,34 +205,6 @@ def _preflight(cfg: Config) -> None:
             raise UserError(
                 "log.tensorboard: needs the tensorboard package (pip install zoff[tensorboard])"
             ) from None
-
-
-def _choose_policy(cfg: Config) -> Config:
-    """`zero: auto`: the fastest policy that fits this hardware, by the same arithmetic as `zoff estimate`."""
-    import dataclasses
-
-    from zoff.planning.estimate import detect_budget
-    from zoff.planning.memory import resolve_auto
-
-    budget, device_type = detect_budget(None, None)
-    local = cfg.launch.nproc_per_node
-    world = local * int(cfg.launch.nnodes.split(":")[0])
-    stage, opt_dev, param_dev, ckpt, reason = resolve_auto(
-        cfg.model, cfg.data, cfg.train, cfg.zero, world, budget.gpu, budget.cpu,
-        local_ranks=local, shared=budget.shared, device_type=device_type,
-    )  # fmt: skip
-    z = cfg.zero
-    zero = dataclasses.replace(
-        z, auto=False, recipe=None, stage=stage,
-        offload_optimizer=dataclasses.replace(z.offload_optimizer, device=opt_dev),
-        offload_param=dataclasses.replace(z.offload_param, device=param_dev),
-    )  # fmt: skip
-    train = dataclasses.replace(
-        cfg.train, activation_checkpointing=ckpt or cfg.train.activation_checkpointing
-    )
-    print(f"zoff: zero: auto chose stage {stage}, offload optimizer {opt_dev}, params {param_dev}"
-          f"{', activation checkpointing' if ckpt else ''}: {reason}", flush=True)  # fmt: skip
-    return dataclasses.replace(cfg, zero=zero, train=train)
 
 
 def _resume_command(run_dir: Path) -> str:

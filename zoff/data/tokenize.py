@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zoff.cache import cache_dir as zoff_cache_dir
 from zoff.errors import UserError
 
 BYTES_EOS = 0  # the NUL byte never occurs in text, so byte-level corpora keep a 256-token vocabulary
@@ -146,12 +147,8 @@ class TokenizedCorpus:
 
 
 def cache_root(cache_dir: str | None) -> Path:
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("ZOFF_CACHE_DIR"):
-        return Path(os.environ["ZOFF_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "zoff"
+    """data.cache_dir when set, else zoff's cache folder (zoff.cache)."""
+    return Path(cache_dir).expanduser() if cache_dir else zoff_cache_dir()
 
 
 def cache_key(parts: dict) -> str:

@@ -6,6 +6,7 @@ module detects the hardware budget and prints the table or JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.config import TrainConfig, ZeroConfig
+from zoff.config import Config, TrainConfig, ZeroConfig
 from zoff.errors import UserError
 from zoff.planning.memory import (
     GPU_KEYS,
@@ -21,6 +22,7 @@ from zoff.planning.memory import (
     Estimate,
     Policy,
     estimate,
+    resolve_auto,
     suggest_policy,
 )
 from zoff.units import human
@@ -180,3 +182,29 @@ def run_cli(
         print(json.dumps(to_json(est, budget, cfg.zero, cfg.train, sug), indent=2))
     else:
         render(est, budget, cfg.zero, cfg.train, sug)
+
+
+def choose_policy(cfg: Config) -> tuple[Config, str]:
+    """`zero: auto`: the config with the fastest policy that fits this hardware (the same arithmetic as
+    `zoff estimate`), and the line that says what was chosen and why."""
+    budget, device_type = detect_budget(None, None)
+    local = cfg.launch.nproc_per_node
+    world = local * int(cfg.launch.nnodes.split(":")[0])
+    stage, opt_dev, param_dev, ckpt, reason = resolve_auto(
+        cfg.model, cfg.data, cfg.train, cfg.zero, world, budget.gpu, budget.cpu,
+        local_ranks=local, shared=budget.shared, device_type=device_type,
+    )  # fmt: skip
+    z = cfg.zero
+    zero = dataclasses.replace(
+        z, auto=False, recipe=None, stage=stage,
+        offload_optimizer=dataclasses.replace(z.offload_optimizer, device=opt_dev),
+        offload_param=dataclasses.replace(z.offload_param, device=param_dev),
+    )  # fmt: skip
+    train = dataclasses.replace(
+        cfg.train, activation_checkpointing=ckpt or cfg.train.activation_checkpointing
+    )
+    why = (
+        f"zoff: zero: auto chose stage {stage}, offload optimizer {opt_dev}, params {param_dev}"
+        f"{', activation checkpointing' if ckpt else ''}: {reason}"
+    )
+    return dataclasses.replace(cfg, zero=zero, train=train), why

@@ -61,7 +61,7 @@ pytest="$(q "$py") -m pytest -q -p no:cacheprovider"
 steps=(
     "cuda-tests|cuda tests|$pytest -m cuda tests/gpu"
     "pattern-zoo|pattern zoo on NCCL (world $world)|ZOFF_TEST_DEVICE=cuda ZOFF_TEST_WORLD=$world $pytest tests/patterns/test_zoo.py -k test_slice"
-    "engine-equivalence|engine equivalence on NCCL (world $world)|ZOFF_TEST_DEVICE=cuda ZOFF_TEST_WORLD=$world $pytest tests/test_engine_equivalence.py"
+    "engine-equivalence|engine equivalence on NCCL (world $world)|ZOFF_TEST_DEVICE=cuda ZOFF_TEST_WORLD=$world $pytest tests/integration/test_engine_equivalence.py"
 )
 for r in zero0 zero1 zero2 zero3 zero2-offload zero3-offload; do
     steps+=("train-$r|zoff train $r (world $world)|$(q "$py") -m zoff train configs/quickstart.yaml zero=$r launch.nproc_per_node=$world train.max_steps=30 log.progress=false --run-dir $(q "$out/train-$r")")

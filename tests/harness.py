@@ -192,6 +192,19 @@ def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> d
     return {"losses": losses, "params": params, "grad_norms": norms}
 
 
+def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
+    assert len(got) == len(want)
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: zoff {a!r} vs reference {b!r}"
+
+
+def assert_close_params(got: dict, want: dict, rtol: float = 1e-5) -> None:
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        err = (got[name] - ref).abs().max().item()
+        assert err <= rtol * max(ref.abs().max().item(), 1.0), f"{name}: max abs diff {err}"
+
+
 def tiny_cfg(**sections) -> dict:
     """The tests' small GPT on synthetic data, with per-section overrides: tiny_cfg(zero={"stage": 2})."""
     base = {

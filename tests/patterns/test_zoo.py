@@ -35,9 +35,15 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 import tests.harness as harness
-from tests.harness import free_port, reference_run, tiny_cfg, zoff_rank
+from tests.harness import (
+    assert_close_losses,
+    assert_close_params,
+    free_port,
+    reference_run,
+    tiny_cfg,
+    zoff_rank,
+)
 from tests.patterns import models
-from tests.test_engine_equivalence import assert_close_losses, assert_close_params
 from zoff.config import Config, config_from_dict
 from zoff.data import GlobalBatches, load_corpus
 from zoff.engine import build_engine

@@ -23,7 +23,7 @@ from zoff.models import build_model
 
 pytestmark = pytest.mark.slow  # real ranks over gloo and a dozen CLI subprocesses
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
 BAD_INPUT_CASES = (
     "missing-checkpoint", "existing-out", "dtype-fp8", "format-xyz", "shard-size-banana",

@@ -5,24 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import reference_run, run_zoff_many, spawn, tiny_cfg, worlds_under_test, zoff_rank_many
+from tests.harness import (
+    assert_close_losses,
+    assert_close_params,
+    reference_run,
+    run_zoff_many,
+    spawn,
+    tiny_cfg,
+    worlds_under_test,
+    zoff_rank_many,
+)
 from zoff.config import config_from_dict
 
 pytestmark = pytest.mark.slow
 STAGES = [0, 1, 2, 3]
-
-
-def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5) -> None:
-    assert len(got) == len(want)
-    for step, (a, b) in enumerate(zip(got, want), start=1):
-        assert abs(a - b) <= rtol * abs(b), f"step {step}: zoff {a!r} vs reference {b!r}"
-
-
-def assert_close_params(got: dict, want: dict, rtol: float = 1e-5) -> None:
-    assert set(got) == set(want)
-    for name, ref in want.items():
-        err = (got[name] - ref).abs().max().item()
-        assert err <= rtol * max(ref.abs().max().item(), 1.0), f"{name}: max abs diff {err}"
 
 
 def _gpt(stage: int) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ZOFF = Path(__file__).resolve().parents[1] / "zoff"
+ZOFF = Path(__file__).resolve().parents[2] / "zoff"
 
 # Lowest first. The CLI only parses and calls; planning (the estimate) never imports the trainer.
 LAYERS = [
@@ -34,7 +34,7 @@ def _layer(module: str) -> int:
     for i, names in enumerate(LAYERS):
         if package in names:
             return i
-    raise AssertionError(f"{module}: its package {package} is in no layer of tests/test_layers.py")
+    raise AssertionError(f"{module}: its package {package} is in no layer of tests/unit/test_layers.py")
 
 
 def _imports() -> list[tuple[str, str, int]]:

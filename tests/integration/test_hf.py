@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
+from tests.datafiles import DOCS, make_tokenizer, write_jsonl
 from tests.harness import reference_run, run_zoff, tiny_cfg
-from tests.test_data import DOCS, make_tokenizer, write_jsonl
 from zoff.checkpoint.convert import convert
 from zoff.config import ModelConfig, config_from_dict
 from zoff.data import GlobalBatches, load_corpus

@@ -71,7 +71,11 @@ def _train(rank: int, world: int, cfg_dict: dict) -> str:
 
 def _cfg(factory: str, stage: int) -> dict:
     return tiny_cfg(
-        model={"name": f"python:tests.test_stage3_errors:{factory}", "d_model": 32, "vocab_size": 256},
+        model={
+            "name": f"python:tests.integration.test_stage3_errors:{factory}",
+            "d_model": 32,
+            "vocab_size": 256,
+        },
         zero={"stage": stage, "param_persistence_threshold": 0},
         train={"max_steps": 2, "grad_accum": 1},
     )

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import reference_run, spawn, tiny_cfg
-from tests.test_engine_equivalence import assert_close_losses, assert_close_params
+from tests.harness import assert_close_losses, assert_close_params, reference_run, spawn, tiny_cfg
 from zoff.config import config_from_dict
 from zoff.trainer.loop import train_loop
 from zoff.trainer.session import build_session

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_data import DOCS, write_parquet
+from tests.datafiles import DOCS, write_parquet
 from zoff.models import flops_per_token
 from zoff.trainer.metrics import MetricsWriter, peak_flops
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 

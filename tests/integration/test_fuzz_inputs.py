@@ -35,7 +35,7 @@ import yaml
 from zoff.config import Config, list_recipes, load_config
 from zoff.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 SEED = 20261122
 N_CONFIG_CASES = 560

@@ -21,7 +21,7 @@ from zoff.planning import activations as A
 from zoff.planning import estimate as E
 from zoff.planning import memory as M
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Two GPT sizes: A is all persistent units at stage 3 (every param <= 10,000) with tied embeddings and one
 # bucket; B is untied with several padded buckets, persistent and gathered units.

@@ -12,7 +12,7 @@ import yaml
 
 from zoff.config import ZeroConfig, load_config, to_dict
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 
 

@@ -14,7 +14,7 @@ from tests.harness import reference_run, run_zoff, run_zoff_many, tiny_cfg
 from zoff.config import config_from_dict
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _close(got: list[float], want: list[float], rtol: float = 1e-5) -> None:

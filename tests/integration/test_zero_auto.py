@@ -13,7 +13,7 @@ from zoff.config import load_config
 from zoff.planning.estimate import detect_budget
 from zoff.planning.memory import resolve_auto
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

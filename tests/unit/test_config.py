@@ -23,7 +23,7 @@ from zoff.config import (
 )
 from zoff.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG_FILES = sorted((REPO / "configs").glob("*.yaml"))
 RECIPE_FILES = sorted((REPO / "recipes").glob("*.yaml"))
 SHIPPED_RECIPES = ["zero0", "zero1", "zero2", "zero2-offload", "zero3", "zero3-offload"]

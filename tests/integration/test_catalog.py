@@ -14,7 +14,7 @@ from zoff.config.catalog import describe, entries
 from zoff.data import preflight
 from zoff.models import build_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def zoff(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:

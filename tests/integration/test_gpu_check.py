@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 
 
 def gpu_check(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -36,7 +36,7 @@ def test_dry_run_prints_every_step_and_runs_nothing(tmp_path: Path) -> None:
     text = r.stdout
     assert "-m cuda tests/gpu" in text
     assert "ZOFF_TEST_DEVICE=cuda" in text and "tests/patterns/test_zoo.py -k test_slice" in text
-    assert "tests/test_engine_equivalence.py" in text
+    assert "tests/integration/test_engine_equivalence.py" in text
     for recipe in ("zero0", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload"):
         assert f"zoff train configs/quickstart.yaml zero={recipe} " in text
     assert "bench_adam.py --sizes 16M,64M --rounds 5" in text

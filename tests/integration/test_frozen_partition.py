@@ -10,8 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import reference_run, run_zoff, run_zoff_many, tiny_cfg
-from tests.test_engine_equivalence import assert_close_losses, assert_close_params
+from tests.harness import (
+    assert_close_losses,
+    assert_close_params,
+    reference_run,
+    run_zoff,
+    run_zoff_many,
+    tiny_cfg,
+)
 from zoff.checkpoint.convert import convert
 from zoff.config import config_from_dict
 from zoff.models import meta_model
@@ -57,7 +63,12 @@ def lora(cfg) -> nn.Module:
     return LoRALM(int(cfg.vocab_size), int(cfg.d_model), int(cfg.n_layer))
 
 
-MODEL = {"name": "python:tests.test_frozen_partition:lora", "d_model": 32, "vocab_size": 256, "n_layer": 3}
+MODEL = {
+    "name": "python:tests.integration.test_frozen_partition:lora",
+    "d_model": 32,
+    "vocab_size": 256,
+    "n_layer": 3,
+}
 
 
 def _cfg(stage: int, steps: int = 10, ckpt: Path | None = None, every: int = 0) -> dict:

@@ -17,7 +17,7 @@ from zoff.config import config_from_dict, dump_yaml, load_config
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 STEPS = 6
 OVERRIDES = (f"train.max_steps={STEPS}", "train.log_every=1")

@@ -25,7 +25,7 @@ from zoff.checkpoint.format import find_checkpoint, read_manifest
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 RESUMED_FROM_2 = re.compile(
     r"zoff: resum\w* (from|at) step 2\b"

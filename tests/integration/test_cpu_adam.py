@@ -21,7 +21,7 @@ SIZES = [1, 7, 15, 16, 17, 1000003]
 STEPS = 100
 LR = 1e-3
 SIMD_LEVELS = ["avx512", "avx2", "scalar"]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)

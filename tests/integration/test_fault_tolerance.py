@@ -36,7 +36,7 @@ from zoff.checkpoint.convert import convert
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
 # One rank thread everywhere: the same arithmetic whatever the ranks per node, and no oversubscription.
 COMMON = ("zero=zero2", "launch.threads_per_rank=1", "train.log_every=1")

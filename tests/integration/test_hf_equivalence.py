@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import reference_run, run_zoff_many, tiny_cfg
-from tests.test_engine_equivalence import assert_close_losses, assert_close_params
+from tests.harness import assert_close_losses, assert_close_params, reference_run, run_zoff_many, tiny_cfg
 from zoff.config import config_from_dict
 from zoff.models import lm_loss
 from zoff.trainer.session import build_session

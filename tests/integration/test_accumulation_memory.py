@@ -8,8 +8,9 @@ import torch
 
 from tests.harness import spawn, tiny_cfg
 from zoff.config import config_from_dict
+from zoff.engine.policy import Policy, engine_plan, model_states
 from zoff.models import meta_model
-from zoff.planning.memory import Policy, engine_plan, model_states, pending_gradients
+from zoff.planning.memory import pending_gradients
 from zoff.trainer.loop import train_loop
 from zoff.trainer.session import build_session
 

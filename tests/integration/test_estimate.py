@@ -14,6 +14,7 @@ import torch
 
 from tests.harness import spawn, tiny_cfg
 from zoff.config import config_from_dict, load_config
+from zoff.engine import policy as P
 from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
 from zoff.models import build_model, lm_loss, meta_model
@@ -87,7 +88,7 @@ def _policy_estimate(c: dict, world: int = 2, device_type: str = "cpu") -> M.Pol
     cfg = config_from_dict(c)
     est = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, world, 1, device_type)
     z = cfg.zero
-    pol = M.Policy(
+    pol = P.Policy(
         z.stage, z.offload_optimizer.device, z.offload_param.device, cfg.train.activation_checkpointing
     )
     return est.get(pol)
@@ -199,9 +200,9 @@ def _states(stage: int, n: int, opt="none", par="none", device_type="cuda", clip
     )
     model = meta_model(cfg.model)
     psi = M.count_params(model)[1]
-    plan = M.engine_plan(model, stage, n, cfg.zero)
-    gpu, cpu = M.model_states(
-        plan, M.Policy(stage, opt, par), precision, device_type=device_type, fp32_grad_staging=clip
+    plan = P.engine_plan(model, stage, n, cfg.zero)
+    gpu, cpu = P.model_states(
+        plan, P.Policy(stage, opt, par), precision, device_type=device_type, fp32_grad_staging=clip
     )
     return psi, gpu, cpu
 
@@ -237,10 +238,10 @@ def test_cpu_memory_is_summed_per_node_not_over_all_gpus() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     one = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 4, 1)
     two = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 4, 2)
-    pol = M.Policy(2, "cpu")
-    plan = M.engine_plan(meta_model(cfg.model), 2, 8, cfg.zero)
-    _, per_rank = M.model_states(plan, pol, cfg.train.precision)
-    staging = M.host_staging(pol, cfg.zero, "cuda")  # each rank's bounded pinned buffers (engine/staging.py)
+    pol = P.Policy(2, "cpu")
+    plan = P.engine_plan(meta_model(cfg.model), 2, 8, cfg.zero)
+    _, per_rank = P.model_states(plan, pol, cfg.train.precision)
+    staging = P.host_staging(pol, cfg.zero, "cuda")  # each rank's bounded pinned buffers (engine/staging.py)
     assert staging == 64 << 20
     assert two.world_size == 8 and two.get(pol).cpu_bytes_per_node == 4 * (sum(per_rank.values()) + staging)
     assert two.get(pol).pinned == staging  # offloaded optimizer states stay pageable
@@ -272,7 +273,7 @@ def test_suggest_policy(config: str, gpus: int, gpu_gib: int, cpu_gib: int, expe
     cfg = load_config(REPO / "configs" / config)
     got = M.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, gpus, gpu_gib * GIB, cpu_gib * GIB)
     assert got[:4] == expected, got[4]
-    assert got[4].startswith(M._label(M.Policy(*expected))) and "\n" not in got[4]
+    assert got[4].startswith(M._label(P.Policy(*expected))) and "\n" not in got[4]
 
 
 def test_suggest_policy_when_nothing_fits() -> None:

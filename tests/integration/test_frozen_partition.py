@@ -20,8 +20,8 @@ from tests.harness import (
 )
 from zoff.checkpoint.convert import convert
 from zoff.config import config_from_dict
+from zoff.engine.policy import engine_plan, frozen_param_bytes
 from zoff.models import meta_model
-from zoff.planning.memory import engine_plan, frozen_param_bytes
 
 pytestmark = pytest.mark.slow
 

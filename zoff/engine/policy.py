@@ -2,8 +2,10 @@
 
 One place for each rule, read by the engine when it builds and by the estimator when it predicts (so the two
 cannot drift apart): which combinations are valid, how many partitions a stage makes, whether full
-gradients are kept, how the partition plan is built, and how many gloo receive slices a reduction needs.
-Pure functions of the policy, the world size and the config: no process group, no memory.
+gradients are kept, how the partition plan is built, how many gloo receive slices a reduction needs, and the
+model-state bytes each policy puts on the device and the host (ZeroEngine.planned_memory() and `zoff
+estimate` both call model_states). Pure functions of the policy, the world size and the config: no process
+group, no memory.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from zoff.config import ZeroConfig
 from zoff.engine.partition import PartitionPlan, plan_partition
+from zoff.engine.precision import DTYPES
+from zoff.engine.staging import chunk_bytes, needs_staging
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,11 @@ class Policy:
         """Stages 0-1 accumulate whole gradients in persistent flat buffers; 2-3 keep only the reduced shard."""
         return self.stage <= 1
 
+    def shard_accum_fp32(self, accumulating: bool) -> bool:
+        """Stages 2-3 reduce every micro-batch into the gradient shard: in fp32 when micro-batches accumulate
+        (2 B/param/N more under 16-bit compute; a bf16 sum of many micro-batches loses the small ones)."""
+        return accumulating and not self.keeps_full_grads
+
     @property
     def offloads_optimizer(self) -> bool:
         return self.offload_optimizer == "cpu"
@@ -88,6 +98,91 @@ def _valid(ac: bool) -> list[Policy]:
 
 
 POLICIES = tuple(_valid(False) + _valid(True))  # every policy the engine accepts
+
+
+# ------------------------------------------------------------------------------------------ memory terms
+def frozen_param_bytes(model: nn.Module, plan: PartitionPlan, precision: str) -> int:
+    """Frozen parameters one rank holds, in the compute dtype: whole, or stage 3's shards of them."""
+    whole = set(plan.frozen)
+    numel = sum(p.numel() for n, p in model.named_parameters() if n in whole)
+    return DTYPES[precision].itemsize * (numel + sum(u.shard for u in plan.frozen_units))
+
+
+def model_states(
+    plan: PartitionPlan,
+    policy: Policy,
+    precision: str,
+    *,
+    frozen_bytes: int = 0,
+    device_type: str = "cuda",
+    fp32_grad_staging: bool = True,
+    delay_update: bool = False,
+    accumulating: bool = False,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(device bytes, host bytes) of one rank's params, grads and optimizer states, as ZeroEngine allocates them.
+
+    The device numbers equal memory_report()'s params (+ frozen_params), grads and optimizer_states; the host
+    numbers its cpu_params, cpu_grads and cpu_optimizer_states. Stage 3 reports persistent units whole and
+    the other units' shards. With optimizer offload the fp32 master + m + v live on the host and the reduced
+    gradient shard is copied there (pageable; engine/tiers.py), in fp32 when clipping or fp16 loss scaling rescales it
+    (`fp32_grad_staging`), else in the compute dtype; the device keeps its gradient shard. With parameter
+    offload the non-persistent parameter shards live on the host too.
+    """
+    c = DTYPES[precision].itemsize
+    padded = sum(u.padded for u in plan.units)
+    shard = sum(u.shard for u in plan.units)
+    persistent = sum(u.padded for u in plan.units if u.persistent)
+    shard_np = sum(u.shard for u in plan.units if not u.persistent)
+    opt_off, par_off = policy.offload_optimizer == "cpu", policy.offload_param == "cpu"
+    # A CPU-only run needs no host copies of what already is in host memory (the engine aliases them).
+    host_is_device = device_type == "cpu" and not delay_update
+    gpu = {"params": frozen_bytes, "grads": 0, "optimizer_states": 0}
+    cpu = {"params": 0, "grads": 0, "optimizer_states": 0}
+    if policy.stage < 3:
+        gpu["params"] += c * padded
+    else:
+        gpu["params"] += c * (persistent + (0 if par_off else shard_np))
+        cpu["params"] = c * shard_np if par_off else 0
+    # Stages 0-1 keep the full gradient in flat buffers; 2-3 keep only their reduced shard, which accumulates
+    # micro-batches in fp32.
+    fp32_shard = policy.shard_accum_fp32(accumulating)
+    gpu["grads"] = c * padded if policy.keeps_full_grads else (4 if fp32_shard else c) * shard
+    if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
+        gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
+    else:
+        cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
+        cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or fp32_shard else c) * shard
+    return gpu, cpu
+
+
+def data_parallel_bytes(trainable_params: int) -> int:
+    """Plain data parallelism's model states per rank (design.md §1): 16 B/param, fp32 or mixed precision
+    (a 16-bit param and gradient plus the fp32 master and both moments, or fp32 param, grad and moments)."""
+    return 16 * trainable_params
+
+
+def host_staging(policy: Policy, zero: ZeroConfig, device_type: str) -> int:
+    """Host bytes of one rank's offload staging buffers (engine/staging.py): only where the device is not the host."""
+    if policy.offload_optimizer == "none" or not needs_staging(torch.device(device_type)):
+        return 0
+    return 2 * chunk_bytes(zero.offload_optimizer.staging_mb << 20)
+
+
+def pinned_host_bytes(
+    plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, device_type: str
+) -> int:
+    """Page-locked host bytes of one rank, as ZeroEngine.pinned_bytes() counts them: the staging buffers (when
+    offload_optimizer.pin_memory) and stage 3's offloaded parameter shards (when offload_param.pin_memory)."""
+    if device_type != "cuda":
+        return 0
+    staged = host_staging(policy, zero, device_type) if zero.offload_optimizer.pin_memory else 0
+    shards = sum(u.shard for u in plan.units if not u.persistent)
+    par = (
+        DTYPES[precision].itemsize * shards
+        if policy.offload_param == "cpu" and zero.offload_param.pin_memory
+        else 0
+    )
+    return staged + par
 
 
 def engine_plan(model: nn.Module, stage: int, world: int, zero: ZeroConfig) -> PartitionPlan:

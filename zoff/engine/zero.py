@@ -21,7 +21,7 @@ from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
-from zoff.engine.policy import Policy, engine_plan
+from zoff.engine.policy import Policy, engine_plan, frozen_param_bytes, model_states
 from zoff.engine.precision import DTYPES, LossScaler
 from zoff.engine.reduce import GradReducer
 from zoff.engine.staging import Staging, needs_staging
@@ -52,11 +52,10 @@ class ZeroEngine:
         self.zero, self.grad_clip = zero, grad_clip
         self.dtype = DTYPES[precision]
         self.device = device or torch.device("cpu")
-        policy = Policy.of(zero)
+        policy = self.policy = Policy.of(zero)
+        self.precision, self.grad_accum = precision, grad_accum
         self.keep_full_grads = policy.keeps_full_grads  # full gradients accumulate in persistent flat buffers
-        # Stages 2-3 accumulate micro-batches into the shard: in fp32 under 16-bit compute (2 B/param/N more;
-        # a bf16 sum of many micro-batches loses the small ones), in the compute dtype when nothing accumulates.
-        self.accum_dtype = torch.float32 if self.stage >= 2 and grad_accum > 1 else self.dtype
+        self.accum_dtype = torch.float32 if policy.shard_accum_fp32(grad_accum > 1) else self.dtype
         self.rank = policy.rank_in_partition(self.comm.rank)  # stage 0: one partition that every rank owns
         self.plan = engine_plan(model, self.stage, self.comm.world, zero)
         self.model, self.deferred = prepare_model(model, self.device, self.dtype)
@@ -290,6 +289,17 @@ class ZeroEngine:
             "cpu_optimizer_states": 0 if on_device else opt,
             "cpu_staging": self.staging.nbytes if self.staging is not None else 0,
         }
+
+    def planned_memory(self) -> dict[str, int]:
+        """memory_report()'s model-state keys as the policy table predicts them (policy.model_states, the very
+        function `zoff estimate` calls): the start-up plan prints these beside what was allocated."""
+        frozen = frozen_param_bytes(self.model, self.plan, self.precision)
+        gpu, cpu = model_states(
+            self.plan, self.policy, self.precision, frozen_bytes=frozen, device_type=self.device.type,
+            fp32_grad_staging=self.grad_clip > 0 or self.precision == "fp16",
+            delay_update=self.zero.offload_optimizer.delay_update, accumulating=self.grad_accum > 1,
+        )  # fmt: skip
+        return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}}
 
     def pinned_bytes(self) -> int:
         """Page-locked host memory this rank holds: the staging buffers and pinned offloaded parameter shards."""

@@ -14,6 +14,7 @@ from zoff.checkpoint import Checkpointer
 from zoff.config import Config, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
+from zoff.engine.policy import data_parallel_bytes
 from zoff.models import (
     build_model,
     builds_sharded,
@@ -22,7 +23,6 @@ from zoff.models import (
     meta_model,
     model_flops_per_token,
 )
-from zoff.planning.memory import data_parallel_bytes
 from zoff.trainer.loop import train_loop
 from zoff.trainer.metrics import MetricsWriter, rank_logger
 from zoff.trainer.preempt import STOP
@@ -112,6 +112,7 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"  model-state memory per rank: params {gib(mem['params'])}, grads {gib(mem['grads'])}, "
         f"optimizer {gib(mem['optimizer_states'])}",
         _vs_data_parallel(engine),
+        *_unplanned(engine),
         *(
             [
                 f"  host memory per rank (offload): params {gib(mem['cpu_params'])}, grads {gib(mem['cpu_grads'])}, "
@@ -139,6 +140,15 @@ def _vs_data_parallel(engine: ZeroEngine) -> str:
         f"  = {held / 2**20:,.1f} MiB of model states on this rank's device (allocated), against "
         f"{ddp / 2**20:,.1f} MiB under plain data parallelism (DDP, 16 B/param): {ddp / max(held, 1):.1f}x less"
     )
+
+
+def _unplanned(engine: ZeroEngine) -> list[str]:
+    """A warning line where what the engine allocated differs from what the policy table (and so `zoff
+    estimate`) predicts; tests/unit/test_planned_memory.py holds them equal for every policy."""
+    mem, planned = engine.memory_report(), engine.planned_memory()
+    mem = {**mem, "params": mem["params"] + mem["frozen_params"]}
+    off = [f"{k} {mem[k]:,} allocated vs {v:,} planned" for k, v in planned.items() if mem.get(k, 0) != v]
+    return [f"  warning: model states differ from the estimate: {'; '.join(off)}"] if off else []
 
 
 def _stage3_line(plan) -> list[str]:

@@ -1,0 +1,58 @@
+"""The engine's allocated model states equal the policy table's prediction, and `zoff estimate` predicts with
+that very function (engine/policy.model_states): the estimate cannot drift from the engine unnoticed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import zoff.engine.zero as zero_mod
+from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
+from zoff.engine import build_engine
+from zoff.engine import policy as policy_mod
+from zoff.engine.policy import POLICIES
+from zoff.models.gpt import GPT
+from zoff.planning import memory
+
+KEYS = ("params", "grads", "optimizer_states", "cpu_params", "cpu_grads", "cpu_optimizer_states")
+CASES = [
+    (pol, precision, accum, clip, delay)
+    for pol in POLICIES
+    if not pol.activation_checkpointing
+    for precision, accum, clip, delay in itertools.product(
+        ("fp32", "bf16"), (1, 2), (0.0, 1.0), (False, True)
+    )
+    if not delay or pol.offload_optimizer == "cpu"
+]
+
+
+def _engine(pol, precision: str, accum: int, clip: float, delay: bool):
+    torch.manual_seed(0)
+    model = GPT(2, 2, 32, 64, 16)
+    model.blocks[0].ln1.weight.requires_grad_(False)  # a frozen parameter too
+    zero = ZeroConfig(
+        stage=pol.stage,
+        offload_optimizer=OffloadOptimizerConfig(device=pol.offload_optimizer, delay_update=delay),
+        offload_param=OffloadParamConfig(device=pol.offload_param),
+        param_persistence_threshold=64,
+    )
+    return build_engine(model, zero, OptimConfig(), precision=precision, grad_clip=clip, grad_accum=accum)
+
+
+@pytest.mark.parametrize(("pol", "precision", "accum", "clip", "delay"), CASES, ids=str)
+def test_allocated_model_states_equal_the_policy_tables(pol, precision, accum, clip, delay) -> None:
+    eng = _engine(pol, precision, accum, clip, delay)
+    mem, planned = eng.memory_report(), eng.planned_memory()
+    got = {k: mem[k] for k in KEYS} | {"params": mem["params"] + mem["frozen_params"]}
+    assert got == {k: planned[k] for k in KEYS}
+
+
+def test_estimate_and_engine_share_one_function(monkeypatch) -> None:
+    assert memory.model_states is policy_mod.model_states
+    calls = []
+    real = zero_mod.model_states
+    monkeypatch.setattr(zero_mod, "model_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _engine(POLICIES[2], "bf16", 2, 1.0, False).planned_memory()
+    assert calls == [1]

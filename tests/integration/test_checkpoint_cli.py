@@ -2,7 +2,7 @@
 
 One scenario in one run directory, the way a user meets it, shared by the tests below:
 1. `--resume auto` with no checkpoint yet: starts fresh, trains 2 steps, saves step 2.
-2. `--resume auto` to 6 steps with the save paused (ZOFF_TEST_PAUSE_IN_SAVE) at step 4: SIGKILL rank 1 while
+2. `--resume auto` to 6 steps with the save paused at step 4 (tests/inject/sitecustomize.py): SIGKILL rank 1 while
    the step-4 save is half written; the launcher fails.
 3. `--resume auto` again: continues from step 2 to step 6; keep_last=2 leaves steps 4 and 6.
 """
@@ -124,6 +124,7 @@ def scenario(tmp_path_factory) -> dict:
     # 2. resume, pause inside the step-4 save, SIGKILL rank 1 there
     out, err = (root / "crash.stdout").open("w+"), (root / "crash.stderr").open("w+")
     env = _env(ZOFF_TEST_PAUSE_IN_SAVE="10", ZOFF_TEST_PAUSE_FLAG=str(flag))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "inject"), env["PYTHONPATH"]])  # the pause
     launcher = subprocess.Popen(
         _argv(run_dir, "--resume", "auto", "train.max_steps=6", *CKPT),
         cwd=REPO, env=env, stdout=out, stderr=err, text=True,

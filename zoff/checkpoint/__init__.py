@@ -70,7 +70,6 @@ def save_checkpoint(
     if rank == 0:
         files.update(write_tensors(tmp / "extra.safetensors", _extra_tensors(engine)))
         (tmp / "config.yaml").write_text(config_yaml)
-    _pause_for_tests()
     gathered = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, files)
@@ -210,16 +209,6 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
 def _barrier(engine: ZeroEngine) -> None:
     if engine.comm.world > 1:
         dist.barrier()
-
-
-def _pause_for_tests() -> None:
-    # Lets the crash-consistency test kill a rank while a save is half written.
-    pause = float(os.environ.get("ZOFF_TEST_PAUSE_IN_SAVE", "0") or 0)
-    if pause:
-        flag = os.environ.get("ZOFF_TEST_PAUSE_FLAG")
-        if flag:
-            Path(flag).write_text("paused")
-        time.sleep(pause)
 
 
 class Checkpointer:

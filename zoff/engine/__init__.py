@@ -6,7 +6,8 @@ memory_report(), stats(), gathered_params(), state_dict()/load_state_dict().
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
 from torch import nn
 
 from zoff.config import OptimConfig, ZeroConfig
@@ -19,28 +20,18 @@ from zoff.errors import ConfigError
 __all__ = ["build_engine", "StepResult", "ZeroEngine", "Comm"]
 
 
-def build_engine(
-    model: nn.Module,
-    zero: ZeroConfig,
-    optim: OptimConfig,
-    *,
-    precision: str = "fp32",
-    grad_clip: float = 0.0,
-    grad_accum: int = 1,
-    device: torch.device | None = None,
-    comm: Comm | None = None,
-) -> ZeroEngine:
+def build_engine(model: nn.Module, zero: ZeroConfig, optim: OptimConfig, **options: Any) -> ZeroEngine:
     """Wrap `model` for the ZeRO policy in `zero`; call on every rank after the process group is up.
 
-    Also switches this process's allocator to mmap large buffers (pool.mmap_large_allocations): without it a
-    stage-3 rank's peak memory grows with the freed gathers. Constructing ZeroEngine directly skips that."""
+    `options` are ZeroEngine's keywords: precision ("fp32"), grad_clip (0), grad_accum (1), device (cpu),
+    comm (this process's group). An invalid policy is a ConfigError naming the key. Also switches this
+    process's allocator to mmap large buffers (pool.mmap_large_allocations): without it a stage-3 rank's peak
+    memory grows with the freed gathers; constructing ZeroEngine directly skips that.
+    """
     # Process-wide, said here rather than hidden in the engine: large allocations get their own mappings, so
     # freed stage-3 and bucket memory goes back to the OS instead of fragmenting the heap (pool.py).
     mmap_large_allocations()
     bad = Policy.of(zero).invalid()
     if bad is not None:
         raise ConfigError(f"{bad[0]}: {bad[1]}")
-    return ZeroEngine(
-        model, zero, optim, precision=precision, grad_clip=grad_clip, grad_accum=grad_accum, comm=comm,
-        device=device,
-    )  # fmt: skip
+    return ZeroEngine(model, zero, optim, **options)

@@ -53,54 +53,25 @@ def adam_step_reference(
         )
         if bias_correction and _HAS_FUSED and fusable:
             fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
+            step_t = [torch.tensor(float(step), dtype=torch.float32)]
             fused(
-                [param],
-                [grad],
-                [exp_avg],
-                [exp_avg_sq],
-                [],
-                [torch.tensor(float(step), dtype=torch.float32)],
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=weight_decay,
-                eps=eps,
-                amsgrad=False,
-                maximize=False,
-            )
+                [param], [grad], [exp_avg], [exp_avg_sq], [], step_t, lr=lr, beta1=beta1, beta2=beta2,
+                weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
         else:
             _single_tensor_step(
-                param,
-                grad,
-                exp_avg,
-                exp_avg_sq,
-                step,
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                adamw_mode,
+                param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
                 bias_correction,
-            )
+            )  # fmt: skip
         if out16 is not None:
             out16.copy_(param.reshape(out16.shape))
 
 
 def _single_tensor_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw_mode: bool,
     bias_correction: bool,
-) -> None:
+) -> None:  # fmt: skip
     """torch.optim.adam._single_tensor_adam's op sequence (non-capturable, no amsgrad), scalars in double."""
     if weight_decay != 0:
         if adamw_mode:

@@ -194,23 +194,11 @@ def extension() -> Any | None:
 
 
 def cpu_adam_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    adamw_mode: bool = True,
-    bias_correction: bool = True,
-    out16: torch.Tensor | None = None,
-    threads: int | None = None,
-    simd: str | None = None,
-) -> None:
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,
+    lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+    adamw_mode: bool = True, bias_correction: bool = True, out16: torch.Tensor | None = None,
+    threads: int | None = None, simd: str | None = None,
+) -> None:  # fmt: skip
     """One in-place Adam(W) step on flat contiguous CPU tensors, in one pass over memory.
 
     param/exp_avg/exp_avg_sq are float32; grad is float32, bfloat16 or float16; ``step`` is the step count
@@ -225,20 +213,9 @@ def cpu_adam_step(
         param, grad, exp_avg, exp_avg_sq, out16, None, int(step), consts, bias_correction, threads, simd
     ):
         adam_step_reference(
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            step=step,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            adamw_mode=adamw_mode,
-            bias_correction=bias_correction,
-            out16=out16,
-        )
+            param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction, out16=out16,
+        )  # fmt: skip
 
 
 def _kernel(p, g, m, v, out16, step_t, step, consts, bias_correction, threads, simd) -> bool:

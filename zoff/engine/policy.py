@@ -63,6 +63,26 @@ class Policy:
         """Stages 0-1 accumulate whole gradients in persistent flat buffers; 2-3 keep only the reduced shard."""
         return self.stage <= 1
 
+    @property
+    def all_reduces(self) -> bool:
+        """Stage 0 is plain data parallelism: whole gradients all-reduced, every rank holds the full norm."""
+        return self.stage == 0
+
+    @property
+    def partitioned(self) -> bool:
+        """Stages 1-3 split the optimizer state (and more) N ways; stage 0 keeps one partition every rank owns."""
+        return self.stage >= 1
+
+    @property
+    def shards_params(self) -> bool:
+        """Stage 3: parameters live as shards, gathered around the modules that use them."""
+        return self.stage == 3
+
+    def gathers_after_step(self, persistent: bool) -> bool:
+        """Whether a unit's updated shard is all-gathered into its full buffer right after the step: stages 1-2
+        always, stage 3 only its persistent (small, always gathered) units, stage 0 never (nothing split)."""
+        return self.stage in (1, 2) or (self.shards_params and persistent)
+
     def shard_accum_fp32(self, accumulating: bool) -> bool:
         """Stages 2-3 reduce every micro-batch into the gradient shard: in fp32 when micro-batches accumulate
         (2 B/param/N more under 16-bit compute; a bf16 sum of many micro-batches loses the small ones)."""

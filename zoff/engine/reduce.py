@@ -59,7 +59,7 @@ class GradReducer:
     ):
         self.plan, self.comm, self.stage, self.gfull, self.gshard = plan, comm, stage, gfull, gshard
         self.dtype, self.device, self.overlap, self.on_slot_done = dtype, device, overlap, on_slot_done
-        policy = Policy(stage)
+        policy = self.policy = Policy(stage)
         self.keep_full_grads = policy.keeps_full_grads  # full gradients accumulate in persistent flat buffers
         # Stage 2/3 on gloo: no bucket; autograd's gradients wait in _held until their unit is sent.
         self.direct = not self.keep_full_grads and comm.backend not in FLAT_INPUT_BACKENDS
@@ -220,7 +220,7 @@ class GradReducer:
         unit = self.plan.units[u]
         if self.keep_full_grads:
             full = self.gfull[u]
-            if self.stage == 0:
+            if self.policy.all_reduces:
                 self._track(self.comm.all_reduce(full, async_op=self.overlap), u, None)
             else:
                 self._track(self.comm.reduce_scatter(full, self.gshard[u], async_op=self.overlap), u, None)
@@ -277,7 +277,7 @@ class GradReducer:
         would not; dynamic loss scaling then skips the step and lowers the scale (DeepSpeed's default
         post-division has the same trade).
         """
-        out = self.gfull[u] if self.stage == 0 else self.gshard[u]
+        out = self.gfull[u] if self.policy.all_reduces else self.gshard[u]
         average = self._sync and self.comm.world > 1
 
         def finish() -> None:
@@ -314,7 +314,7 @@ class GradReducer:
         self.corrections += len(units)
         for u in units:
             unit, late = self.plan.units[u], self._late.pop(u, {})
-            out = self.gfull[u] if self.stage == 0 else self.gshard[u]
+            out = self.gfull[u] if self.policy.all_reduces else self.gshard[u]
             if self.direct:
                 tmp = torch.zeros(unit.shard, dtype=self.dtype, device=self.device)
                 self.comm.reduce_scatter_chunks(self._chunks(u, late), tmp).wait()
@@ -323,7 +323,7 @@ class GradReducer:
                 for si, g in late.items():
                     s = self.plan.slots[si]
                     full[s.offset : s.offset + s.numel].copy_(g)
-                if self.stage == 0:
+                if self.policy.all_reduces:
                     self.comm.all_reduce(full).wait()
                     tmp = full
                 else:

@@ -75,7 +75,7 @@ class ZeroEngine:
         self.masters = self.optimizer.masters
         self.blocks = BlockTracker(model)
         self.gatherer = None
-        if self.stage == 3:
+        if policy.shards_params:
             self.gatherer = UnitGatherer(
                 model,
                 self.plan,
@@ -203,7 +203,7 @@ class ZeroEngine:
         if self.comm.world > 1:
             scalars = self.comm.sum_scalars(scalars)
         # stage 0's gradients are already all-reduced: every rank holds the whole squared norm
-        total_sq = local_sq if self.stage == 0 else scalars[0]
+        total_sq = local_sq if self.policy.all_reduces else scalars[0]
         return total_sq, scalars[1], [slot for slot, n in enumerate(scalars[2:]) if n == 0]
 
     def _step_runs(self, unused: list[int]) -> list | None:
@@ -239,7 +239,7 @@ class ZeroEngine:
                 shard.copy_(self.masters[u])
             else:  # through the tier: asynchronous uploads on a GPU, which the gather below waits for
                 self.optimizer.tier.publish(self.masters[u], shard)
-        if self.stage in (1, 2) or (self.stage == 3 and self.plan.units[u].persistent):
+        if self.policy.gathers_after_step(self.plan.units[u].persistent):
             handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
 
     def _host_shard(self, u: int) -> bool:
@@ -262,7 +262,7 @@ class ZeroEngine:
         buffers are the transient peaks (reduce buckets, stage-3 gathered units).
         """
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
-        if self.stage == 3:
+        if self.policy.shards_params:
             persistent = [f for u, f in zip(self.plan.units, self.full) if u.persistent]
             shards = [t for u, t in zip(self.plan.units, self.shard_params) if not u.persistent]
             offloaded = shards if self.offload_params else []
@@ -335,7 +335,7 @@ class ZeroEngine:
         for u, unit in enumerate(self.plan.units):
             full = torch.zeros(unit.padded, dtype=torch.float32, device=self.device)
             master = self.masters[u].to(self.device, torch.float32)
-            self.comm.all_gather(master, full) if self.stage >= 1 else full.copy_(master)
+            self.comm.all_gather(master, full) if self.policy.partitioned else full.copy_(master)
             for si in unit.slots:
                 s = self.plan.slots[si]
                 for name in s.names:

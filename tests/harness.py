@@ -106,14 +106,17 @@ def zoff_rank(
 
     s.engine.step = step
     losses = train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm, ckpt, start)
-    return {
+    out = {
         "start": start,
         "losses": losses,
         "grad_norms": norms,
         "params": {k: v.cpu() for k, v in s.engine.gathered_params().items()},
         "memory": s.engine.memory_report(),
+        "planned": s.engine.planned_memory(),
         "stats": s.engine.stats(),
     }
+    s.engine.close()
+    return out
 
 
 def zoff_rank_many(rank: int, world: int, cfgs: list[dict]) -> list[dict]:

@@ -57,8 +57,19 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class IoConfig:
+    """The disk tier's I/O (engine/disk_io.py): parallel O_DIRECT requests of request_mb each."""
+
+    threads: int = field(default=4, metadata=_rng(1, 64))
+    request_mb: int = field(default=8, metadata=_rng(1, 1024))
+
+
+@dataclass(frozen=True)
 class OffloadOptimizerConfig:
-    device: Literal["none", "cpu"] = "none"
+    device: Literal["none", "cpu", "nvme"] = "none"
+    # nvme: the directory of the swap files (a local disk; a per-rank folder is made under it)
+    nvme_path: str | None = None
+    io: IoConfig = field(default_factory=IoConfig)
     pin_memory: bool = True  # page-lock the staging buffers (GPU only): DMA at full speed, async with compute
     # Gradient shards go down and parameter shards up through this many MiB of staging buffers per rank; the
     # fp32 master and moments stay pageable (pinning them would lock 12 B/param/N of host memory).
@@ -332,6 +343,9 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError(
             f"train.global_batch_size: {t.global_batch_size} is not a multiple of data.batch_size ({d.batch_size})"
         )
+    oo = cfg.zero.offload_optimizer
+    if oo.device == "nvme" and not oo.nvme_path:
+        raise ConfigError("zero.offload_optimizer.nvme_path: device nvme needs a directory on a local disk")
     nn = cfg.launch.nnodes
     parts = nn.split(":")
     if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)) or (

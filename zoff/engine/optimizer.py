@@ -67,8 +67,7 @@ class Tier(Protocol):
     kind: str
     direct: bool
 
-    def zeros(self, like: torch.Tensor) -> torch.Tensor: ...
-    def master(self, shard: torch.Tensor) -> torch.Tensor: ...
+    def make_states(self, shards: list[torch.Tensor]): ...  # ResidentStates or SwappedStates (tiers.py)
     def to_kernel(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
     def publish(self, master: torch.Tensor, shard: torch.Tensor) -> None: ...
     def buffer_bytes(self) -> int: ...
@@ -114,13 +113,16 @@ class ShardOptimizer:
     ):
         self.cfg, self.runs, self.tier, self.kernel, self.threads = cfg, runs, tier, kernel, threads
         self.delay, self.warmup = delay_update, delay_warmup
-        self.masters = [tier.master(s) for s in shards]
-        self.exp_avg = [tier.zeros(m) for m in self.masters]
-        self.exp_avg_sq = [tier.zeros(m) for m in self.masters]
+        self.shards = shards
+        self.states = tier.make_states(shards)
+        resident = getattr(self.states, "masters", None)  # None: the states live on disk
+        self.masters = resident
+        self.exp_avg = getattr(self.states, "exp_avg", None)
+        self.exp_avg_sq = getattr(self.states, "exp_avg_sq", None)
         # 16-bit training with host-resident shards and no DPU: the CPU kernel writes the new 16-bit parameters
         # straight into the live shards in the same pass (saves the separate fp32 -> 16-bit copy, ~30-50%).
         sixteen = bool(shards) and shards[0].dtype in (torch.bfloat16, torch.float16)
-        separate = all(m is not s for m, s in zip(self.masters, shards))
+        separate = resident is None or all(m is not s for m, s in zip(resident, shards))
         self.out16 = list(shards) if tier.direct and sixteen and separate and not self.delay else None
         self.step_count = 0
         self._thread: threading.Thread | None = None
@@ -181,25 +183,60 @@ class ShardOptimizer:
         c = self.cfg
         for i, unit_runs in enumerate(runs):
             out = self.out16[i] if self.out16 is not None else None
-            for a, b, decay, step in unit_runs:
-                if b <= a:
-                    continue
-                self.kernel(
-                    self.masters[i][a:b], grads[i][a:b], self.exp_avg[i][a:b], self.exp_avg_sq[i][a:b],
-                    step=step, lr=lr, weight_decay=c.weight_decay if decay else 0.0, cfg=c,
-                    threads=self.threads, out16=None if out is None else out[a:b],
-                )  # fmt: skip
-            if on_unit is not None:
-                on_unit(i)
+            following = i + 1 if i + 1 < len(runs) else None  # read ahead while this unit steps
+            with self.states.open(i, following) as (master, m, v):
+                for a, b, decay, step in unit_runs:
+                    if b <= a:
+                        continue
+                    self.kernel(
+                        master[a:b], grads[i][a:b], m[a:b], v[a:b], step=step, lr=lr,
+                        weight_decay=c.weight_decay if decay else 0.0, cfg=c, threads=self.threads,
+                        out16=None if out is None else out[a:b],
+                    )  # fmt: skip
+                if on_unit is not None:
+                    on_unit(i, master)
+
+    def read(self, i: int, kind: str) -> torch.Tensor:
+        """Unit i's master, exp_avg or exp_avg_sq (resident, or a unit-sized copy read from disk)."""
+        self.finish()
+        return self.states.read(i, kind)
+
+    def write(self, i: int, kind: str, src: torch.Tensor) -> None:
+        self.finish()
+        self.states.write(i, kind, src)
 
     def state_dict(self) -> dict:
+        """Per kind, a sequence of units read one at a time (a disk tier never holds its whole shard)."""
         self.finish()
-        return {"step": self.step_count, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        kinds = {k: UnitSequence(self, k, len(self.shards)) for k in ("master", "exp_avg", "exp_avg_sq")}
+        return {"step": self.step_count, "exp_avg": kinds["exp_avg"], "exp_avg_sq": kinds["exp_avg_sq"],
+                "masters": kinds["master"]}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.finish()
         self.step_count = int(state["step"])
-        for dst, src in zip(
-            self.exp_avg + self.exp_avg_sq, list(state["exp_avg"]) + list(state["exp_avg_sq"])
-        ):
-            dst.copy_(src)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            for i, src in enumerate(state[kind]):
+                self.states.write(i, kind, src)
+
+    def resident_bytes(self) -> int:
+        return self.states.resident_bytes(self.shards)
+
+    def close(self) -> None:
+        self.finish()
+        self.states.close()
+
+
+class UnitSequence:
+    """state_dict()'s per-unit states, read when indexed (checkpoint saves walk them unit by unit)."""
+
+    def __init__(self, opt: ShardOptimizer, kind: str, n: int):
+        self.opt, self.kind, self.n = opt, kind, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.opt.read(i, self.kind)

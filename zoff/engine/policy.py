@@ -17,15 +17,17 @@ import torch
 from torch import nn
 
 from zoff.config import ZeroConfig
+from zoff.engine.disk_io import ALIGN, aligned
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.staging import chunk_bytes, needs_staging
+from zoff.engine.tiers import ring_size
 
 
 @dataclass(frozen=True)
 class Policy:
     stage: int
-    offload_optimizer: str = "none"  # none | cpu
+    offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu (stage 3 only)
     activation_checkpointing: bool = False
 
@@ -40,6 +42,8 @@ class Policy:
         """The recipe names: zero2-offload, zero3-offload (both offloads); zero3-offload-opt (optimizer only)."""
         if self.offload_optimizer == "none":
             return f"zero{self.stage}"
+        if self.offload_optimizer == "nvme":
+            return f"zero{self.stage}-nvme"
         return f"zero{self.stage}-offload" + (
             "-opt" if self.stage == 3 and self.offload_param == "none" else ""
         )
@@ -90,7 +94,8 @@ class Policy:
 
     @property
     def offloads_optimizer(self) -> bool:
-        return self.offload_optimizer == "cpu"
+        """Optimizer states off the device: in host memory (cpu) or on local disk (nvme)."""
+        return self.offload_optimizer != "none"
 
     @property
     def offloads_params(self) -> bool:
@@ -153,7 +158,7 @@ def model_states(
     shard = sum(u.shard for u in plan.units)
     persistent = sum(u.padded for u in plan.units if u.persistent)
     shard_np = sum(u.shard for u in plan.units if not u.persistent)
-    opt_off, par_off = policy.offload_optimizer == "cpu", policy.offload_param == "cpu"
+    opt_off, par_off = policy.offloads_optimizer, policy.offload_param == "cpu"
     # A CPU-only run needs no host copies of what already is in host memory (the engine aliases them).
     host_is_device = device_type == "cpu" and not delay_update
     gpu = {"params": frozen_bytes, "grads": 0, "optimizer_states": 0}
@@ -169,10 +174,27 @@ def model_states(
     gpu["grads"] = c * padded if policy.keeps_full_grads else (4 if fp32_shard else c) * shard
     if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
         gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
+    elif policy.offload_optimizer == "nvme":  # states on disk: RAM holds three unit buffers and the grads
+        cpu["optimizer_states"] = swap_buffer_bytes(plan)
+        cpu["grads"] = (4 if fp32_grad_staging or fp32_shard else c) * shard
     else:
         cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
         cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or fp32_shard else c) * shard
     return gpu, cpu
+
+
+def swap_buffer_bytes(plan: PartitionPlan) -> int:
+    """The disk tier's resident states (tiers.SwappedStates): three page-aligned buffers, each one unit's
+    master, exp_avg and exp_avg_sq (the unit stepped, the next being read, the last being written; fewer
+    when there are fewer units)."""
+    return ring_size(len(plan.units)) * 3 * max((aligned(4 * u.shard) for u in plan.units), default=ALIGN)
+
+
+def disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
+    """The disk tier's swap file per rank: every unit's fp32 master and moments, 4096-aligned."""
+    if policy.offload_optimizer != "nvme":
+        return 0
+    return sum(3 * aligned(4 * u.shard) for u in plan.units)
 
 
 def data_parallel_bytes(trainable_params: int) -> int:

@@ -10,13 +10,18 @@ its live (compute-dtype) shard; plus the bytes of its own transfer buffers. The 
   the device<->host traffic is the minimum the ZeRO-Offload paper gives: the reduced gradient shard down and
   the updated 16-bit shard up, through a few pinned staging buffers (staging.py) on a GPU. On a host-only
   machine the "device" is the host: the copies vanish (buffers alias the shards) and the same code runs.
-The disk tier (issue 17) is a third implementation of the same four answers.
+- DiskTier: the host tier with its states in a swap file on local disk (disk_io.py), streamed unit by unit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
 import torch
 
+from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned, wait
 from zoff.engine.staging import Staging
 
 
@@ -54,6 +59,9 @@ class DeviceTier:
 
     def buffer_bytes(self) -> int:
         return 0
+
+    def make_states(self, shards: list[torch.Tensor]) -> ResidentStates:
+        return ResidentStates([self.master(s) for s in shards], self.zeros)
 
 
 class HostTier:
@@ -101,8 +109,163 @@ class HostTier:
     def buffer_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.host_grads)
 
+    def make_states(self, shards: list[torch.Tensor]) -> ResidentStates:
+        return ResidentStates([self.master(s) for s in shards], self.zeros)
+
     def _download(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self.staging is not None:
             self.staging.download(src, dst)
         else:
             dst.copy_(src)
+
+
+class DiskTier(HostTier):
+    """Optimizer states in a swap file on local disk (ZeRO-Infinity's NVMe offload); host memory holds only the
+    units being stepped. Gradients and parameters move as for the host tier; the states stream per unit:
+    unit i+1 is read while unit i is stepped and unit i-1 is written back (SwappedStates)."""
+
+    kind = "disk"
+
+    def __init__(
+        self, staging: Staging | None, grad_dtype: torch.dtype, swap_dir: Path, threads: int, request_mb: int
+    ):
+        super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=True)
+        self.swap_dir, self.threads, self.request_mb = swap_dir, threads, request_mb
+
+    def make_states(self, shards: list[torch.Tensor]) -> SwappedStates:
+        for s in shards:
+            self.host_grads.append(host_buffer(s, self.grad_dtype, pin=False))
+        return SwappedStates(
+            shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20
+        )
+
+
+def ring_size(units: int) -> int:
+    """Unit buffers of the disk tier: the unit stepped, the next being read, the last being written (fewer
+    when there are fewer units: a single unit needs one)."""
+    return max(1, min(3, units))
+
+
+class ResidentStates:
+    """Master, exp_avg and exp_avg_sq of every unit held in memory (device or host tier)."""
+
+    def __init__(self, masters: list[torch.Tensor], zeros):
+        self.masters = masters
+        self.exp_avg = [zeros(m) for m in masters]
+        self.exp_avg_sq = [zeros(m) for m in masters]
+
+    @contextlib.contextmanager
+    def open(self, i: int, following: int | None = None):
+        yield self.masters[i], self.exp_avg[i], self.exp_avg_sq[i]
+
+    def read(self, i: int, kind: str) -> torch.Tensor:
+        return {"master": self.masters, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[kind][i]
+
+    def write(self, i: int, kind: str, src: torch.Tensor) -> None:
+        self.read(i, kind).copy_(src)
+
+    def resident_bytes(self, shards: list[torch.Tensor]) -> int:
+        masters = [m for m, s in zip(self.masters, shards) if m is not s]  # fp32 steps the shard in place
+        return sum(t.numel() * t.element_size() for t in masters + self.exp_avg + self.exp_avg_sq)
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class SwappedStates:
+    """Every unit's [master | exp_avg | exp_avg_sq] region in one swap file (4096-aligned); up to three
+    page-aligned unit buffers rotate: the unit being stepped, the next one being read, the previous one being
+    written. Host memory: ring_size x 12 bytes x the largest unit's shard, whatever the shard's total."""
+
+    def __init__(
+        self, shards: list[torch.Tensor], swap_dir: Path, download, *, threads: int, request_bytes: int
+    ):
+        self.numel = [s.numel() for s in shards]
+        self.part = [aligned(4 * n) for n in self.numel]  # bytes of one kind of unit i
+        self.offset = [0]
+        for p in self.part[:-1]:
+            self.offset.append(self.offset[-1] + 3 * p)
+        total = self.offset[-1] + 3 * self.part[-1] if shards else ALIGN
+        rank = os.environ.get("RANK", "0")
+        self.file = SwapFile(swap_dir / f"rank{rank}" / "optimizer.swap", total, threads, request_bytes)
+        largest = 3 * max(self.part, default=ALIGN)
+        self.n_buffers = ring_size(len(shards))
+        self.buffers = [AlignedBuffer(largest) for _ in range(self.n_buffers)]
+        self.pending: list[list] = [[] for _ in self.buffers]  # futures of the I/O in flight on each buffer
+        self.holds: dict[int, int] = {}  # unit -> the buffer holding (or reading) it
+        for i, s in enumerate(shards):  # initial master from the live shard, zero moments
+            buf = self._free_buffer(exclude=())
+            master, m, v = self._views(buf, i)
+            download(s, master)
+            m.zero_()
+            v.zero_()
+            self._write(buf, i)
+        self._drain()
+
+    def _views(self, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        buf, n, p = self.buffers[b], self.numel[i], self.part[i]
+        return tuple(buf.view(torch.float32, k * p, n) for k in range(3))
+
+    def _region(self, b: int, i: int) -> torch.Tensor:
+        return self.buffers[b].bytes[: 3 * self.part[i]]
+
+    def _free_buffer(self, exclude) -> int:
+        free = [b for b in range(self.n_buffers) if b not in exclude and b not in self.holds.values()]
+        b = min(free, key=lambda b: bool(self.pending[b]))  # an idle buffer before one still writing
+        wait(self.pending[b])
+        self.pending[b] = []
+        return b
+
+    def _write(self, b: int, i: int) -> None:
+        self.pending[b] = self.file.write(self._region(b, i), self.offset[i])
+
+    def _fetch(self, i: int, exclude=()) -> int:
+        if i not in self.holds:
+            b = self._free_buffer(exclude)
+            self.pending[b] = self.file.read(self._region(b, i), self.offset[i])
+            self.holds[i] = b
+        return self.holds[i]
+
+    def _drain(self) -> None:
+        for b in range(self.n_buffers):
+            wait(self.pending[b])
+            self.pending[b] = []
+
+    @contextlib.contextmanager
+    def open(self, i: int, following: int | None = None):
+        """Unit i's states, resident while the block runs; written back after it (asynchronously), with
+        `following` already being read."""
+        b = self._fetch(i)
+        wait(self.pending[b])
+        self.pending[b] = []
+        if following is not None and self.n_buffers > 1:
+            self._fetch(following, exclude=(b,))
+        try:
+            yield self._views(b, i)
+        finally:
+            del self.holds[i]
+            self._write(b, i)
+
+    def read(self, i: int, kind: str) -> torch.Tensor:
+        """A copy of one kind of unit i's states (checkpoints, gathered_params): unit-sized, not shard-sized."""
+        with self.open(i) as states:
+            return states[("master", "exp_avg", "exp_avg_sq").index(kind)].clone()
+
+    def write(self, i: int, kind: str, src: torch.Tensor) -> None:
+        with self.open(i) as states:
+            states[("master", "exp_avg", "exp_avg_sq").index(kind)].copy_(src.reshape(-1))
+
+    def resident_bytes(self, shards: list[torch.Tensor]) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def disk_bytes(self) -> int:
+        return self.file.nbytes
+
+    def close(self) -> None:
+        self._drain()
+        self.file.close()
+        with contextlib.suppress(OSError):  # this rank's folder, once empty; the user's nvme_path stays
+            self.file.path.parent.rmdir()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,11 +22,11 @@ from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
-from zoff.engine.policy import Policy, engine_plan, frozen_param_bytes, model_states
+from zoff.engine.policy import Policy, disk_bytes, engine_plan, frozen_param_bytes, model_states
 from zoff.engine.precision import DTYPES, LossScaler
 from zoff.engine.reduce import GradReducer
 from zoff.engine.staging import Staging, needs_staging
-from zoff.engine.tiers import DeviceTier, HostTier
+from zoff.engine.tiers import DeviceTier, DiskTier, HostTier
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,6 @@ class ZeroEngine:
         self.cpu_threads = torch.get_num_threads()
         self.optimizer = self._build_optimizer(optim, grad_clip > 0 or precision == "fp16")
         self.staging = self.optimizer.tier.staging  # offload on a GPU: bounded pinned buffers (staging.py)
-        self.masters = self.optimizer.masters
         self.blocks = BlockTracker(model)
         self.gatherer = None
         if policy.shards_params:
@@ -117,12 +117,15 @@ class ZeroEngine:
         on_host = self.device.type == "cpu"
         # what step() hands the optimizer: rescaled (clipped, unscaled) gradients are fp32, others as reduced
         grad_dtype = torch.float32 if rescales or self.accum_dtype == torch.float32 else self.dtype
-        tier = HostTier(
-            staging, grad_dtype,
-            # fp32 on a host-only machine needs no master copy, unless DPU must keep the live params apart
-            alias_masters=self.dtype == torch.float32 and on_host and not oz.delay_update,
-            copy_grads=not on_host or oz.delay_update,
-        )  # fmt: skip
+        if oz.device == "nvme":
+            tier = DiskTier(staging, grad_dtype, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb)
+        else:
+            tier = HostTier(
+                staging, grad_dtype,
+                # fp32 on a host-only machine needs no master copy, unless DPU must keep the live params apart
+                alias_masters=self.dtype == torch.float32 and on_host and not oz.delay_update,
+                copy_grads=not on_host or oz.delay_update,
+            )  # fmt: skip
         return ShardOptimizer(
             shards, runs, optim, tier, cpu_fused_kernel, delay_update=oz.delay_update,
             delay_warmup=oz.delay_update_warmup, threads=self.cpu_threads,
@@ -178,7 +181,7 @@ class ZeroEngine:
         copy = not self.optimizer.writes_live_shards
         handles: list[Handle] = []
         # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
-        publish = lambda u: self._publish_unit(u, copy, handles)  # noqa: E731
+        publish = lambda u, master: self._publish_unit(u, master, copy, handles)  # noqa: E731
         runs = self._step_runs(unused)
         # True: a delayed (DPU) update runs in the background and is published next step
         in_flight = self.optimizer.step(grads, lr, on_unit=publish, runs=runs)
@@ -227,20 +230,26 @@ class ZeroEngine:
         self._published = self.optimizer.step_count
         handles: list[Handle] = []
         for u in range(len(self.plan.units)):
-            self._publish_unit(u, True, handles)
+            with self.optimizer.states.open(u, u + 1 if u + 1 < len(self.plan.units) else None) as states:
+                self._publish_unit(u, states[0], True, handles)
         for h in handles:
             h.wait()
 
-    def _publish_unit(self, u: int, copy_master: bool, handles: list[Handle]) -> None:
+    def _publish_unit(self, u: int, master: torch.Tensor, copy_master: bool, handles: list[Handle]) -> None:
         shard = self.shard_params[u]
-        if self.masters[u] is not shard and copy_master:
+        if master is not shard and copy_master:
             if self._host_shard(u):  # parameter offload: a gather may still be copying this shard up
                 self.gatherer.wait_host_reads()
-                shard.copy_(self.masters[u])
+                shard.copy_(master)
             else:  # through the tier: asynchronous uploads on a GPU, which the gather below waits for
-                self.optimizer.tier.publish(self.masters[u], shard)
+                self.optimizer.tier.publish(master, shard)
         if self.policy.gathers_after_step(self.plan.units[u].persistent):
             handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
+
+    @property
+    def masters(self) -> list[torch.Tensor] | None:
+        """The resident fp32 masters (None on the disk tier: read them with optimizer.read)."""
+        return self.optimizer.masters
 
     def _host_shard(self, u: int) -> bool:
         """Stage 3 parameter offload on a GPU: unit u's shard lives in host memory, not on the device."""
@@ -270,14 +279,14 @@ class ZeroEngine:
         else:
             params, offloaded = nbytes(self.full), []
         grads = nbytes(self.gfull) if self.keep_full_grads else nbytes(self.gshard)
-        separate_master = [m for m, s in zip(self.masters, self.shard_params) if m is not s]
-        opt = nbytes(self.optimizer.exp_avg) + nbytes(self.optimizer.exp_avg_sq) + nbytes(separate_master)
+        opt = self.optimizer.resident_bytes()
         gathered = self.gatherer.peak_gathered if self.gatherer else 0
         whole = set(self.plan.frozen)
         frozen = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n in whole)
         frozen += nbytes(self.shard_params[len(self.plan.units) :])  # stage 3's frozen shards
         host_grads = self.optimizer.tier.buffer_bytes()
         on_device = self.optimizer.tier.kind == "device"
+        on_disk = self.optimizer.states.disk_bytes()
         return {
             "params": params,
             "grads": grads,
@@ -288,7 +297,12 @@ class ZeroEngine:
             "cpu_grads": host_grads,
             "cpu_optimizer_states": 0 if on_device else opt,
             "cpu_staging": self.staging.nbytes if self.staging is not None else 0,
+            "disk_optimizer_states": on_disk,
         }
+
+    def close(self) -> None:
+        """Release what outlives the process's memory: the disk tier's swap files (removed at a clean exit)."""
+        self.optimizer.close()
 
     def planned_memory(self) -> dict[str, int]:
         """memory_report()'s model-state keys as the policy table predicts them (policy.model_states, the very
@@ -299,7 +313,8 @@ class ZeroEngine:
             fp32_grad_staging=self.grad_clip > 0 or self.precision == "fp16",
             delay_update=self.zero.offload_optimizer.delay_update, accumulating=self.grad_accum > 1,
         )  # fmt: skip
-        return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}}
+        disk = {"disk_optimizer_states": disk_bytes(self.plan, self.policy)}
+        return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}, **disk}
 
     def pinned_bytes(self) -> int:
         """Page-locked host memory this rank holds: the staging buffers and pinned offloaded parameter shards."""
@@ -334,7 +349,7 @@ class ZeroEngine:
         out = {}
         for u, unit in enumerate(self.plan.units):
             full = torch.zeros(unit.padded, dtype=torch.float32, device=self.device)
-            master = self.masters[u].to(self.device, torch.float32)
+            master = self.optimizer.read(u, "master").to(self.device, torch.float32)
             self.comm.all_gather(master, full) if self.policy.partitioned else full.copy_(master)
             for si in unit.slots:
                 s = self.plan.slots[si]
@@ -344,9 +359,10 @@ class ZeroEngine:
         return out
 
     def state_dict(self) -> dict:
+        opt = self.optimizer.state_dict()
         return {
-            "optimizer": self.optimizer.state_dict(),
-            "masters": self.masters,
+            "optimizer": opt,
+            "masters": opt.pop("masters"),
             "scaler": self.scaler.state_dict(),
             "skipped_steps": {s.names[0]: n for s, n in zip(self.plan.slots, self.skipped_steps) if n},
         }
@@ -360,8 +376,8 @@ class ZeroEngine:
         skipped = state.get("skipped_steps", {})
         self.skipped_steps = [int(skipped.get(s.names[0], 0)) for s in self.plan.slots]
         self.optimizer.load_state_dict(state["optimizer"])
-        for dst, src in zip(self.masters, state["masters"]):
-            dst.copy_(src)
+        for u, src in enumerate(state["masters"]):
+            self.optimizer.write(u, "master", src)
         self.scaler.load_state_dict(state["scaler"])
         self._publish_params()
 

@@ -91,7 +91,12 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
         if state is not None:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             writer.event("resume", start, checkpoint=str(ckpt.dir), restart=restart, world_size=s.comm.world)
-    train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start, stop)
+    try:
+        train_loop(
+            s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start, stop
+        )
+    finally:
+        s.engine.close()  # the disk tier's swap files go with a clean exit (and with an error)
     log.info("engine stats %s", json.dumps(s.engine.stats()))
     log.info("memory report %s", json.dumps(s.engine.memory_report()))
     held, ddp = model_state_bytes(s.engine)
@@ -118,6 +123,11 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
                 f"  host memory per rank (offload): params {gib(mem['cpu_params'])}, grads {gib(mem['cpu_grads'])}, "
                 f"optimizer {gib(mem['cpu_optimizer_states'])}, staging {gib(mem['cpu_staging'])}; "
                 f"page-locked {gib(engine.pinned_bytes())}"
+                + (
+                    f"; disk {gib(mem['disk_optimizer_states'])} of optimizer states"
+                    if mem["disk_optimizer_states"]
+                    else ""
+                )
             ]
             if engine.offload
             else []

@@ -12,7 +12,7 @@ import zoff.engine.zero as zero_mod
 from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine import policy as policy_mod
-from zoff.engine.policy import POLICIES
+from zoff.engine.policy import POLICIES, Policy
 from zoff.models.gpt import GPT
 from zoff.planning import memory
 
@@ -28,13 +28,15 @@ CASES = [
 ]
 
 
-def _engine(pol, precision: str, accum: int, clip: float, delay: bool):
+def _engine(pol, precision: str, accum: int, clip: float, delay: bool, swap: str | None = None):
     torch.manual_seed(0)
     model = GPT(2, 2, 32, 64, 16)
     model.blocks[0].ln1.weight.requires_grad_(False)  # a frozen parameter too
     zero = ZeroConfig(
         stage=pol.stage,
-        offload_optimizer=OffloadOptimizerConfig(device=pol.offload_optimizer, delay_update=delay),
+        offload_optimizer=OffloadOptimizerConfig(
+            device=pol.offload_optimizer, delay_update=delay, nvme_path=swap
+        ),
         offload_param=OffloadParamConfig(device=pol.offload_param),
         param_persistence_threshold=64,
     )
@@ -56,3 +58,18 @@ def test_estimate_and_engine_share_one_function(monkeypatch) -> None:
     monkeypatch.setattr(zero_mod, "model_states", lambda *a, **k: calls.append(1) or real(*a, **k))
     _engine(POLICIES[2], "bf16", 2, 1.0, False).planned_memory()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(("precision", "delay"), [("fp32", False), ("bf16", True)])
+def test_the_disk_tier_allocates_what_the_table_plans(
+    stage: int, precision: str, delay: bool, tmp_path
+) -> None:
+    eng = _engine(Policy(stage, "nvme"), precision, 2, 1.0, delay, str(tmp_path))
+    mem, planned = eng.memory_report(), eng.planned_memory()
+    got = {k: mem[k] for k in (*KEYS, "disk_optimizer_states")} | {
+        "params": mem["params"] + mem["frozen_params"]
+    }
+    assert got == {k: planned[k] for k in (*KEYS, "disk_optimizer_states")}
+    assert planned["disk_optimizer_states"] > 0 and planned["optimizer_states"] == 0
+    eng.close()

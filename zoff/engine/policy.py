@@ -176,7 +176,7 @@ def model_states(
         gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
     elif policy.offload_optimizer == "nvme":  # states on disk: RAM holds three unit buffers and the grads
         cpu["optimizer_states"] = swap_buffer_bytes(plan)
-        cpu["grads"] = (4 if fp32_grad_staging or fp32_shard else c) * shard
+        cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or fp32_shard else c) * shard
     else:
         cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
         cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or fp32_shard else c) * shard

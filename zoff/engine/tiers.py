@@ -127,14 +127,15 @@ class DiskTier(HostTier):
     kind = "disk"
 
     def __init__(
-        self, staging: Staging | None, grad_dtype: torch.dtype, swap_dir: Path, threads: int, request_mb: int
-    ):
-        super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=True)
+        self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
+        request_mb: int,
+    ):  # fmt: skip
+        super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
         self.swap_dir, self.threads, self.request_mb = swap_dir, threads, request_mb
 
     def make_states(self, shards: list[torch.Tensor]) -> SwappedStates:
-        for s in shards:
-            self.host_grads.append(host_buffer(s, self.grad_dtype, pin=False))
+        if self.copy_grads:  # as the host tier: only where the gradients are not already in host memory
+            self.host_grads += [host_buffer(s, self.grad_dtype, pin=False) for s in shards]
         return SwappedStates(
             shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20
         )

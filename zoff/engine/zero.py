@@ -117,14 +117,17 @@ class ZeroEngine:
         on_host = self.device.type == "cpu"
         # what step() hands the optimizer: rescaled (clipped, unscaled) gradients are fp32, others as reduced
         grad_dtype = torch.float32 if rescales or self.accum_dtype == torch.float32 else self.dtype
+        copy_grads = not on_host or oz.delay_update
         if oz.device == "nvme":
-            tier = DiskTier(staging, grad_dtype, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb)
+            tier = DiskTier(
+                staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb
+            )
         else:
             tier = HostTier(
                 staging, grad_dtype,
                 # fp32 on a host-only machine needs no master copy, unless DPU must keep the live params apart
                 alias_masters=self.dtype == torch.float32 and on_host and not oz.delay_update,
-                copy_grads=not on_host or oz.delay_update,
+                copy_grads=copy_grads,
             )  # fmt: skip
         return ShardOptimizer(
             shards, runs, optim, tier, cpu_fused_kernel, delay_update=oz.delay_update,

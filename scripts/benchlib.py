@@ -58,7 +58,7 @@ def gpt_config(args: argparse.Namespace, zero: dict, train: dict) -> Config:
 
 
 def print_targets(con: Console, title: str, targets: list[dict], digits: int = 2) -> None:
-    """One row per {target, value, limit, result}; PASS green, MISS red."""
+    """One row per {target, value, limit, result[, op]}; op is "<=" (the default) or ">="; PASS green, MISS red."""
     tab = Table(title=title)
     for col in ("target", "value", "limit", "result"):
         tab.add_column(col)
@@ -67,7 +67,7 @@ def print_targets(con: Console, title: str, targets: list[dict], digits: int = 2
         tab.add_row(
             row["target"],
             f"{row['value']:.{digits}f}",
-            f"<= {row['limit']:.{digits}f}",
+            f"{row.get('op', '<=')} {row['limit']:.{digits}f}",
             f"[{style}]{row['result']}[/]",
         )
     con.print(tab)

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Benchmark zoff's disk tier against the disk itself, in one run on one path.
+
+Not a test. Per round, in turn (A B C D E ... A B C D E ...): the raw O_DIRECT sequential write and read of a
+file with the engine's request size and thread count (disk_io.SwapFile on its own), `dd` with
+oflag=direct / iflag=direct as a second reference, the engine's swap-out and swap-in of whole units
+(tiers.SwappedStates with no compute), and one optimizer step of the NVMe tier over an N-parameter shard
+(read 12 N bytes, CPU Adam, write 12 N bytes). Disk bandwidth here is noisy and shared: only ratios within a
+round mean something, and the table reports medians of per-round ratios (and median bandwidths for scale).
+
+Targets (issue 17): engine swap >= 85% of raw in each direction; the step within 1.25x of bytes moved /
+measured bandwidth (12 N / read + 12 N / write, the raw figures of the same round).
+
+    python scripts/bench_nvme.py --path /var/tmp/zoff-bench [--params 500M] [--file 2G] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from benchlib import print_targets
+from rich.console import Console
+from rich.table import Table
+
+from zoff.config import OptimConfig
+from zoff.engine.disk_io import AlignedBuffer, SwapFile, wait
+from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel
+from zoff.engine.tiers import DiskTier
+from zoff.units import parse_size
+
+
+def raw(path: Path, nbytes: int, threads: int, request: int) -> dict[str, float]:
+    """Write then read `nbytes` sequentially with the engine's I/O (no units, no compute): GB/s each way."""
+    f = SwapFile(path / "raw.swap", nbytes, threads, request)
+    buf = AlignedBuffer(min(nbytes, 256 << 20))
+    buf.bytes.fill_(7)
+    out = {}
+    for kind, op in (("write", f.write), ("read", f.read)):
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, buf.nbytes):
+            wait(op(buf.bytes[: min(buf.nbytes, nbytes - off)], off))
+        if kind == "write":
+            os.fsync(f.fd)
+        out[kind] = nbytes / (time.perf_counter() - t0) / 1e9
+    f.close()
+    return out
+
+
+def dd(path: Path, nbytes: int) -> dict[str, float]:
+    """dd with O_DIRECT both ways, 8 MiB blocks: GB/s as dd measures it (wall clock around the command)."""
+    target, count = path / "dd.bin", max(1, nbytes // (8 << 20))
+    out = {}
+    for kind, args in (
+        ("write", ["if=/dev/zero", f"of={target}", "oflag=direct", "conv=fsync"]),
+        ("read", [f"if={target}", "of=/dev/null", "iflag=direct"]),
+    ):
+        t0 = time.perf_counter()
+        subprocess.run(["dd", *args, "bs=8M", f"count={count}"], check=True, capture_output=True)
+        out[kind] = count * (8 << 20) / (time.perf_counter() - t0) / 1e9
+    target.unlink(missing_ok=True)
+    return out
+
+
+def make_optimizer(
+    path: Path, numel: int, unit: int, threads: int, request: int
+) -> tuple[ShardOptimizer, list]:
+    shards = [torch.randn(min(unit, numel - a)) for a in range(0, numel, unit)]
+    tier = DiskTier(None, torch.float32, False, path, threads, request >> 20)
+    runs = [[(0, s.numel(), True)] for s in shards]
+    opt = ShardOptimizer(
+        shards, runs, OptimConfig(lr=1e-4), tier, cpu_fused_kernel, threads=torch.get_num_threads()
+    )
+    return opt, [torch.randn_like(s) * 1e-3 for s in shards]
+
+
+def swap(opt: ShardOptimizer) -> dict[str, float]:
+    """The engine's own swap: every unit read in (with read-ahead) and written back, no compute."""
+    st = opt.states
+    r0, w0, t0 = st.file.read_bytes, st.file.written_bytes, time.perf_counter()
+    n = len(opt.shards)
+    for i in range(n):
+        with st.open(i, i + 1 if i + 1 < n else None):
+            pass
+    st._drain()
+    os.fsync(st.file.fd)
+    dt = time.perf_counter() - t0
+    moved = (st.file.read_bytes - r0) + (st.file.written_bytes - w0)
+    return {"both": moved / dt / 1e9, "seconds": dt, "bytes": moved}
+
+
+def step(opt: ShardOptimizer, grads: list) -> float:
+    t0 = time.perf_counter()
+    opt.step(grads, 1e-4)
+    opt.states._drain()
+    os.fsync(opt.states.file.fd)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--path", type=Path, required=True, help="a folder on the disk to measure (local NVMe)")
+    ap.add_argument("--params", default="500M", help="the optimizer step's shard, in parameters")
+    ap.add_argument(
+        "--unit", default="32M", help="parameters per unit (engine: reduce_bucket_size / stage 3 module)"
+    )
+    ap.add_argument("--file", default="2G", help="bytes of the raw and dd runs")
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--request", default="8M")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/bench_nvme.json"))
+    a = ap.parse_args()
+    numel, unit = parse_size(a.params, "--params"), parse_size(a.unit, "--unit")
+    nbytes, request = parse_size(a.file, "--file"), parse_size(a.request, "--request")
+    work = a.path / f"zoff-bench-{os.getpid()}"
+    work.mkdir(parents=True)
+    con = Console()
+    try:
+        opt, grads = make_optimizer(work / "tier", numel, unit, a.threads, request)
+        rounds = []
+        for r in range(a.rounds):
+            row = {"raw": raw(work, nbytes, a.threads, request), "dd": dd(work, nbytes)}
+            row["swap"] = swap(opt)
+            row["step_s"] = step(opt, grads)
+            moved = 12 * numel
+            row["step_ideal_s"] = moved / (row["raw"]["read"] * 1e9) + moved / (row["raw"]["write"] * 1e9)
+            # both directions at once through one disk: the ideal time of the swap is read + write at raw speed
+            row["swap_ideal_s"] = (
+                row["swap"]["bytes"] / 2 * (1 / (row["raw"]["read"] * 1e9) + 1 / (row["raw"]["write"] * 1e9))
+            )
+            rounds.append(row)
+            con.print(f"round {r + 1}: {json.dumps(row)}")
+        opt.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = lambda f: statistics.median(f(x) for x in rounds)  # noqa: E731
+    swap_eff = med(lambda x: x["swap_ideal_s"] / x["swap"]["seconds"])
+    step_ratio = med(lambda x: x["step_s"] / x["step_ideal_s"])
+    tab = Table(
+        title=f"zoff disk tier on {a.path} ({numel / 1e6:.0f}M-param shard, {a.rounds} rounds, medians)"
+    )
+    for col in ("what", "write GB/s", "read GB/s"):
+        tab.add_column(col)
+    tab.add_row(
+        "raw O_DIRECT (engine I/O)",
+        f"{med(lambda x: x['raw']['write']):.2f}",
+        f"{med(lambda x: x['raw']['read']):.2f}",
+    )
+    tab.add_row(
+        "dd oflag/iflag=direct",
+        f"{med(lambda x: x['dd']['write']):.2f}",
+        f"{med(lambda x: x['dd']['read']):.2f}",
+    )
+    tab.add_row("engine swap (out + in, per direction)", f"{med(lambda x: x['swap']['both'] / 2):.2f}", "")
+    con.print(tab)
+    con.print(
+        f"optimizer step: {med(lambda x: x['step_s']):.2f} s, ideal {med(lambda x: x['step_ideal_s']):.2f} s"
+    )
+    targets = [
+        {"target": "engine swap / raw (time ratio)", "value": swap_eff, "limit": 0.85, "op": ">=", "result": "PASS" if swap_eff >= 0.85 else "MISS"},
+        {"target": "step / (bytes / bandwidth)", "value": step_ratio, "limit": 1.25, "result": "PASS" if step_ratio <= 1.25 else "MISS"},
+    ]  # fmt: skip
+    print_targets(con, "targets (issue 17)", targets)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rounds": rounds,
+                                 "swap_efficiency": swap_eff, "step_ratio": step_ratio,
+                                 "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}, indent=2))  # fmt: skip
+    con.print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zoff.config import OptimConfig
-from zoff.engine.disk_io import AlignedBuffer, SwapFile, wait
+from zoff.engine.disk_io import AlignedBuffer, SwapFile, aligned, wait
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel
 from zoff.engine.tiers import DiskTier
 from zoff.units import parse_size
@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/bench/bench_nvme.json"))
     a = ap.parse_args()
     numel, unit = parse_size(a.params, "--params"), parse_size(a.unit, "--unit")
-    nbytes, request = parse_size(a.file, "--file"), parse_size(a.request, "--request")
+    nbytes, request = aligned(parse_size(a.file, "--file")), aligned(parse_size(a.request, "--request"))
     work = a.path / f"zoff-bench-{os.getpid()}"
     work.mkdir(parents=True)
     con = Console()

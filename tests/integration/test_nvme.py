@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import torch
 from tests.harness import reference_run, run_zoff, tiny_cfg
 from zoff.config import IoConfig, OffloadOptimizerConfig, OptimConfig, ZeroConfig, config_from_dict
 from zoff.engine import build_engine
-from zoff.engine.disk_io import AlignedBuffer, SwapFile
+from zoff.engine.disk_io import AlignedBuffer, SwapFile, filesystem_type
 from zoff.errors import ConfigError
 from zoff.models.gpt import GPT
 
@@ -165,3 +167,65 @@ def test_the_disk_tier_holds_its_buffers_in_ram_not_the_shard(swap: Path) -> Non
     assert grew <= 1.10 * ram, (grew, ram)
     assert _meminfo("Cached") - cached < disk / 4, "the swap traffic went through the page cache"
     eng.close()
+
+
+def _ckpt_cfg(stage: int, micro: int, device: str, swap: Path, ckpt: Path) -> dict:
+    return tiny_cfg(
+        zero={"stage": stage, "reduce_bucket_size": 3000, "offload_optimizer": _offload(device, swap)},
+        data={"batch_size": micro},
+        train={"max_steps": 12, "grad_accum": 1, "global_batch_size": 12},
+        checkpoint={"dir": str(ckpt), "every_steps": 6, "keep_last": 5},
+    )
+
+
+@pytest.mark.slow
+def test_checkpoint_of_an_nvme_run_resumes_bitwise_and_at_another_world_size(
+    swap: Path, tmp_path: Path
+) -> None:
+    """Saved unit by unit from the swap files; resumed into swap files on 2 ranks (bit for bit against the
+    run that never stopped) and into CPU offload on 3 ranks (the states re-partitioned)."""
+    full = run_zoff(_ckpt_cfg(2, 6, "nvme", swap, tmp_path / "a"), 2, tmp_path)[0]
+    step6 = str(tmp_path / "a" / "step_00000006")
+    again = run_zoff(_ckpt_cfg(2, 6, "nvme", swap, tmp_path / "b"), 2, tmp_path, step6)[0]
+    assert again["start"] == 6 and again["losses"] == full["losses"][6:]
+    for name, p in full["params"].items():
+        assert torch.equal(again["params"][name], p), name
+    other = run_zoff(_ckpt_cfg(3, 4, "cpu", swap, tmp_path / "c"), 3, tmp_path, step6)[0]
+    for a, b in zip(other["losses"], full["losses"][6:]):
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+
+
+def test_a_path_in_memory_is_named_in_one_warning(capsys) -> None:
+    """tmpfs (which newer kernels let open O_DIRECT) keeps the swap file in RAM: the tier would save nothing."""
+    shm = Path("/dev/shm")
+    if filesystem_type(shm) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    where = Path(tempfile.mkdtemp(prefix="zoff-test-", dir=shm))
+    try:
+        SwapFile(where / "t.swap", 1 << 20).close()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    out = capsys.readouterr().out
+    assert out.count("warning") == 1 and f"{where} is on tmpfs, in memory" in out
+    assert filesystem_type(DISK) != "tmpfs" or not DISK.is_dir()
+
+
+def test_no_space_for_the_swap_file_is_an_error_naming_it(swap: Path) -> None:
+    """The space is reserved when the file is made (fallocate): a disk too small fails at start-up, naming
+    the file, never mid-step. RLIMIT_FSIZE stands in for a small disk, in a child process."""
+    code = f"""
+import resource, signal
+from pathlib import Path
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+from zoff.engine.disk_io import SwapFile
+try:
+    SwapFile(Path({str(swap)!r}) / "big.swap", 64 << 20)
+except OSError as e:
+    print("ERR", e)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ERR zoff: cannot reserve 67,108,864 bytes in" in p.stdout and "big.swap" in p.stdout, (
+        p.stdout + p.stderr
+    )
+    assert not (swap / "big.swap").exists()  # nothing left behind

@@ -54,13 +54,16 @@ class SwapFile:
             self.direct = False
             self.fd = os.open(path, flags, 0o600)
             print(f"zoff: warning: {path.parent} does not support O_DIRECT; swapping through the page cache")
+        fs = filesystem_type(path.parent)
+        if fs in ("tmpfs", "ramfs"):
+            print(f"zoff: warning: {path.parent} is on {fs}, in memory: the disk tier saves no RAM there")
         try:
             os.posix_fallocate(self.fd, 0, self.nbytes)  # the space is claimed now: ENOSPC here, not mid-step
         except OSError as e:
             os.close(self.fd)
             path.unlink(missing_ok=True)
-            raise OSError(
-                e.errno, f"zoff: cannot reserve {self.nbytes:,} bytes in {path}: {e.strerror}"
+            raise _os_error(
+                e, f"zoff: cannot reserve {self.nbytes:,} bytes in {path}: {e.strerror}"
             ) from None
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io")
         self.read_bytes = self.written_bytes = 0
@@ -92,6 +95,28 @@ class SwapFile:
             self.path.unlink(missing_ok=True)
 
 
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding `path` (the longest mount point above it in /proc/self/mounts)."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return "unknown"
+    target = str(path.resolve())
+    best = max(
+        (m for m in mounts if target == m[0] or target.startswith(m[0].rstrip("/") + "/")),
+        key=lambda m: len(m[0]),
+        default=("", "unknown"),
+    )
+    return best[1]
+
+
+def _os_error(cause: OSError, message: str) -> OSError:
+    """An OSError that reads as its one-line message (no "[Errno N]" prefix) and keeps the errno."""
+    err = OSError(message)
+    err.errno = cause.errno
+    return err
+
+
 def _full(op, fd: int, mv: memoryview, offset: int, path: Path) -> None:
     """One request, retried until every byte moved (preadv/pwritev may return short counts)."""
     done = 0
@@ -99,8 +124,8 @@ def _full(op, fd: int, mv: memoryview, offset: int, path: Path) -> None:
         try:
             n = op(fd, [mv[done:]], offset + done)
         except OSError as e:
-            raise OSError(
-                e.errno, f"zoff: swap I/O failed on {path} at byte {offset + done:,}: {e.strerror}"
+            raise _os_error(
+                e, f"zoff: swap I/O failed on {path} at byte {offset + done:,}: {e.strerror}"
             ) from None
         if n <= 0:
             raise OSError(f"zoff: swap file {path} ended at byte {offset + done:,}")

@@ -192,12 +192,14 @@ def _preflight(cfg: Config) -> None:
 
     from zoff.data import preflight as preflight_data
     from zoff.models import build_model, enable_activation_checkpointing
+    from zoff.planning.memory import check_swap_path
 
     with torch.device("meta"):
         model = build_model(cfg.model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     preflight_data(cfg.data)
+    check_swap_path(cfg, model)
     if cfg.log.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401

@@ -18,7 +18,7 @@ from tests.harness import reference_run, run_zoff, tiny_cfg
 from zoff.config import IoConfig, OffloadOptimizerConfig, OptimConfig, ZeroConfig, config_from_dict
 from zoff.engine import build_engine
 from zoff.engine.disk_io import AlignedBuffer, SwapFile, filesystem_type
-from zoff.errors import ConfigError
+from zoff.errors import ConfigError, UserError
 from zoff.models.gpt import GPT
 
 DISK = Path(os.environ.get("ZOFF_TEST_NVME_DIR", "/var/tmp"))  # a real disk: /tmp may be tmpfs elsewhere
@@ -229,3 +229,37 @@ except OSError as e:
         p.stdout + p.stderr
     )
     assert not (swap / "big.swap").exists()  # nothing left behind
+
+
+def test_train_refuses_a_missing_swap_path_before_any_rank_starts(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "train", "tiny", "zero=zero2-nvme",
+         f"zero.offload_optimizer.nvme_path={missing}", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (
+        f"zoff: error: zero.offload_optimizer.nvme_path: {missing} does not exist (create it on a local disk)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_too_little_space_names_the_path_and_both_sizes(swap: Path, monkeypatch) -> None:
+    cfg = config_from_dict(
+        tiny_cfg(zero={"stage": 2, "offload_optimizer": _offload("nvme", swap)}, launch={"nproc_per_node": 2})
+    )
+    from zoff.models import meta_model
+    from zoff.planning import memory
+
+    model = meta_model(cfg.model)
+    memory.check_swap_path(cfg, model)  # a real disk has the room
+    monkeypatch.setattr(memory.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 4096))
+    with pytest.raises(
+        UserError, match=rf"nvme_path: {swap} has 4.0 KiB free; this node's swap files need .*B"
+    ):
+        memory.check_swap_path(cfg, model)
+    (swap / "f").touch()
+    a_file = config_from_dict(tiny_cfg(zero={"stage": 2, "offload_optimizer": _offload("nvme", swap / "f")}))
+    with pytest.raises(UserError, match="is not a folder"):
+        memory.check_swap_path(a_file, model)

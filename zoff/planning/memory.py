@@ -10,15 +10,19 @@ from a saved-tensor probe forward on the meta device. No process group, no real 
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from torch import nn
 
-from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
+from zoff.config import Config, DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (  # the policy table and its memory terms, which the engine reads as well
     POLICIES,
     Policy,
+    disk_bytes,
     engine_plan,
     frozen_param_bytes,
     host_staging,
@@ -296,3 +300,25 @@ def _budget_text(b: Budget) -> str:
     if b.shared:
         return f"{human(b.cpu)} of host memory shared by the ranks"
     return f"{human(b.gpu)} per GPU and {human(b.cpu)} CPU per node"
+
+
+def check_swap_path(cfg: Config, model: nn.Module) -> None:
+    """Before any rank starts: the disk tier's nvme_path exists, is a writable folder and has room for this
+    node's swap files (every local rank's states); a UserError naming the path and the bytes otherwise."""
+    oo = cfg.zero.offload_optimizer
+    if oo.device != "nvme":
+        return
+    path = Path(oo.nvme_path).expanduser()
+    key = "zero.offload_optimizer.nvme_path"
+    if not path.is_dir():
+        raise UserError(
+            f"{key}: {path} {'is not a folder' if path.exists() else 'does not exist'} (create it on a local disk)"
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{key}: {path} is not writable")
+    world = cfg.launch.nproc_per_node * int(cfg.launch.nnodes.split(":")[0])
+    plan = engine_plan(model, cfg.zero.stage, world, cfg.zero)
+    need = cfg.launch.nproc_per_node * disk_bytes(plan, Policy.of(cfg.zero))
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise UserError(f"{key}: {path} has {human(free)} free; this node's swap files need {human(need)}")

@@ -66,6 +66,8 @@ steps=(
 for r in zero0 zero1 zero2 zero3 zero2-offload zero3-offload; do
     steps+=("train-$r|zoff train $r (world $world)|$(q "$py") -m zoff train configs/quickstart.yaml zero=$r launch.nproc_per_node=$world train.max_steps=30 log.progress=false --run-dir $(q "$out/train-$r")")
 done
+# The disk tier on a GPU machine: states swapped from local disk, gradients down and parameters up via staging.
+steps+=("train-zero2-nvme|zoff train zero2-nvme (world $world)|mkdir -p $(q "$out/nvme") && $(q "$py") -m zoff train configs/quickstart.yaml zero=zero2-nvme zero.offload_optimizer.nvme_path=$(q "$out/nvme") launch.nproc_per_node=$world train.max_steps=30 log.progress=false --run-dir $(q "$out/train-zero2-nvme")")
 steps+=("bench-adam|CPU Adam benchmark (host)|$(q "$py") scripts/bench_adam.py --sizes 16M,64M --rounds 5 --out $(q "$out/bench_adam.json")")
 
 commit=$(git rev-parse --short HEAD 2>/dev/null) || commit=unknown

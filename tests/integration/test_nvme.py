@@ -263,3 +263,26 @@ def test_too_little_space_names_the_path_and_both_sizes(swap: Path, monkeypatch)
     a_file = config_from_dict(tiny_cfg(zero={"stage": 2, "offload_optimizer": _offload("nvme", swap / "f")}))
     with pytest.raises(UserError, match="is not a folder"):
         memory.check_swap_path(a_file, model)
+
+
+def test_the_estimates_nvme_row_is_what_a_run_measures(swap: Path) -> None:
+    """`zoff estimate`'s RAM and disk bytes for an NVMe policy against an engine's memory_report (the
+    swap file as allocated, the unit buffers as mapped)."""
+    from zoff.planning import memory
+
+    cfg = config_from_dict(
+        tiny_cfg(zero={"stage": 2, "reduce_bucket_size": 3000, "offload_optimizer": _offload("nvme", swap)})
+    )
+    row = memory.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 1, "cpu").get(memory.Policy(2, "nvme"))
+    torch.manual_seed(0)
+    eng = build_engine(
+        memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=cfg.train.grad_clip, grad_accum=2
+    )
+    mem = eng.memory_report()
+    assert row.disk == mem["disk_optimizer_states"] == eng.optimizer.states.file.nbytes
+    assert (
+        row.cpu["optimizer_states"]
+        == mem["cpu_optimizer_states"]
+        == sum(b.nbytes for b in eng.optimizer.states.buffers)
+    )
+    eng.close()

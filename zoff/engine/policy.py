@@ -42,8 +42,8 @@ class Policy:
         """The recipe names: zero2-offload, zero3-offload (both offloads); zero3-offload-opt (optimizer only)."""
         if self.offload_optimizer == "none":
             return f"zero{self.stage}"
-        if self.offload_optimizer == "nvme":
-            return f"zero{self.stage}-nvme"
+        if self.offload_optimizer == "nvme":  # parameters offloaded to host memory beside it: say so
+            return f"zero{self.stage}-nvme" + ("+param-cpu" if self.offload_param == "cpu" else "")
         return f"zero{self.stage}-offload" + (
             "-opt" if self.stage == 3 and self.offload_param == "none" else ""
         )
@@ -118,7 +118,7 @@ class Policy:
 
 def _valid(ac: bool) -> list[Policy]:
     stages = range(4)
-    combos = [(s, o, p) for s in stages for o in ("none", "cpu") for p in ("none", "cpu")]
+    combos = [(s, o, p) for s in stages for o in ("none", "cpu", "nvme") for p in ("none", "cpu")]
     return [pol for pol in (Policy(*c, ac) for c in combos) if pol.invalid() is None]
 
 

@@ -93,7 +93,7 @@ def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig,
         "policies": [
             {**pe.policy.to_dict(), "name": pe.policy.name, "gpu_bytes": pe.gpu_bytes,
              "cpu_bytes_per_node": pe.cpu_bytes_per_node, "gpu": dict(pe.gpu), "cpu": dict(pe.cpu),
-             "pinned_bytes_per_node": pe.pinned * pe.local_ranks,
+             "pinned_bytes_per_node": pe.pinned * pe.local_ranks, "disk_bytes_per_node": pe.disk * pe.local_ranks,
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train)}
             for pe in est.policies
         ],
@@ -108,15 +108,15 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
     title = (
         f"{est.params:,} params ({est.trainable_params:,} trainable), {est.precision}, "
         f"{est.gpus_per_node} GPU(s) x {est.nodes} node(s) = world size {est.world_size}"
     )
     table = Table(title=title, title_justify="left")
     for col in ("policy", "act.ckpt", "params", "grads", "optim", "buffers", "activations", "GPU total",
-                "CPU/node", "pinned/node", "fits"):  # fmt: skip
-        table.add_column(col, justify="left" if col in ("policy", "act.ckpt") else "right")
+                "CPU/node", "pinned/node", "disk/node", "fits"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("policy", "act.ckpt") else "right", no_wrap=True)
     for pe in est.policies:
         configured = _is_configured(pe.policy, zero, train)
         fits = pe.fits(budget)
@@ -125,7 +125,7 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
             ("▶ " if configured else "  ") + pe.policy.name,
             "on" if pe.policy.activation_checkpointing else "off",
             *(human(g[k]) for k in GPU_KEYS), human(pe.gpu_bytes), human(pe.cpu_bytes_per_node),
-            human(pe.pinned * pe.local_ranks),
+            human(pe.pinned * pe.local_ranks), human(pe.disk * pe.local_ranks) if pe.disk else "-",
             "yes" if fits else "no",
             style="bold" if configured else (None if fits else "dim"),
         )  # fmt: skip

@@ -73,6 +73,7 @@ class PolicyEstimate:
     cpu: dict[str, int]  # per node: the sum over its local ranks
     local_ranks: int
     pinned: int = 0  # page-locked host bytes per rank (a part of cpu: hosts cap it, and it cannot swap)
+    disk: int = 0  # the disk tier's swap file per rank (nvme policies)
 
     @property
     def gpu_bytes(self) -> int:
@@ -224,7 +225,7 @@ def estimate(
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
-        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned))
+        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk_bytes(plan, pol)))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (

@@ -286,3 +286,16 @@ def test_the_estimates_nvme_row_is_what_a_run_measures(swap: Path) -> None:
         == sum(b.nbytes for b in eng.optimizer.states.buffers)
     )
     eng.close()
+
+
+def test_a_stale_swap_file_is_reclaimed_not_reused(swap: Path) -> None:
+    """A killed run leaves its swap file behind; the next run truncates it and starts from the live
+    parameters (results equal to CPU offload), never reading what was there."""
+    stale = swap / "rank0" / "optimizer.swap"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"\x7f" * (8 << 20))  # NaN-ish junk where the states would be read from
+    want_losses, want, _ = _engine_run(2, "fp32", "cpu", swap)
+    losses, got, eng = _engine_run(2, "fp32", "nvme", swap)
+    assert losses == want_losses and all(torch.equal(got[k], v) for k, v in want.items())
+    assert stale.stat().st_size == eng.optimizer.states.file.nbytes  # rewritten at this run's size
+    eng.close()

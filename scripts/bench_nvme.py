@@ -31,27 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 from zoff.config import OptimConfig
-from zoff.engine.disk_io import AlignedBuffer, SwapFile, aligned, wait
+from zoff.engine.disk_io import aligned
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel
 from zoff.engine.tiers import DiskTier
+from zoff.planning.bench_io import raw_bandwidth, swap_bandwidth
 from zoff.units import parse_size
-
-
-def raw(path: Path, nbytes: int, threads: int, request: int) -> dict[str, float]:
-    """Write then read `nbytes` sequentially with the engine's I/O (no units, no compute): GB/s each way."""
-    f = SwapFile(path / "raw.swap", nbytes, threads, request)
-    buf = AlignedBuffer(min(nbytes, 256 << 20))
-    buf.bytes.fill_(7)
-    out = {}
-    for kind, op in (("write", f.write), ("read", f.read)):
-        t0 = time.perf_counter()
-        for off in range(0, nbytes, buf.nbytes):
-            wait(op(buf.bytes[: min(buf.nbytes, nbytes - off)], off))
-        if kind == "write":
-            os.fsync(f.fd)
-        out[kind] = nbytes / (time.perf_counter() - t0) / 1e9
-    f.close()
-    return out
 
 
 def dd(path: Path, nbytes: int) -> dict[str, float]:
@@ -79,21 +63,6 @@ def make_optimizer(
         shards, runs, OptimConfig(lr=1e-4), tier, cpu_fused_kernel, threads=torch.get_num_threads()
     )
     return opt, [torch.randn_like(s) * 1e-3 for s in shards]
-
-
-def swap(opt: ShardOptimizer) -> dict[str, float]:
-    """The engine's own swap: every unit read in (with read-ahead) and written back, no compute."""
-    st = opt.states
-    r0, w0, t0 = st.file.read_bytes, st.file.written_bytes, time.perf_counter()
-    n = len(opt.shards)
-    for i in range(n):
-        with st.open(i, i + 1 if i + 1 < n else None):
-            pass
-    st._drain()
-    os.fsync(st.file.fd)
-    dt = time.perf_counter() - t0
-    moved = (st.file.read_bytes - r0) + (st.file.written_bytes - w0)
-    return {"both": moved / dt / 1e9, "seconds": dt, "bytes": moved}
 
 
 def step(opt: ShardOptimizer, grads: list) -> float:
@@ -126,8 +95,8 @@ def main() -> None:
         opt, grads = make_optimizer(work / "tier", numel, unit, a.threads, request)
         rounds = []
         for r in range(a.rounds):
-            row = {"raw": raw(work, nbytes, a.threads, request), "dd": dd(work, nbytes)}
-            row["swap"] = swap(opt)
+            row = {"raw": raw_bandwidth(work, nbytes, a.threads, request >> 20), "dd": dd(work, nbytes)}
+            row["swap"] = swap_bandwidth(opt.states)
             row["step_s"] = step(opt, grads)
             moved = 12 * numel
             row["step_ideal_s"] = moved / (row["raw"]["read"] * 1e9) + moved / (row["raw"]["write"] * 1e9)

@@ -186,6 +186,19 @@ def plot(
     print(f"zoff: wrote {out}")
 
 
+@app.command("bench-io")
+def bench_io(
+    path: Path = typer.Argument(..., help="A folder on the disk the disk tier would use (nvme_path)"),
+    size: str = typer.Option("1GiB", "--size", help="Bytes per measurement (e.g. 1GiB, 4GiB)"),
+) -> None:
+    """Measure a path's O_DIRECT bandwidth and the disk tier's swap throughput; suggest its io: setting."""
+    from zoff.planning.bench_io import run
+    from zoff.units import parse_size
+
+    for line in run(path, parse_size(size, "--size")):
+        print(line, flush=True)
+
+
 def _preflight(cfg: Config) -> None:
     """Catch what would otherwise fail inside every worker: the model factory and the data files."""
     import torch

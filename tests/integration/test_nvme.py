@@ -299,3 +299,21 @@ def test_a_stale_swap_file_is_reclaimed_not_reused(swap: Path) -> None:
     assert losses == want_losses and all(torch.equal(got[k], v) for k, v in want.items())
     assert stale.stat().st_size == eng.optimizer.states.file.nbytes  # rewritten at this run's size
     eng.close()
+
+
+def test_bench_io_measures_a_path_and_suggests_a_setting(swap: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "bench-io", str(swap), "--size", "8MiB"], capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert lines[0].startswith(f"zoff bench-io {swap} (")
+    assert sum("raw O_DIRECT" in line and "GB/s" in line for line in lines) == 5
+    assert any("engine swap" in line for line in lines)
+    assert lines[-1].startswith("suggested: zero.offload_optimizer.io.threads=")
+    assert list(swap.iterdir()) == []  # its files are gone
+    bad = subprocess.run(
+        [sys.executable, "-m", "zoff", "bench-io", str(swap / "no")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and bad.stderr.strip() == f"zoff: error: PATH: {swap / 'no'} is not a folder"

@@ -1,0 +1,94 @@
+"""`zoff bench-io PATH`: what the disk tier can expect from a path, measured with the tier's own I/O.
+
+For a few (threads, request size) settings: sequential O_DIRECT write then read of a file through
+disk_io.SwapFile, the engine's I/O alone; then the engine's swap of whole units (tiers.SwappedStates, reads and
+writes overlapping as in a step) at the best setting. Prints them side by side with the `io:` setting to use.
+scripts/bench_nvme.py adds dd as an outside reference and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from zoff.engine.disk_io import AlignedBuffer, SwapFile, aligned, filesystem_type, wait
+from zoff.engine.tiers import SwappedStates
+from zoff.errors import UserError
+
+SETTINGS = ((1, 1), (4, 1), (4, 8), (8, 8), (8, 32))  # (threads, request MiB)
+
+
+def raw_bandwidth(folder: Path, nbytes: int, threads: int, request_mb: int) -> dict[str, float]:
+    """Write then read `nbytes` sequentially with the engine's I/O: GB/s each way (the write fsynced)."""
+    nbytes = aligned(nbytes)
+    f = SwapFile(folder / "bench-io.swap", nbytes, threads, request_mb << 20)
+    buf = AlignedBuffer(min(nbytes, 256 << 20))
+    buf.bytes.fill_(7)
+    out = {}
+    try:
+        for kind, op in (("write", f.write), ("read", f.read)):
+            t0 = time.perf_counter()
+            for off in range(0, nbytes, buf.nbytes):
+                wait(op(buf.bytes[: min(buf.nbytes, nbytes - off)], off))
+            if kind == "write":
+                os.fsync(f.fd)
+            out[kind] = nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        f.close()
+    return out
+
+
+def swap_bandwidth(states: SwappedStates) -> dict[str, float]:
+    """Every unit read in (with read-ahead) and written back, no compute: GB/s of both directions together."""
+    r0, w0, t0 = states.file.read_bytes, states.file.written_bytes, time.perf_counter()
+    n = len(states.numel)
+    for i in range(n):
+        with states.open(i, i + 1 if i + 1 < n else None):
+            pass
+    states._drain()
+    os.fsync(states.file.fd)
+    dt = time.perf_counter() - t0
+    moved = (states.file.read_bytes - r0) + (states.file.written_bytes - w0)
+    return {"both": moved / dt / 1e9, "seconds": dt, "bytes": moved}
+
+
+def run(path: Path, nbytes: int, unit_params: int = 8 << 20) -> list[str]:
+    """Measure `path`; the lines to print (a table and the suggested setting)."""
+    if not path.is_dir():
+        raise UserError(f"PATH: {path} is not a folder")
+    if shutil.disk_usage(path).free < 2 * nbytes:
+        raise UserError(f"PATH: {path} has less than {2 * nbytes:,} bytes free for the measurement (--size)")
+    work = Path(tempfile.mkdtemp(prefix="zoff-bench-io-", dir=path))
+    lines = [f"zoff bench-io {path} ({filesystem_type(path)}), {nbytes / 2**30:.1f} GiB per measurement"]
+    try:
+        results = []
+        for threads, mb in SETTINGS:
+            r = raw_bandwidth(work, nbytes, threads, mb)
+            results.append((threads, mb, r))
+            lines.append(
+                f"  raw O_DIRECT  threads {threads:2d} x {mb:2d} MiB: write {r['write']:6.2f} GB/s, read {r['read']:6.2f} GB/s"
+            )
+        threads, mb, best = max(results, key=lambda x: x[2]["read"] + x[2]["write"])
+        numel = nbytes // 12
+        shards = [torch.zeros(min(unit_params, numel - a)) for a in range(0, numel, unit_params)]
+        states = SwappedStates(shards, work, lambda s, d: d.copy_(s), threads=threads, request_bytes=mb << 20)
+        try:
+            sw = swap_bandwidth(states)
+        finally:
+            states.close()
+        lines.append(
+            f"  engine swap   threads {threads:2d} x {mb:2d} MiB: {sw['both'] / 2:6.2f} GB/s each way "
+            f"({sw['both']:.2f} GB/s reads and writes together; raw one way at a time: write {best['write']:.2f}, "
+            f"read {best['read']:.2f})"
+        )
+        lines.append(
+            f"suggested: zero.offload_optimizer.io.threads={threads} zero.offload_optimizer.io.request_mb={mb}"
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return lines

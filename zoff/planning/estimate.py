@@ -94,6 +94,9 @@ def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig,
             {**pe.policy.to_dict(), "name": pe.policy.name, "gpu_bytes": pe.gpu_bytes,
              "cpu_bytes_per_node": pe.cpu_bytes_per_node, "gpu": dict(pe.gpu), "cpu": dict(pe.cpu),
              "pinned_bytes_per_node": pe.pinned * pe.local_ranks, "disk_bytes_per_node": pe.disk * pe.local_ranks,
+             # every step reads each swap file once and writes it once (master and both moments)
+             "disk_read_bytes_per_step_per_node": pe.disk * pe.local_ranks,
+             "disk_written_bytes_per_step_per_node": pe.disk * pe.local_ranks,
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train)}
             for pe in est.policies
         ],
@@ -136,10 +139,23 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
         f"activations: {est.activation_method}, for the configured micro-batch; ▶ = the configured policy",
         _startup_text(est, budget),
         *(f"note: {note}" for note in est.notes),
+        *_disk_note(est),
         *([f"suggested: {suggestion[1]}"] if suggestion else []),
     ]
     for line in lines:
         console.print(line, soft_wrap=True)
+
+
+def _disk_note(est: Estimate) -> list[str]:
+    """What the disk tier costs the disk: each step reads and rewrites every swap file (SSD wear)."""
+    disk = max((pe.disk * pe.local_ranks for pe in est.policies), default=0)
+    if not disk:
+        return []
+    per_day = disk * 86400 / 10
+    return [
+        f"nvme rows: each step reads and writes the node's swap files once ({human(disk)} each way per node "
+        f"at the largest); at one step every 10 s that is {per_day / 1e12:,.1f} TB written per node per day"
+    ]
 
 
 def _startup_text(est: Estimate, budget: Budget) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -317,3 +318,38 @@ def test_bench_io_measures_a_path_and_suggests_a_setting(swap: Path) -> None:
         [sys.executable, "-m", "zoff", "bench-io", str(swap / "no")], capture_output=True, text=True
     )
     assert bad.returncode == 2 and bad.stderr.strip() == f"zoff: error: PATH: {swap / 'no'} is not a folder"
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_rank_on_an_nvme_run_resumes_by_itself_bit_identically(
+    agents, swap: Path, tmp_path: Path
+) -> None:
+    """A worker killed mid-run (its swap file half written) restarts from the last checkpoint into fresh
+    swap files and ends bit for bit where the uninterrupted NVMe run ends; no swap file is left behind."""
+    from tests.processes import (
+        RESTART_ENV,
+        assert_bit_identical,
+        events,
+        final_tensors,
+        last_step,
+        losses,
+        wait_for,
+    )
+
+    steps = 40
+    cfg = lambda d: ("zero=zero2-nvme", f"zero.offload_optimizer.nvme_path={d}", "launch.threads_per_rank=1",  # noqa: E731
+                     "train.log_every=1", f"train.max_steps={steps}", "checkpoint.every_steps=5")  # fmt: skip
+    (swap / "ref").mkdir()
+    (swap / "kill").mkdir()
+    ref = agents(tmp_path / "ref", *cfg(swap / "ref")).ok()
+    assert ref is not None
+    run = tmp_path / "run"
+    a = agents(run, *cfg(swap / "kill"), "--max-restarts", "1", env=RESTART_ENV)
+    workers = a.wait_workers(2)
+    wait_for(lambda: last_step(run) >= 12, "step 12", a)
+    os.kill(workers[1], signal.SIGKILL)
+    a.ok(failures=True)
+    assert [e["restart"] for e in events(run, "resume")] == [1]  # it did die and come back
+    assert losses(run) == losses(tmp_path / "ref")
+    assert_bit_identical(final_tensors(run, steps), final_tensors(tmp_path / "ref", steps))
+    assert list((swap / "kill").iterdir()) == [] and list((swap / "ref").iterdir()) == []

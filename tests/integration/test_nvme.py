@@ -353,3 +353,30 @@ def test_sigkill_of_a_rank_on_an_nvme_run_resumes_by_itself_bit_identically(
     assert losses(run) == losses(tmp_path / "ref")
     assert_bit_identical(final_tensors(run, steps), final_tensors(tmp_path / "ref", steps))
     assert list((swap / "kill").iterdir()) == [] and list((swap / "ref").iterdir()) == []
+
+
+def test_zero_auto_turns_to_the_disk_when_host_memory_cannot_hold_the_states(swap: Path) -> None:
+    """With an nvme_path that has room, `zero: auto` picks the disk tier once even CPU offload does not fit
+    the host; without one, it reports that nothing fits."""
+    from zoff.planning import memory
+
+    zero = {
+        "stage": 2,
+        "reduce_bucket_size": 200_000,
+        "offload_optimizer": {**_offload("nvme", swap), "staging_mb": 1},
+    }
+    model = {"n_layer": 4, "n_head": 4, "d_model": 256}  # 3M params: states 18 MB per rank, 2.4 MB units
+    cfg = config_from_dict(tiny_cfg(zero=zero, model=model))
+    est = memory.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 2, 1, "cuda")
+    offload = est.get(memory.Policy(2, "cpu"))
+    nvme = est.get(memory.Policy(2, "nvme"))
+    gpu = nvme.gpu_bytes  # the GPUs hold ZeRO-2's parameters but not ZeRO-3's optimizer states
+    cpu = nvme.cpu_bytes_per_node + 1
+    assert offload.cpu_bytes_per_node > cpu  # so host memory holds the disk tier's RAM, not CPU offload's
+    got = memory.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 2, gpu, cpu, device_type="cuda")
+    assert got[1] == "nvme" and "disk for swap files" in got[4]
+    no_path = config_from_dict(tiny_cfg(zero={**zero, "offload_optimizer": {"staging_mb": 1}}, model=model))
+    with pytest.raises(UserError, match="zero: auto: no policy fits"):
+        memory.resolve_auto(
+            no_path.model, no_path.data, no_path.train, no_path.zero, 2, gpu, cpu, device_type="cuda"
+        )

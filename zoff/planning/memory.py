@@ -48,6 +48,8 @@ CPU_KEYS = ("params", "grads", "optimizer_states")
 # a policy is tried with recompute before falling to the next one.
 _ORDER = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none")]
 _SLOW = [(2, "cpu", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]
+# Last, when even host memory cannot hold the states: the disk tier (only with an nvme_path that has room).
+_SLOW += [(2, "nvme", "none"), (3, "nvme", "none"), (3, "nvme", "cpu")]
 SUGGEST_ORDER = tuple(
     [Policy(*p, False) for p in _ORDER]
     + [Policy(*p, True) for p in _ORDER]
@@ -64,6 +66,7 @@ class Budget:
     shared: bool = False
     gpu_source: str = "given"
     cpu_source: str = "given"
+    disk: int = 0  # free bytes at zero.offload_optimizer.nvme_path (0: no disk tier to offer)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class PolicyEstimate:
         return sum(self.cpu.values())
 
     def fits(self, budget: Budget) -> bool:
+        if self.disk * self.local_ranks > budget.disk:  # an nvme policy needs a path with room for it
+            return False
         if budget.shared:
             return self.local_ranks * self.gpu_bytes + self.cpu_bytes_per_node <= budget.cpu
         return self.gpu_bytes <= budget.gpu and self.cpu_bytes_per_node <= budget.cpu
@@ -265,7 +270,8 @@ def _label(p: Policy) -> str:
 
 
 def _needs(pe: PolicyEstimate) -> str:
-    return f"{human(pe.gpu_bytes)} per GPU, {human(pe.cpu_bytes_per_node)} CPU per node"
+    disk = f", {human(pe.disk * pe.local_ranks)} disk per node" if pe.disk else ""
+    return f"{human(pe.gpu_bytes)} per GPU, {human(pe.cpu_bytes_per_node)} CPU per node{disk}"
 
 
 def resolve_auto(
@@ -290,7 +296,9 @@ def resolve_auto(
     if world % local:
         raise UserError(f"zero: auto: world size {world} is not a multiple of {local} ranks per node")
     est = estimate(model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type)
-    pe, reason = suggest_policy(est, Budget(gpu_bytes, cpu_bytes, shared))
+    path = zero_cfg.offload_optimizer.nvme_path
+    disk = shutil.disk_usage(path).free if path and Path(path).expanduser().is_dir() else 0
+    pe, reason = suggest_policy(est, Budget(gpu_bytes, cpu_bytes, shared, disk=disk))
     if pe is None:
         raise UserError(f"zero: auto: {reason}")
     p = pe.policy
@@ -298,9 +306,10 @@ def resolve_auto(
 
 
 def _budget_text(b: Budget) -> str:
+    disk = f" and {human(b.disk)} of disk for swap files" if b.disk else ""
     if b.shared:
-        return f"{human(b.cpu)} of host memory shared by the ranks"
-    return f"{human(b.gpu)} per GPU and {human(b.cpu)} CPU per node"
+        return f"{human(b.cpu)} of host memory shared by the ranks{disk}"
+    return f"{human(b.gpu)} per GPU and {human(b.cpu)} CPU per node{disk}"
 
 
 def check_swap_path(cfg: Config, model: nn.Module) -> None:

@@ -38,11 +38,11 @@ def _offload(device: str, swap: Path, delay: bool = False) -> dict:
             "io": {"threads": 2, "request_mb": 1}}  # fmt: skip
 
 
-def _engine_run(stage: int, precision: str, device: str, swap: Path, steps: int = 5):
+def _engine_run(stage: int, precision: str, device: str, swap: Path, steps: int = 5, bucket: int = 1500):
     torch.manual_seed(0)
     model = GPT(2, 2, 32, 64, 16)
     zero = ZeroConfig(
-        stage=stage, reduce_bucket_size=1500, param_persistence_threshold=64,
+        stage=stage, reduce_bucket_size=bucket, param_persistence_threshold=64,
         offload_optimizer=OffloadOptimizerConfig(
             device=device, nvme_path=str(swap) if device == "nvme" else None, io=IoConfig(threads=2, request_mb=1)
         ),
@@ -380,3 +380,23 @@ def test_zero_auto_turns_to_the_disk_when_host_memory_cannot_hold_the_states(swa
         memory.resolve_auto(
             no_path.model, no_path.data, no_path.train, no_path.zero, 2, gpu, cpu, device_type="cuda"
         )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_units_larger_than_a_subgroup_are_stepped_in_pieces(precision: str, swap: Path, monkeypatch) -> None:
+    """A unit bigger than io.subgroup_mb is read, stepped, published and written back piece by piece (RAM is
+    three pieces, not three units), with the same numbers as CPU offload."""
+    import zoff.engine.zero as zero_mod
+
+    want_losses, want, _ = _engine_run(2, precision, "cpu", swap, bucket=50_000)
+    monkeypatch.setattr(zero_mod, "subgroup_of", lambda zero: 4096)  # io.subgroup_mb's floor is 1 MiB
+    losses, got, eng = _engine_run(2, precision, "nvme", swap, bucket=50_000)
+    states = eng.optimizer.states
+    assert any(len(states.spans(i)) > 1 for i in range(len(eng.plan.units)))
+    assert (
+        sum(b.nbytes for b in states.buffers)
+        == 3 * 3 * 4 * 4096
+        < 3 * 12 * max(u.shard for u in eng.plan.units)
+    )
+    assert losses == want_losses and all(torch.equal(got[k], v) for k, v in want.items())
+    eng.close()

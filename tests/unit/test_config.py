@@ -442,7 +442,7 @@ def test_dump_has_every_section_fully_resolved():
         "offload_optimizer": {
             "device": "cpu",
             "nvme_path": None,
-            "io": {"threads": 4, "request_mb": 8},
+            "io": {"threads": 4, "request_mb": 8, "subgroup_mb": 96},
             "pin_memory": True,
             "staging_mb": 64,
             "delay_update": False,

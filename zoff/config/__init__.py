@@ -58,10 +58,14 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class IoConfig:
-    """The disk tier's I/O (engine/disk_io.py): parallel O_DIRECT requests of request_mb each."""
+    """The disk tier's I/O (engine/disk_io.py): parallel O_DIRECT requests of request_mb each, sub-groups of
+    subgroup_mb of optimizer state."""
 
     threads: int = field(default=4, metadata=_rng(1, 64))
     request_mb: int = field(default=8, metadata=_rng(1, 1024))
+    # the optimizer steps its shard in sub-groups of at most this much state (master + moments): RAM holds
+    # three of them (stepped, read ahead, written back), whatever the size of a unit
+    subgroup_mb: int = field(default=96, metadata=_rng(1))
 
 
 @dataclass(frozen=True)

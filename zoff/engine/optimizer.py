@@ -137,15 +137,16 @@ class ShardOptimizer:
         self,
         grads: list[torch.Tensor],
         lr: float,
-        on_unit: Callable[[int], None] | None = None,
+        on_unit: Callable[[int, int | None, torch.Tensor | None], None] | None = None,
         runs: list[list[StepRun]] | None = None,
     ) -> bool:
         """Update the masters from the (clipped, unscaled) gradient shards.
 
         `runs` (default: every run at this step's count) says what to update at which Adam step. Returns True
         when the update runs in the background (DPU past its warm-up of synchronous steps): the caller
-        publishes it only after finish(); otherwise `on_unit(i)` runs as soon as shard i is updated (the engine
-        starts its all-gather there).
+        publishes it only after finish(); otherwise `on_unit(i, lo, master)` runs for each updated piece of unit i
+        (its master resident, starting at element lo) and `on_unit(i, None, None)` once the unit is done (the
+        engine starts its all-gather there).
         """
         self.finish()
         grads = self.tier.to_kernel(grads)
@@ -178,23 +179,31 @@ class ShardOptimizer:
         grads: list[torch.Tensor],
         lr: float,
         runs: list[list[StepRun]],
-        on_unit: Callable[[int], None] | None = None,
+        on_unit: Callable[[int, int | None, torch.Tensor | None], None] | None = None,
     ) -> None:
         c = self.cfg
         for i, unit_runs in enumerate(runs):
             out = self.out16[i] if self.out16 is not None else None
-            following = i + 1 if i + 1 < len(runs) else None  # read ahead while this unit steps
-            with self.states.open(i, following) as (master, m, v):
-                for a, b, decay, step in unit_runs:
-                    if b <= a:
-                        continue
-                    self.kernel(
-                        master[a:b], grads[i][a:b], m[a:b], v[a:b], step=step, lr=lr,
-                        weight_decay=c.weight_decay if decay else 0.0, cfg=c, threads=self.threads,
-                        out16=None if out is None else out[a:b],
-                    )  # fmt: skip
-                if on_unit is not None:
-                    on_unit(i, master)
+            spans = self.states.spans(i)
+            for j, (k, lo, hi) in enumerate(spans):  # pieces: the unit, or its sub-groups on the disk tier
+                following = spans[j + 1][0] if j + 1 < len(spans) else self._first_piece(i + 1, len(runs))
+                with self.states.open(k, following) as (master, m, v):
+                    for a, b, decay, step in unit_runs:
+                        a, b = max(a, lo), min(b, hi)
+                        if b <= a:
+                            continue
+                        self.kernel(
+                            master[a - lo : b - lo], grads[i][a:b], m[a - lo : b - lo], v[a - lo : b - lo],
+                            step=step, lr=lr, weight_decay=c.weight_decay if decay else 0.0, cfg=c,
+                            threads=self.threads, out16=None if out is None else out[a:b],
+                        )  # fmt: skip
+                    if on_unit is not None:
+                        on_unit(i, lo, master)  # this piece's parameters, while its master is resident
+            if on_unit is not None:
+                on_unit(i, None, None)  # the whole unit is stepped
+
+    def _first_piece(self, i: int, n: int) -> int | None:
+        return self.states.spans(i)[0][0] if i < n else None
 
     def read(self, i: int, kind: str) -> torch.Tensor:
         """Unit i's master, exp_avg or exp_avg_sq (resident, or a unit-sized copy read from disk)."""

@@ -21,7 +21,7 @@ from zoff.engine.disk_io import ALIGN, aligned
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.staging import chunk_bytes, needs_staging
-from zoff.engine.tiers import ring_size
+from zoff.engine.tiers import piece_spans, ring_size, subgroup_numel
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,7 @@ def model_states(
     fp32_grad_staging: bool = True,
     delay_update: bool = False,
     accumulating: bool = False,
+    subgroup: int | None = None,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(device bytes, host bytes) of one rank's params, grads and optimizer states, as ZeroEngine allocates them.
 
@@ -175,7 +176,7 @@ def model_states(
     if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
         gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
     elif policy.offload_optimizer == "nvme":  # states on disk: RAM holds three unit buffers and the grads
-        cpu["optimizer_states"] = swap_buffer_bytes(plan)
+        cpu["optimizer_states"] = swap_buffer_bytes(plan, subgroup)
         cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or fp32_shard else c) * shard
     else:
         cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
@@ -183,18 +184,28 @@ def model_states(
     return gpu, cpu
 
 
-def swap_buffer_bytes(plan: PartitionPlan) -> int:
-    """The disk tier's resident states (tiers.SwappedStates): three page-aligned buffers, each one unit's
-    master, exp_avg and exp_avg_sq (the unit stepped, the next being read, the last being written; fewer
-    when there are fewer units)."""
-    return ring_size(len(plan.units)) * 3 * max((aligned(4 * u.shard) for u in plan.units), default=ALIGN)
+def subgroup_of(zero: ZeroConfig) -> int:
+    """The disk tier's sub-group size in parameters, from zero.offload_optimizer.io.subgroup_mb."""
+    return subgroup_numel(zero.offload_optimizer.io.subgroup_mb)
 
 
-def disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
-    """The disk tier's swap file per rank: every unit's fp32 master and moments, 4096-aligned."""
+def _pieces(plan: PartitionPlan, subgroup: int | None) -> list[int]:
+    """Element counts of the disk tier's pieces: each unit's shard in sub-groups (tiers.piece_spans)."""
+    return [hi - lo for u in plan.units for lo, hi in piece_spans(u.shard, subgroup)]
+
+
+def swap_buffer_bytes(plan: PartitionPlan, subgroup: int | None = None) -> int:
+    """The disk tier's resident states (tiers.SwappedStates): up to three page-aligned buffers, each one
+    piece's master, exp_avg and exp_avg_sq (the piece stepped, the next being read, the last being written)."""
+    pieces = _pieces(plan, subgroup)
+    return ring_size(len(pieces)) * 3 * max((aligned(4 * n) for n in pieces), default=ALIGN)
+
+
+def disk_bytes(plan: PartitionPlan, policy: Policy, subgroup: int | None = None) -> int:
+    """The disk tier's swap file per rank: every piece's fp32 master and moments, 4096-aligned."""
     if policy.offload_optimizer != "nvme":
         return 0
-    return sum(3 * aligned(4 * u.shard) for u in plan.units)
+    return sum(3 * aligned(4 * n) for n in _pieces(plan, subgroup))
 
 
 def data_parallel_bytes(trainable_params: int) -> int:

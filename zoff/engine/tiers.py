@@ -128,17 +128,21 @@ class DiskTier(HostTier):
 
     def __init__(
         self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
-        request_mb: int,
+        request_mb: int, piece: int | None = None,
     ):  # fmt: skip
         super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
-        self.swap_dir, self.threads, self.request_mb = swap_dir, threads, request_mb
+        self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece
 
     def make_states(self, shards: list[torch.Tensor]) -> SwappedStates:
         if self.copy_grads:  # as the host tier: only where the gradients are not already in host memory
             self.host_grads += [host_buffer(s, self.grad_dtype, pin=False) for s in shards]
         return SwappedStates(
-            shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20
-        )
+            shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20,
+            piece=self.piece,
+        )  # fmt: skip
+
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def ring_size(units: int) -> int:
@@ -155,12 +159,16 @@ class ResidentStates:
         self.exp_avg = [zeros(m) for m in masters]
         self.exp_avg_sq = [zeros(m) for m in masters]
 
+    def spans(self, i: int) -> list[tuple[int, int, int]]:
+        """Unit i is one piece, resident whole."""
+        return [(i, 0, self.masters[i].numel())]
+
     @contextlib.contextmanager
     def open(self, i: int, following: int | None = None):
         yield self.masters[i], self.exp_avg[i], self.exp_avg_sq[i]
 
     def read(self, i: int, kind: str) -> torch.Tensor:
-        return {"master": self.masters, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[kind][i]
+        return (self.masters, self.exp_avg, self.exp_avg_sq)[KINDS.index(kind)][i]
 
     def write(self, i: int, kind: str, src: torch.Tensor) -> None:
         self.read(i, kind).copy_(src)
@@ -176,16 +184,31 @@ class ResidentStates:
         pass
 
 
+def subgroup_numel(subgroup_mb: int) -> int:
+    """Parameters per disk-tier sub-group: its master and two moments (12 B each) fill subgroup_mb, in whole
+    pages (4096 elements, so every region stays aligned)."""
+    return max(4096, (subgroup_mb << 20) // 12 // 4096 * 4096)
+
+
+def piece_spans(numel: int, piece: int | None) -> list[tuple[int, int]]:
+    """A unit's [lo, hi) pieces of at most `piece` elements (None: the whole unit); at least one piece."""
+    step = max(1, piece or numel or 1)
+    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)] or [(0, 0)]
+
+
 class SwappedStates:
-    """Every unit's [master | exp_avg | exp_avg_sq] region in one swap file (4096-aligned); up to three
-    page-aligned unit buffers rotate: the unit being stepped, the next one being read, the previous one being
-    written. Host memory: ring_size x 12 bytes x the largest unit's shard, whatever the shard's total."""
+    """Every piece's [master | exp_avg | exp_avg_sq] region in one swap file (4096-aligned). A piece is a unit,
+    or a sub-group of at most io.subgroup_mb of states of a larger one. Up to three page-aligned piece buffers
+    rotate: the piece being stepped, the next one being read, the previous one being written. Host memory:
+    ring_size x the largest piece's states, whatever the shard's total."""
 
     def __init__(
-        self, shards: list[torch.Tensor], swap_dir: Path, download, *, threads: int, request_bytes: int
-    ):
-        self.numel = [s.numel() for s in shards]
-        self.part = [aligned(4 * n) for n in self.numel]  # bytes of one kind of unit i
+        self, shards: list[torch.Tensor], swap_dir: Path, download, *, threads: int, request_bytes: int,
+        piece: int | None = None,
+    ):  # fmt: skip
+        self.pieces = [(i, lo, hi) for i, s in enumerate(shards) for lo, hi in piece_spans(s.numel(), piece)]
+        self.numel = [hi - lo for _, lo, hi in self.pieces]
+        self.part = [aligned(4 * n) for n in self.numel]  # bytes of one kind of piece k
         self.offset = [0]
         for p in self.part[:-1]:
             self.offset.append(self.offset[-1] + 3 * p)
@@ -193,18 +216,22 @@ class SwappedStates:
         rank = os.environ.get("RANK", "0")
         self.file = SwapFile(swap_dir / f"rank{rank}" / "optimizer.swap", total, threads, request_bytes)
         largest = 3 * max(self.part, default=ALIGN)
-        self.n_buffers = ring_size(len(shards))
+        self.n_buffers = ring_size(len(self.pieces))
         self.buffers = [AlignedBuffer(largest) for _ in range(self.n_buffers)]
         self.pending: list[list] = [[] for _ in self.buffers]  # futures of the I/O in flight on each buffer
-        self.holds: dict[int, int] = {}  # unit -> the buffer holding (or reading) it
-        for i, s in enumerate(shards):  # initial master from the live shard, zero moments
+        self.holds: dict[int, int] = {}  # piece -> the buffer holding (or reading) it
+        for k, (i, lo, hi) in enumerate(self.pieces):  # initial master from the live shard, zero moments
             buf = self._free_buffer(exclude=())
-            master, m, v = self._views(buf, i)
-            download(s, master)
+            master, m, v = self._views(buf, k)
+            download(shards[i][lo:hi], master)
             m.zero_()
             v.zero_()
-            self._write(buf, i)
+            self._write(buf, k)
         self._drain()
+
+    def spans(self, i: int) -> list[tuple[int, int, int]]:
+        """Unit i's pieces as (piece, lo, hi), in order."""
+        return [(k, lo, hi) for k, (u, lo, hi) in enumerate(self.pieces) if u == i]
 
     def _views(self, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         buf, n, p = self.buffers[b], self.numel[i], self.part[i]
@@ -252,12 +279,18 @@ class SwappedStates:
 
     def read(self, i: int, kind: str) -> torch.Tensor:
         """A copy of one kind of unit i's states (checkpoints, gathered_params): unit-sized, not shard-sized."""
-        with self.open(i) as states:
-            return states[("master", "exp_avg", "exp_avg_sq").index(kind)].clone()
+        spans = self.spans(i)
+        out = torch.empty(spans[-1][2], dtype=torch.float32)
+        for k, lo, hi in spans:
+            with self.open(k) as states:
+                out[lo:hi] = states[KINDS.index(kind)]
+        return out
 
     def write(self, i: int, kind: str, src: torch.Tensor) -> None:
-        with self.open(i) as states:
-            states[("master", "exp_avg", "exp_avg_sq").index(kind)].copy_(src.reshape(-1))
+        src = src.reshape(-1)
+        for k, lo, hi in self.spans(i):
+            with self.open(k) as states:
+                states[KINDS.index(kind)].copy_(src[lo:hi])
 
     def resident_bytes(self, shards: list[torch.Tensor]) -> int:
         return sum(b.nbytes for b in self.buffers)

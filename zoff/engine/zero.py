@@ -22,7 +22,7 @@ from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
-from zoff.engine.policy import Policy, disk_bytes, engine_plan, frozen_param_bytes, model_states
+from zoff.engine.policy import Policy, disk_bytes, engine_plan, frozen_param_bytes, model_states, subgroup_of
 from zoff.engine.precision import DTYPES, LossScaler
 from zoff.engine.reduce import GradReducer
 from zoff.engine.staging import Staging, needs_staging
@@ -120,8 +120,9 @@ class ZeroEngine:
         copy_grads = not on_host or oz.delay_update
         if oz.device == "nvme":
             tier = DiskTier(
-                staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb
-            )
+                staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb,
+                piece=subgroup_of(self.zero),
+            )  # fmt: skip
         else:
             tier = HostTier(
                 staging, grad_dtype,
@@ -184,7 +185,7 @@ class ZeroEngine:
         copy = not self.optimizer.writes_live_shards
         handles: list[Handle] = []
         # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
-        publish = lambda u, master: self._publish_unit(u, master, copy, handles)  # noqa: E731
+        publish = lambda u, lo, master: self._publish(u, lo, master, copy, handles)  # noqa: E731
         runs = self._step_runs(unused)
         # True: a delayed (DPU) update runs in the background and is published next step
         in_flight = self.optimizer.step(grads, lr, on_unit=publish, runs=runs)
@@ -232,22 +233,33 @@ class ZeroEngine:
         """Masters -> 16-bit shards -> all-gathered full buffers, for every unit."""
         self._published = self.optimizer.step_count
         handles: list[Handle] = []
-        for u in range(len(self.plan.units)):
-            with self.optimizer.states.open(u, u + 1 if u + 1 < len(self.plan.units) else None) as states:
-                self._publish_unit(u, states[0], True, handles)
+        states, n = self.optimizer.states, len(self.plan.units)
+        pieces = [(u, k, lo) for u in range(n) for k, lo, _ in states.spans(u)]
+        for j, (u, k, lo) in enumerate(pieces):
+            with states.open(k, pieces[j + 1][1] if j + 1 < len(pieces) else None) as (master, _, _):
+                self._publish(u, lo, master, True, handles)
+            if j + 1 == len(pieces) or pieces[j + 1][0] != u:
+                self._publish(u, None, None, True, handles)
         for h in handles:
             h.wait()
 
-    def _publish_unit(self, u: int, master: torch.Tensor, copy_master: bool, handles: list[Handle]) -> None:
-        shard = self.shard_params[u]
-        if master is not shard and copy_master:
-            if self._host_shard(u):  # parameter offload: a gather may still be copying this shard up
-                self.gatherer.wait_host_reads()
-                shard.copy_(master)
-            else:  # through the tier: asynchronous uploads on a GPU, which the gather below waits for
-                self.optimizer.tier.publish(master, shard)
-        if self.policy.gathers_after_step(self.plan.units[u].persistent):
-            handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
+    def _publish(
+        self, u: int, lo: int | None, master: torch.Tensor | None, copy_master: bool, handles: list[Handle]
+    ) -> None:
+        """A piece of unit u's updated master (starting at element lo) into its live shard; with lo None, the
+        unit is complete and its all-gather starts."""
+        if lo is None:
+            if self.policy.gathers_after_step(self.plan.units[u].persistent):
+                handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
+            return
+        shard = self.shard_params[u][lo : lo + master.numel()]
+        if master.data_ptr() == shard.data_ptr() or not copy_master:
+            return  # fp32 stepping the shard in place, or the CPU kernel wrote the 16-bit shard itself
+        if self._host_shard(u):  # parameter offload: a gather may still be copying this shard up
+            self.gatherer.wait_host_reads()
+            shard.copy_(master)
+        else:  # through the tier: asynchronous uploads on a GPU, which the gather waits for
+            self.optimizer.tier.publish(master, shard)
 
     @property
     def masters(self) -> list[torch.Tensor] | None:
@@ -315,8 +327,9 @@ class ZeroEngine:
             self.plan, self.policy, self.precision, frozen_bytes=frozen, device_type=self.device.type,
             fp32_grad_staging=self.grad_clip > 0 or self.precision == "fp16",
             delay_update=self.zero.offload_optimizer.delay_update, accumulating=self.grad_accum > 1,
+            subgroup=subgroup_of(self.zero),
         )  # fmt: skip
-        disk = {"disk_optimizer_states": disk_bytes(self.plan, self.policy)}
+        disk = {"disk_optimizer_states": disk_bytes(self.plan, self.policy, subgroup_of(self.zero))}
         return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}, **disk}
 
     def pinned_bytes(self) -> int:

@@ -28,6 +28,7 @@ from zoff.engine.policy import (  # the policy table and its memory terms, which
     host_staging,
     model_states,
     pinned_host_bytes,
+    subgroup_of,
 )
 from zoff.engine.precision import DTYPES
 from zoff.engine.reduce import MAX_IN_FLIGHT
@@ -224,13 +225,15 @@ def estimate(
             plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision), device_type=device_type,
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
             delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
+            subgroup=subgroup_of(zero_cfg),
         )  # fmt: skip
         cpu["staging"] = host_staging(pol, zero_cfg, device_type)
         pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, device_type)
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
-        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk_bytes(plan, pol)))
+        disk = disk_bytes(plan, pol, subgroup_of(zero_cfg))
+        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (
@@ -328,7 +331,7 @@ def check_swap_path(cfg: Config, model: nn.Module) -> None:
         raise UserError(f"{key}: {path} is not writable")
     world = cfg.launch.nproc_per_node * int(cfg.launch.nnodes.split(":")[0])
     plan = engine_plan(model, cfg.zero.stage, world, cfg.zero)
-    need = cfg.launch.nproc_per_node * disk_bytes(plan, Policy.of(cfg.zero))
+    need = cfg.launch.nproc_per_node * disk_bytes(plan, Policy.of(cfg.zero), subgroup_of(cfg.zero))
     free = shutil.disk_usage(path).free
     if need > free:
         raise UserError(f"{key}: {path} has {human(free)} free; this node's swap files need {human(need)}")

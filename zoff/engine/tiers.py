@@ -207,6 +207,9 @@ class SwappedStates:
         piece: int | None = None,
     ):  # fmt: skip
         self.pieces = [(i, lo, hi) for i, s in enumerate(shards) for lo, hi in piece_spans(s.numel(), piece)]
+        self._spans: list[list[tuple[int, int, int]]] = [[] for _ in shards]
+        for k, (i, lo, hi) in enumerate(self.pieces):
+            self._spans[i].append((k, lo, hi))
         self.numel = [hi - lo for _, lo, hi in self.pieces]
         self.part = [aligned(4 * n) for n in self.numel]  # bytes of one kind of piece k
         self.offset = [0]
@@ -230,8 +233,8 @@ class SwappedStates:
         self._drain()
 
     def spans(self, i: int) -> list[tuple[int, int, int]]:
-        """Unit i's pieces as (piece, lo, hi), in order."""
-        return [(k, lo, hi) for k, (u, lo, hi) in enumerate(self.pieces) if u == i]
+        """Unit i's pieces as (piece, lo, hi), in order (the step asks per unit: looked up, not searched)."""
+        return self._spans[i]
 
     def _views(self, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         buf, n, p = self.buffers[b], self.numel[i], self.part[i]

@@ -64,7 +64,7 @@ def save_checkpoint(
             tensors[f"u{u}.exp_avg"] = state["optimizer"]["exp_avg"][u].cpu().contiguous()
             tensors[f"u{u}.exp_avg_sq"] = state["optimizer"]["exp_avg_sq"][u].cpu().contiguous()
         for u in range(len(engine.plan.units), len(engine.plan.all_units)):  # stage 3's frozen shards
-            tensors[f"u{u}.master"] = engine.shard_params[u].detach().float().cpu().contiguous()
+            tensors[f"u{u}.master"] = engine.param_shard(u).detach().float().cpu().contiguous()
         files.update(write_tensors(tmp / f"shard_{engine.rank:05d}.safetensors", tensors))
     files.update(write_tensors(tmp / f"rng_{rank:05d}.safetensors", rng_states(engine.device)))
     if rank == 0:

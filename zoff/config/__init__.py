@@ -84,7 +84,10 @@ class OffloadOptimizerConfig:
 
 @dataclass(frozen=True)
 class OffloadParamConfig:
-    device: Literal["none", "cpu"] = "none"
+    device: Literal["none", "cpu", "nvme"] = "none"  # nvme: stage 3's parameter shards in a swap file
+    # nvme: the directory of the parameter swap files; unset: offload_optimizer.nvme_path (one folder for both)
+    nvme_path: str | None = None
+    io: IoConfig = field(default_factory=IoConfig)  # threads and request_mb; subgroup_mb is the optimizer's
     pin_memory: bool = True
 
 
@@ -350,6 +353,9 @@ def _check_cross_section(cfg: Config) -> None:
     oo = cfg.zero.offload_optimizer
     if oo.device == "nvme" and not oo.nvme_path:
         raise ConfigError("zero.offload_optimizer.nvme_path: device nvme needs a directory on a local disk")
+    op = cfg.zero.offload_param
+    if op.device == "nvme" and not (op.nvme_path or oo.nvme_path):
+        raise ConfigError("zero.offload_param.nvme_path: device nvme needs a directory on a local disk")
     nn = cfg.launch.nnodes
     parts = nn.split(":")
     if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)) or (

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
+from zoff.engine.param_swap import ShardRead, SwappedShards
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.staging import NullEvent
 from zoff.errors import UserError
@@ -51,8 +52,10 @@ class UnitGatherer:
         shards: list[torch.Tensor],
         prefetch_numel: int,
         blocks: BlockTracker,
+        disk: SwappedShards | None = None,
     ):
         self.model, self.plan, self.comm, self.full, self.shards = model, plan, comm, full, shards
+        self.disk = disk  # parameter offload to nvme: the shards are read from their swap file per gather
         self.blocks = blocks  # also says whether backward is running (a forward then is a recompute)
         blocks.listeners.append(self._maybe_release)
         self.prefetch_numel = prefetch_numel
@@ -172,6 +175,9 @@ class UnitGatherer:
         full = self.full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         self.gathered[u] = True
+        if self.disk is not None and self.disk.holds(u):
+            self.pending[u] = _GatherFromDisk(self.disk.read(u), full, self.comm)
+            return
         shard = self.shards[u]
         if shard.device != full.device:  # parameter offload: the shard comes up from host memory first
             shard = shard.to(full.device, non_blocking=True)
@@ -288,6 +294,20 @@ class UnitGatherer:
                 return names[id(owner)] or type(owner).__name__ + " (the model)"
             frame = frame.f_back
         return "unknown"
+
+
+class _GatherFromDisk:
+    """A gather whose shard is still being read from its swap file: the read runs ahead (prefetch), the
+    all-gather is issued when the gather is waited for. Every rank waits for its gathers in the same order (the
+    model's), so the gather stream's collectives still pair up; the cost is that the all-gather itself no
+    longer overlaps compute (the disk read, the larger part, does)."""
+
+    def __init__(self, read: ShardRead, full: torch.Tensor, comm: Comm):
+        self.read, self.full, self.comm = read, full, comm
+
+    def wait(self) -> None:
+        self.comm.all_gather(self.read.wait(), self.full, stream="gather")
+        self.read = None  # the aligned buffer goes with it
 
 
 # Tensor functions that read only metadata: allowed on a released parameter (e.g. `x.to(w.dtype)`).

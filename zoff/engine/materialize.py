@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from zoff.engine.collectives import Comm
+from zoff.engine.param_swap import SwappedShards
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.tiers import host_buffer
 
@@ -48,8 +49,10 @@ class FlatBuffers:
     def build(
         cls, model: nn.Module, plan: PartitionPlan, comm: Comm, *, stage: int, rank: int, dtype: torch.dtype,
         accum_dtype: torch.dtype, device: torch.device, deferred: bool, keep_full_grads: bool, host_shards: bool,
-        pin_host_shards: bool,
+        pin_host_shards: bool, disk: SwappedShards | None = None,
     ) -> FlatBuffers:  # fmt: skip
+        """`disk`: parameter offload to nvme; each sharded unit's shard is written there as soon as it is made,
+        and its place in `shards` is a meta tensor (shape and dtype, no memory)."""
         named = dict(model.named_parameters(remove_duplicate=False))
         out = cls([named[s.names[0]] for s in plan.slots])
         frozen = [named[s.names[0]] for s in plan.frozen_slots]
@@ -80,6 +83,9 @@ class FlatBuffers:
                 # Released at once (the gatherer starts with every managed unit released): holding all the
                 # full buffers until the end would put a whole model copy into this rank's peak memory.
                 full.untyped_storage().resize_(0)
+                if disk is not None:
+                    disk.write(u.index, 0, shard)
+                    shard = torch.empty(u.shard, dtype=dtype, device="meta")
             else:  # the full buffer stays: the shard is a view, not a copy
                 shard = full[lo:hi]
                 if deferred:  # stage 0: one partition, which every rank owns
@@ -96,6 +102,8 @@ class FlatBuffers:
                 plan.units
             ):  # trainable: gradients (frozen units have none, nor optimizer state)
                 out._add_grads(u, lo, hi, keep_full_grads, dtype, accum_dtype, device)
+        if disk is not None:
+            disk.flush()
         return out
 
     def _add_grads(self, u, lo: int, hi: int, keep_full: bool, dtype, accum_dtype, device) -> None:

@@ -123,7 +123,10 @@ class ShardOptimizer:
         # straight into the live shards in the same pass (saves the separate fp32 -> 16-bit copy, ~30-50%).
         sixteen = bool(shards) and shards[0].dtype in (torch.bfloat16, torch.float16)
         separate = resident is None or all(m is not s for m, s in zip(resident, shards))
-        self.out16 = list(shards) if tier.direct and sixteen and separate and not self.delay else None
+        # (not with shards on disk, parameter offload to nvme: those are written back from the master)
+        on_disk = any(s.is_meta for s in shards)
+        direct = tier.direct and sixteen and separate and not self.delay and not on_disk
+        self.out16 = list(shards) if direct else None
         self.step_count = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -28,7 +28,7 @@ from zoff.engine.tiers import piece_spans, ring_size, subgroup_numel
 class Policy:
     stage: int
     offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_param: str = "none"  # none | cpu (stage 3 only)
+    offload_param: str = "none"  # none | cpu | nvme (stage 3 only; nvme with the optimizer on nvme too)
     activation_checkpointing: bool = False
 
     @classmethod
@@ -39,11 +39,14 @@ class Policy:
 
     @property
     def name(self) -> str:
-        """The recipe names: zero2-offload, zero3-offload (both offloads); zero3-offload-opt (optimizer only)."""
+        """The recipe names: zero2-offload, zero3-offload (both offloads); zero3-offload-opt (optimizer only);
+        likewise zero2-nvme, zero3-nvme (both on disk), zero3-nvme-opt."""
         if self.offload_optimizer == "none":
             return f"zero{self.stage}"
-        if self.offload_optimizer == "nvme":  # parameters offloaded to host memory beside it: say so
-            return f"zero{self.stage}-nvme" + ("+param-cpu" if self.offload_param == "cpu" else "")
+        if self.offload_optimizer == "nvme":
+            if self.stage < 3 or self.offload_param == "nvme":
+                return f"zero{self.stage}-nvme"
+            return "zero3-nvme-opt" + ("+param-cpu" if self.offload_param == "cpu" else "")
         return f"zero{self.stage}-offload" + (
             "-opt" if self.stage == 3 and self.offload_param == "none" else ""
         )
@@ -58,6 +61,11 @@ class Policy:
             return "zero.offload_param.device", "parameter offload needs zero.stage 3"
         if self.offload_param != "none" and self.offload_optimizer == "none":
             return "zero.offload_param.device", "parameter offload needs zero.offload_optimizer.device cpu"
+        if self.offload_param == "nvme" and self.offload_optimizer != "nvme":
+            return (
+                "zero.offload_param.device",
+                "parameter offload to nvme needs zero.offload_optimizer.device nvme",
+            )
         if self.offload_optimizer != "none" and self.stage == 0:
             return "zero.offload_optimizer.device", "optimizer offload needs zero.stage 1, 2 or 3"
         return None
@@ -99,7 +107,13 @@ class Policy:
 
     @property
     def offloads_params(self) -> bool:
+        """Stage 3's parameter shards in host memory (on a host-only machine: where they are anyway)."""
         return self.offload_param == "cpu"
+
+    @property
+    def params_on_disk(self) -> bool:
+        """Stage 3's non-persistent parameter shards in a swap file, read for each gather (param_swap.py)."""
+        return self.offload_param == "nvme"
 
     def partitions(self, world: int) -> int:
         """Stage 0 is one partition that every rank owns; stages 1-3 split everything N ways."""
@@ -118,7 +132,7 @@ class Policy:
 
 def _valid(ac: bool) -> list[Policy]:
     stages = range(4)
-    combos = [(s, o, p) for s in stages for o in ("none", "cpu", "nvme") for p in ("none", "cpu")]
+    combos = [(s, o, p) for s in stages for o in ("none", "cpu", "nvme") for p in ("none", "cpu", "nvme")]
     return [pol for pol in (Policy(*c, ac) for c in combos) if pol.invalid() is None]
 
 
@@ -126,11 +140,13 @@ POLICIES = tuple(_valid(False) + _valid(True))  # every policy the engine accept
 
 
 # ------------------------------------------------------------------------------------------ memory terms
-def frozen_param_bytes(model: nn.Module, plan: PartitionPlan, precision: str) -> int:
-    """Frozen parameters one rank holds, in the compute dtype: whole, or stage 3's shards of them."""
+def frozen_param_bytes(model: nn.Module, plan: PartitionPlan, precision: str, on_disk: bool = False) -> int:
+    """Frozen parameters one rank holds in memory, in the compute dtype: whole, or stage 3's shards of them
+    (which parameter offload to nvme puts on disk with the rest)."""
     whole = set(plan.frozen)
     numel = sum(p.numel() for n, p in model.named_parameters() if n in whole)
-    return DTYPES[precision].itemsize * (numel + sum(u.shard for u in plan.frozen_units))
+    shards = 0 if on_disk else sum(u.shard for u in plan.frozen_units)
+    return DTYPES[precision].itemsize * (numel + shards)
 
 
 def model_states(
@@ -159,7 +175,7 @@ def model_states(
     shard = sum(u.shard for u in plan.units)
     persistent = sum(u.padded for u in plan.units if u.persistent)
     shard_np = sum(u.shard for u in plan.units if not u.persistent)
-    opt_off, par_off = policy.offloads_optimizer, policy.offload_param == "cpu"
+    opt_off, par_off = policy.offloads_optimizer, policy.offloads_params
     # A CPU-only run needs no host copies of what already is in host memory (the engine aliases them).
     host_is_device = device_type == "cpu" and not delay_update
     gpu = {"params": frozen_bytes, "grads": 0, "optimizer_states": 0}
@@ -167,7 +183,8 @@ def model_states(
     if policy.stage < 3:
         gpu["params"] += c * padded
     else:
-        gpu["params"] += c * (persistent + (0 if par_off else shard_np))
+        # offloaded shards live in host memory (cpu) or in the swap file (nvme), not on the device
+        gpu["params"] += c * (persistent + (0 if policy.offload_param != "none" else shard_np))
         cpu["params"] = c * shard_np if par_off else 0
     # Stages 0-1 keep the full gradient in flat buffers; 2-3 keep only their reduced shard, which accumulates
     # micro-batches in fp32.
@@ -182,6 +199,11 @@ def model_states(
         cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
         cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or fp32_shard else c) * shard
     return gpu, cpu
+
+
+def param_swap_path(zero: ZeroConfig) -> str | None:
+    """Where parameter offload to nvme puts its swap files: its own nvme_path, else the optimizer's."""
+    return zero.offload_param.nvme_path or zero.offload_optimizer.nvme_path
 
 
 def subgroup_of(zero: ZeroConfig) -> int:
@@ -201,11 +223,27 @@ def swap_buffer_bytes(plan: PartitionPlan, subgroup: int | None = None) -> int:
     return ring_size(len(pieces)) * 3 * max((aligned(4 * n) for n in pieces), default=ALIGN)
 
 
-def disk_bytes(plan: PartitionPlan, policy: Policy, subgroup: int | None = None) -> int:
-    """The disk tier's swap file per rank: every piece's fp32 master and moments, 4096-aligned."""
+def disk_bytes(
+    plan: PartitionPlan, policy: Policy, subgroup: int | None = None, precision: str = "fp32"
+) -> int:
+    """The disk tier's swap files per rank: every piece's fp32 master and moments, 4096-aligned, and under
+    parameter offload to nvme every non-persistent parameter shard in the compute dtype."""
+    return optimizer_disk_bytes(plan, policy, subgroup) + param_disk_bytes(plan, policy, precision)
+
+
+def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy, subgroup: int | None = None) -> int:
     if policy.offload_optimizer != "nvme":
         return 0
     return sum(3 * aligned(4 * n) for n in _pieces(plan, subgroup))
+
+
+def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str) -> int:
+    """Stage 3's parameter swap file per rank (param_swap.SwappedShards): one aligned region per sharded unit,
+    frozen ones included."""
+    if not policy.params_on_disk:
+        return 0
+    c = DTYPES[precision].itemsize
+    return sum(aligned(c * u.shard) for u in plan.all_units if not u.persistent)
 
 
 def data_parallel_bytes(trainable_params: int) -> int:

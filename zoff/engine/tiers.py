@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned, wait
+from zoff.engine.param_swap import SwappedShards
 from zoff.engine.staging import Staging
 
 
@@ -128,18 +129,34 @@ class DiskTier(HostTier):
 
     def __init__(
         self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
-        request_mb: int, piece: int | None = None,
+        request_mb: int, piece: int | None = None, params: SwappedShards | None = None,
     ):  # fmt: skip
         super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
         self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece
+        self.params = params  # parameter offload to nvme: where the shards that are not in memory are
 
     def make_states(self, shards: list[torch.Tensor]) -> SwappedStates:
         if self.copy_grads:  # as the host tier: only where the gradients are not already in host memory
             self.host_grads += [host_buffer(s, self.grad_dtype, pin=False) for s in shards]
         return SwappedStates(
             shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20,
-            piece=self.piece,
+            piece=self.piece, source=self._live_shard(shards),
         )  # fmt: skip
+
+    def _live_shard(self, shards: list[torch.Tensor]):
+        """Unit i's live shard for its initial master: in memory, or read from the parameter swap file (one
+        unit's copy held at a time: the pieces of a unit come one after the other)."""
+        last: dict[int, torch.Tensor] = {}
+
+        def source(i: int) -> torch.Tensor:
+            if not shards[i].is_meta:
+                return shards[i]
+            if i not in last:
+                last.clear()
+                last[i] = self.params.load(i)
+            return last[i]
+
+        return source
 
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -204,8 +221,9 @@ class SwappedStates:
 
     def __init__(
         self, shards: list[torch.Tensor], swap_dir: Path, download, *, threads: int, request_bytes: int,
-        piece: int | None = None,
+        piece: int | None = None, source=None,
     ):  # fmt: skip
+        source = source or shards.__getitem__  # unit i's live shard, for its initial master
         self.pieces = [(i, lo, hi) for i, s in enumerate(shards) for lo, hi in piece_spans(s.numel(), piece)]
         self._spans: list[list[tuple[int, int, int]]] = [[] for _ in shards]
         for k, (i, lo, hi) in enumerate(self.pieces):
@@ -226,7 +244,7 @@ class SwappedStates:
         for k, (i, lo, hi) in enumerate(self.pieces):  # initial master from the live shard, zero moments
             buf = self._free_buffer(exclude=())
             master, m, v = self._views(buf, k)
-            download(shards[i][lo:hi], master)
+            download(source(i)[lo:hi], master)
             m.zero_()
             v.zero_()
             self._write(buf, k)

@@ -22,8 +22,18 @@ from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
-from zoff.engine.policy import Policy, disk_bytes, engine_plan, frozen_param_bytes, model_states, subgroup_of
-from zoff.engine.precision import DTYPES, LossScaler
+from zoff.engine.param_swap import SwappedShards
+from zoff.engine.policy import (
+    Policy,
+    engine_plan,
+    frozen_param_bytes,
+    model_states,
+    optimizer_disk_bytes,
+    param_disk_bytes,
+    param_swap_path,
+    subgroup_of,
+)
+from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads
 from zoff.engine.reduce import GradReducer
 from zoff.engine.staging import Staging, needs_staging
 from zoff.engine.tiers import DeviceTier, DiskTier, HostTier
@@ -62,10 +72,11 @@ class ZeroEngine:
         self.model, self.deferred = prepare_model(model, self.device, self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
+        self.param_disk = self._param_swap() if policy.params_on_disk else None
         flat = FlatBuffers.build(
             model, self.plan, self.comm, stage=self.stage, rank=self.rank, dtype=self.dtype,
             accum_dtype=self.accum_dtype, device=self.device, deferred=self.deferred, keep_full_grads=self.keep_full_grads,
-            host_shards=self.offload_params, pin_host_shards=zero.offload_param.pin_memory,
+            host_shards=self.offload_params, pin_host_shards=zero.offload_param.pin_memory, disk=self.param_disk,
         )  # fmt: skip
         self._params, self.full, self.shard_params, self.gfull, self.gshard = (
             flat.params, flat.full, flat.shards, flat.gfull, flat.gshard,
@@ -84,6 +95,7 @@ class ZeroEngine:
                 self.shard_params,
                 zero.prefetch_bucket_size,
                 self.blocks,
+                disk=self.param_disk,
             )
         self.reducer = GradReducer(
             self.plan, self.comm, self.stage, self.gfull, self.gshard, dtype=self.dtype, device=self.device,
@@ -101,6 +113,15 @@ class ZeroEngine:
         self.zero_grad()
 
     # --------------------------------------------------------------------------------------- set-up
+    def _param_swap(self) -> SwappedShards:
+        """Parameter offload to nvme: every non-persistent unit's shard (frozen ones too) in a swap file."""
+        op = self.zero.offload_param
+        numels = {u.index: u.shard for u in self.plan.all_units if not u.persistent}
+        return SwappedShards(
+            numels, self.dtype, Path(param_swap_path(self.zero)), threads=op.io.threads,
+            request_bytes=op.io.request_mb << 20,
+        )  # fmt: skip
+
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
         """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or host memory
         under optimizer offload (zoff's fused CPU Adam, DPU optional)."""
@@ -121,7 +142,7 @@ class ZeroEngine:
         if oz.device == "nvme":
             tier = DiskTier(
                 staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb,
-                piece=subgroup_of(self.zero),
+                piece=subgroup_of(self.zero), params=self.param_disk,
             )  # fmt: skip
         else:
             tier = HostTier(
@@ -174,12 +195,8 @@ class ZeroEngine:
         self.scaler.update(overflow=False)
         if self.grad_clip > 0:
             coef *= min(self.grad_clip / (norm + 1e-6), 1.0)
-        grads = []
-        for g in self.gshard:
-            if coef != 1.0:  # x * 1.0 is exact: skipping it when nothing clips keeps results bit-identical
-                g = g.float() if g.dtype != torch.float32 else g
-                g.mul_(coef)
-            grads.append(g)  # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
+        # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
+        grads = RescaledGrads(self.gshard, coef)
         t0 = time.perf_counter()
         # The fused CPU kernel may have written the 16-bit shards in its own pass.
         copy = not self.optimizer.writes_live_shards
@@ -192,6 +209,8 @@ class ZeroEngine:
         t1 = time.perf_counter()
         for h in handles:
             h.wait()
+        if self.param_disk is not None:
+            self.param_disk.flush()  # the next forward reads the shards written back
         if not in_flight:
             self._published = self.optimizer.step_count
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
@@ -242,6 +261,8 @@ class ZeroEngine:
                 self._publish(u, None, None, True, handles)
         for h in handles:
             h.wait()
+        if self.param_disk is not None:
+            self.param_disk.flush()
 
     def _publish(
         self, u: int, lo: int | None, master: torch.Tensor | None, copy_master: bool, handles: list[Handle]
@@ -251,6 +272,9 @@ class ZeroEngine:
         if lo is None:
             if self.policy.gathers_after_step(self.plan.units[u].persistent):
                 handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
+            return
+        if self.param_disk is not None and self.param_disk.holds(u):
+            self.param_disk.write(u, lo, master)  # parameter offload to nvme: back to the swap file
             return
         shard = self.shard_params[u][lo : lo + master.numel()]
         if master.data_ptr() == shard.data_ptr() or not copy_master:
@@ -285,7 +309,8 @@ class ZeroEngine:
 
         buffers are the transient peaks (reduce buckets, stage-3 gathered units).
         """
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
+        # (meta tensors stand for shards on disk: no memory)
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None and not t.is_meta)  # noqa: E731
         if self.policy.shards_params:
             persistent = [f for u, f in zip(self.plan.units, self.full) if u.persistent]
             shards = [t for u, t in zip(self.plan.units, self.shard_params) if not u.persistent]
@@ -313,23 +338,29 @@ class ZeroEngine:
             "cpu_optimizer_states": 0 if on_device else opt,
             "cpu_staging": self.staging.nbytes if self.staging is not None else 0,
             "disk_optimizer_states": on_disk,
+            "disk_params": self.param_disk.disk_bytes() if self.param_disk is not None else 0,
         }
 
     def close(self) -> None:
         """Release what outlives the process's memory: the disk tier's swap files (removed at a clean exit)."""
         self.optimizer.close()
+        if self.param_disk is not None:
+            self.param_disk.close()
 
     def planned_memory(self) -> dict[str, int]:
         """memory_report()'s model-state keys as the policy table predicts them (policy.model_states, the very
         function `zoff estimate` calls): the start-up plan prints these beside what was allocated."""
-        frozen = frozen_param_bytes(self.model, self.plan, self.precision)
+        frozen = frozen_param_bytes(self.model, self.plan, self.precision, on_disk=self.policy.params_on_disk)
         gpu, cpu = model_states(
             self.plan, self.policy, self.precision, frozen_bytes=frozen, device_type=self.device.type,
             fp32_grad_staging=self.grad_clip > 0 or self.precision == "fp16",
             delay_update=self.zero.offload_optimizer.delay_update, accumulating=self.grad_accum > 1,
             subgroup=subgroup_of(self.zero),
         )  # fmt: skip
-        disk = {"disk_optimizer_states": disk_bytes(self.plan, self.policy, subgroup_of(self.zero))}
+        disk = {
+            "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy, subgroup_of(self.zero)),
+            "disk_params": param_disk_bytes(self.plan, self.policy, self.precision),
+        }
         return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}, **disk}
 
     def pinned_bytes(self) -> int:
@@ -385,8 +416,20 @@ class ZeroEngine:
 
     def load_frozen_shards(self, shards: list[torch.Tensor]) -> None:
         """Stage 3's frozen parameter shards (plan.frozen_units, in order), e.g. from a checkpoint."""
-        for dst, src in zip(self.shard_params[len(self.plan.units) :], shards, strict=True):
-            dst.copy_(src)
+        n = len(self.plan.units)
+        for u, (dst, src) in enumerate(zip(self.shard_params[n:], shards, strict=True), start=n):
+            if self.param_disk is not None and self.param_disk.holds(u):
+                self.param_disk.write(u, 0, src)
+            else:
+                dst.copy_(src)
+        if self.param_disk is not None:
+            self.param_disk.flush()
+
+    def param_shard(self, u: int) -> torch.Tensor:
+        """Unit u's live parameter shard: in memory, or a copy read from the parameter swap file."""
+        if self.param_disk is not None and self.param_disk.holds(u):
+            return self.param_disk.load(u)
+        return self.shard_params[u]
 
     def load_state_dict(self, state: dict) -> None:
         skipped = state.get("skipped_steps", {})

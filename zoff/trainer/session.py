@@ -122,12 +122,7 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
             [
                 f"  host memory per rank (offload): params {gib(mem['cpu_params'])}, grads {gib(mem['cpu_grads'])}, "
                 f"optimizer {gib(mem['cpu_optimizer_states'])}, staging {gib(mem['cpu_staging'])}; "
-                f"page-locked {gib(engine.pinned_bytes())}"
-                + (
-                    f"; disk {gib(mem['disk_optimizer_states'])} of optimizer states"
-                    if mem["disk_optimizer_states"]
-                    else ""
-                )
+                f"page-locked {gib(engine.pinned_bytes())}" + _disk_text(mem, gib)
             ]
             if engine.offload
             else []
@@ -135,6 +130,15 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
     ] + _stage3_line(plan)
+
+
+def _disk_text(mem: dict[str, int], fmt) -> str:
+    parts = [
+        f"{fmt(mem[k])} of {what}"
+        for k, what in (("disk_optimizer_states", "optimizer states"), ("disk_params", "parameter shards"))
+        if mem.get(k)
+    ]
+    return f"; disk {' and '.join(parts)}" if parts else ""
 
 
 def model_state_bytes(engine: ZeroEngine) -> tuple[int, int]:

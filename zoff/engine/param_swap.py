@@ -1,0 +1,97 @@
+"""Stage 3's parameter shards on local disk (ZeRO-Infinity's parameter NVMe offload).
+
+Every non-persistent unit's shard (frozen ones too) has one 4096-aligned region of a swap file, in the compute
+dtype. A gather reads the shard into a fresh page-aligned buffer just in time (the gatherer's prefetch window
+bounds how many are in flight) and all-gathers from it; the buffer is freed with the read. After the optimizer
+step each updated piece of a master is written back, converted to the compute dtype on the way; a parameter
+shard is written only when it changed, and never read by the step (the optimizer's master is on its own
+swap file). RAM: the shards being gathered, not the partition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned, wait
+
+# Write-backs in flight during the step: each holds one piece's 16-bit copy; more would only add RAM (the
+# disk serves them in order anyway) and fewer would make the step wait for each write.
+MAX_WRITES = 2
+
+
+class ShardRead:
+    """A shard being read from the swap file; wait() returns it (a view of its own aligned buffer)."""
+
+    def __init__(self, buf: AlignedBuffer, futures: list[Future], numel: int, dtype: torch.dtype):
+        self.buf, self.futures, self.numel, self.dtype = buf, futures, numel, dtype
+
+    def wait(self) -> torch.Tensor:
+        wait(self.futures)
+        self.futures = []
+        return self.buf.view(self.dtype, 0, self.numel)
+
+
+class SwappedShards:
+    """The parameter shards of the units in `numels` (unit index -> shard elements), in one swap file."""
+
+    def __init__(
+        self, numels: dict[int, int], dtype: torch.dtype, swap_dir: Path, *, threads: int, request_bytes: int
+    ):
+        self.numels, self.dtype = dict(numels), dtype
+        self.offset: dict[int, int] = {}
+        end = 0
+        for u, n in self.numels.items():
+            self.offset[u] = end
+            end += aligned(n * dtype.itemsize)
+        rank = os.environ.get("RANK", "0")
+        self.file = SwapFile(
+            swap_dir / f"rank{rank}" / "params.swap", max(end, ALIGN), threads, request_bytes
+        )
+        self.writes: deque[tuple[AlignedBuffer, list[Future]]] = deque()
+
+    def holds(self, u: int) -> bool:
+        return u in self.offset
+
+    def read(self, u: int) -> ShardRead:
+        """Start reading unit u's shard (wait() on the result). Any write of it still in flight lands first."""
+        self.flush()
+        n = self.numels[u]
+        buf = AlignedBuffer(n * self.dtype.itemsize)
+        return ShardRead(buf, self.file.read(buf.bytes, self.offset[u]), n, self.dtype)
+
+    def load(self, u: int) -> torch.Tensor:
+        return self.read(u).wait()
+
+    def write(self, u: int, lo: int, src: torch.Tensor) -> None:
+        """Unit u's elements [lo, lo + len(src)) from `src` (any float dtype), asynchronously.
+
+        A write must start on a page: lo is 0 or a multiple of the optimizer's sub-group (4096 elements)."""
+        n, size = src.numel(), self.dtype.itemsize
+        start = self.offset[u] + lo * size
+        if start % ALIGN or (lo + n < self.numels[u] and (n * size) % ALIGN):
+            raise ValueError(f"parameter swap write of unit {u} at element {lo} (+{n}) is not page-aligned")
+        buf = AlignedBuffer(n * size)  # its tail past n (zeros) lands in the region's own padding
+        buf.view(self.dtype, 0, n).copy_(src.reshape(-1))
+        self.writes.append((buf, self.file.write(buf.bytes, start)))
+        while len(self.writes) > MAX_WRITES:
+            wait(self.writes.popleft()[1])
+
+    def flush(self) -> None:
+        """Wait for every write-back (before a read, and at the end of a step)."""
+        while self.writes:
+            wait(self.writes.popleft()[1])
+
+    def disk_bytes(self) -> int:
+        return self.file.nbytes
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+        with contextlib.suppress(OSError):  # this rank's folder, once empty; the user's nvme_path stays
+            self.file.path.parent.rmdir()

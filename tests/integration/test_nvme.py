@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.harness import reference_run, run_zoff, tiny_cfg
-from zoff.config import IoConfig, OffloadOptimizerConfig, OptimConfig, ZeroConfig, config_from_dict
+from zoff.config import OffloadOptimizerConfig, OptimConfig, OptimizerIoConfig, ZeroConfig, config_from_dict
 from zoff.engine import build_engine
 from zoff.engine.disk_io import AlignedBuffer, SwapFile, filesystem_type
 from zoff.errors import ConfigError, UserError
@@ -44,7 +44,7 @@ def _engine_run(stage: int, precision: str, device: str, swap: Path, steps: int 
     zero = ZeroConfig(
         stage=stage, reduce_bucket_size=bucket, param_persistence_threshold=64,
         offload_optimizer=OffloadOptimizerConfig(
-            device=device, nvme_path=str(swap) if device == "nvme" else None, io=IoConfig(threads=2, request_mb=1)
+            device=device, nvme_path=str(swap) if device == "nvme" else None, io=OptimizerIoConfig(threads=2, request_mb=1)
         ),
     )  # fmt: skip
     eng = build_engine(model, zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision=precision, grad_clip=0.05,

@@ -448,7 +448,12 @@ def test_dump_has_every_section_fully_resolved():
             "delay_update": False,
             "delay_update_warmup": 0,
         },
-        "offload_param": {"device": "none", "pin_memory": True},
+        "offload_param": {
+                "device": "none",
+                "nvme_path": None,
+                "io": {"threads": 4, "request_mb": 8},
+                "pin_memory": True,
+            },
         "overlap_comm": True,
         "reduce_bucket_size": 5_000_000,
         "allgather_bucket_size": 25_000_000,

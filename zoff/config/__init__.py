@@ -58,11 +58,16 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class IoConfig:
-    """The disk tier's I/O (engine/disk_io.py): parallel O_DIRECT requests of request_mb each, sub-groups of
-    subgroup_mb of optimizer state."""
+    """The disk tier's I/O (engine/disk_io.py): parallel O_DIRECT requests of request_mb each."""
 
     threads: int = field(default=4, metadata=_rng(1, 64))
     request_mb: int = field(default=8, metadata=_rng(1, 1024))
+
+
+@dataclass(frozen=True)
+class OptimizerIoConfig(IoConfig):
+    """The optimizer's disk I/O, plus the size of the sub-groups it steps its shard in."""
+
     # the optimizer steps its shard in sub-groups of at most this much state (master + moments): RAM holds
     # three of them (stepped, read ahead, written back), whatever the size of a unit
     subgroup_mb: int = field(default=96, metadata=_rng(1))
@@ -73,7 +78,7 @@ class OffloadOptimizerConfig:
     device: Literal["none", "cpu", "nvme"] = "none"
     # nvme: the directory of the swap files (a local disk; a per-rank folder is made under it)
     nvme_path: str | None = None
-    io: IoConfig = field(default_factory=IoConfig)
+    io: OptimizerIoConfig = field(default_factory=OptimizerIoConfig)
     pin_memory: bool = True  # page-lock the staging buffers (GPU only): DMA at full speed, async with compute
     # Gradient shards go down and parameter shards up through this many MiB of staging buffers per rank; the
     # fp32 master and moments stay pageable (pinning them would lock 12 B/param/N of host memory).
@@ -87,7 +92,7 @@ class OffloadParamConfig:
     device: Literal["none", "cpu", "nvme"] = "none"  # nvme: stage 3's parameter shards in a swap file
     # nvme: the directory of the parameter swap files; unset: offload_optimizer.nvme_path (one folder for both)
     nvme_path: str | None = None
-    io: IoConfig = field(default_factory=IoConfig)  # threads and request_mb; subgroup_mb is the optimizer's
+    io: IoConfig = field(default_factory=IoConfig)
     pin_memory: bool = True
 
 

@@ -246,6 +246,23 @@ def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str) -> int
     return sum(aligned(c * u.shard) for u in plan.all_units if not u.persistent)
 
 
+def disk_traffic(
+    plan: PartitionPlan, policy: Policy, subgroup: int | None, precision: str, micro_batches: int
+) -> tuple[int, int]:
+    """(bytes read, bytes written) per rank per step by the disk tier: every optimizer piece once each way;
+    under parameter offload to nvme each micro-batch reads a block's shard for its forward and again for its
+    backward (the root unit once, held from forward to backward), and the step writes back the trainable
+    shards."""
+    opt = optimizer_disk_bytes(plan, policy, subgroup)
+    if not policy.params_on_disk:
+        return opt, opt
+    c = DTYPES[precision].itemsize
+    sharded = [u for u in plan.all_units if not u.persistent]
+    reads = sum(aligned(c * u.shard) * (1 if u.modules == ("",) else 2) for u in sharded)
+    written = sum(aligned(c * u.shard) for u in sharded if u.index < len(plan.units))
+    return opt + micro_batches * reads, opt + written
+
+
 def data_parallel_bytes(trainable_params: int) -> int:
     """Plain data parallelism's model states per rank (design.md §1): 16 B/param, fp32 or mixed precision
     (a 16-bit param and gradient plus the fp32 master and both moments, or fp32 param, grad and moments)."""

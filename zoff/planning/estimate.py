@@ -94,9 +94,9 @@ def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig,
             {**pe.policy.to_dict(), "name": pe.policy.name, "gpu_bytes": pe.gpu_bytes,
              "cpu_bytes_per_node": pe.cpu_bytes_per_node, "gpu": dict(pe.gpu), "cpu": dict(pe.cpu),
              "pinned_bytes_per_node": pe.pinned * pe.local_ranks, "disk_bytes_per_node": pe.disk * pe.local_ranks,
-             # every step reads each swap file once and writes it once (master and both moments)
-             "disk_read_bytes_per_step_per_node": pe.disk * pe.local_ranks,
-             "disk_written_bytes_per_step_per_node": pe.disk * pe.local_ranks,
+             # optimizer states once each way; parameter shards per gather and after the step (disk_traffic)
+             "disk_read_bytes_per_step_per_node": pe.disk_read * pe.local_ranks,
+             "disk_written_bytes_per_step_per_node": pe.disk_written * pe.local_ranks,
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train)}
             for pe in est.policies
         ],
@@ -148,13 +148,16 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
 
 def _disk_note(est: Estimate) -> list[str]:
     """What the disk tier costs the disk: each step reads and rewrites every swap file (SSD wear)."""
-    disk = max((pe.disk * pe.local_ranks for pe in est.policies), default=0)
-    if not disk:
+    worst = max(est.policies, key=lambda pe: pe.disk_written)
+    if not worst.disk_written:
         return []
-    per_day = disk * 86400 / 10
+    read, written = (b * worst.local_ranks for b in (worst.disk_read, worst.disk_written))
+    per_day = written * 86400 / 10
     return [
-        f"nvme rows: each step reads and writes the node's swap files once ({human(disk)} each way per node "
-        f"at the largest); at one step every 10 s that is {per_day / 1e12:,.1f} TB written per node per day"
+        f"nvme rows: each step reads the node's swap files for the optimizer (and, with parameters on disk, "
+        f"for every gather) and writes them back ({human(read)} read and {human(written)} written per node "
+        f"per step at the most, {worst.policy.name}); at one step every 10 s that is {per_day / 1e12:,.1f} TB "
+        "written per node per day"
     ]
 
 

@@ -23,10 +23,14 @@ from zoff.engine.policy import (  # the policy table and its memory terms, which
     POLICIES,
     Policy,
     disk_bytes,
+    disk_traffic,
     engine_plan,
     frozen_param_bytes,
     host_staging,
     model_states,
+    optimizer_disk_bytes,
+    param_disk_bytes,
+    param_swap_path,
     pinned_host_bytes,
     subgroup_of,
 )
@@ -50,7 +54,7 @@ CPU_KEYS = ("params", "grads", "optimizer_states")
 _ORDER = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none")]
 _SLOW = [(2, "cpu", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]
 # Last, when even host memory cannot hold the states: the disk tier (only with an nvme_path that has room).
-_SLOW += [(2, "nvme", "none"), (3, "nvme", "none"), (3, "nvme", "cpu")]
+_SLOW += [(2, "nvme", "none"), (3, "nvme", "none"), (3, "nvme", "cpu"), (3, "nvme", "nvme")]
 SUGGEST_ORDER = tuple(
     [Policy(*p, False) for p in _ORDER]
     + [Policy(*p, True) for p in _ORDER]
@@ -77,7 +81,9 @@ class PolicyEstimate:
     cpu: dict[str, int]  # per node: the sum over its local ranks
     local_ranks: int
     pinned: int = 0  # page-locked host bytes per rank (a part of cpu: hosts cap it, and it cannot swap)
-    disk: int = 0  # the disk tier's swap file per rank (nvme policies)
+    disk: int = 0  # the disk tier's swap files per rank (nvme policies)
+    disk_read: int = 0  # bytes each rank reads from them per step (optimizer states, parameter gathers)
+    disk_written: int = 0  # ... and writes back per step
 
     @property
     def gpu_bytes(self) -> int:
@@ -213,7 +219,8 @@ def estimate(
     """Every policy's per-rank device bytes and per-node host bytes for this config on gpus_per_node x nodes."""
     world, precision = gpus_per_node * nodes, train_cfg.precision
     gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
-    accumulating = train_cfg.grad_accum > 1 if gbs is None else gbs > data_cfg.batch_size * world
+    micro_batches = train_cfg.grad_accum if gbs is None else max(1, gbs // (data_cfg.batch_size * world))
+    accumulating = micro_batches > 1
     model = meta_model(model_cfg)
     total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
@@ -232,8 +239,9 @@ def estimate(
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
-        disk = disk_bytes(plan, pol, subgroup_of(zero_cfg))
-        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk))
+        disk = disk_bytes(plan, pol, subgroup_of(zero_cfg), precision)
+        traffic = disk_traffic(plan, pol, subgroup_of(zero_cfg), precision, micro_batches)
+        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk, *traffic))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (
@@ -316,22 +324,31 @@ def _budget_text(b: Budget) -> str:
 
 
 def check_swap_path(cfg: Config, model: nn.Module) -> None:
-    """Before any rank starts: the disk tier's nvme_path exists, is a writable folder and has room for this
-    node's swap files (every local rank's states); a UserError naming the path and the bytes otherwise."""
-    oo = cfg.zero.offload_optimizer
-    if oo.device != "nvme":
-        return
-    path = Path(oo.nvme_path).expanduser()
-    key = "zero.offload_optimizer.nvme_path"
-    if not path.is_dir():
-        raise UserError(
-            f"{key}: {path} {'is not a folder' if path.exists() else 'does not exist'} (create it on a local disk)"
-        )
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(f"{key}: {path} is not writable")
+    """Before any rank starts: each swap folder of the disk tier (the optimizer's nvme_path, and parameter
+    offload's, which may be the same one) exists, is a writable folder and has room for this node's swap files
+    (every local rank's); a UserError naming the key, the path and the bytes otherwise."""
+    zero = cfg.zero
+    policy = Policy.of(zero)
     world = cfg.launch.nproc_per_node * int(cfg.launch.nnodes.split(":")[0])
-    plan = engine_plan(model, cfg.zero.stage, world, cfg.zero)
-    need = cfg.launch.nproc_per_node * disk_bytes(plan, Policy.of(cfg.zero), subgroup_of(cfg.zero))
-    free = shutil.disk_usage(path).free
-    if need > free:
-        raise UserError(f"{key}: {path} has {human(free)} free; this node's swap files need {human(need)}")
+    plan = engine_plan(model, zero.stage, world, zero)
+    needs: dict[Path, list] = {}  # folder -> [config key, bytes per rank]
+    wanted = [
+        ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
+         optimizer_disk_bytes(plan, policy, subgroup_of(zero))),
+        ("zero.offload_param.nvme_path" if zero.offload_param.nvme_path else "zero.offload_optimizer.nvme_path",
+         param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision)),
+    ]  # fmt: skip
+    for key, where, nbytes in wanted:
+        if nbytes:
+            entry = needs.setdefault(Path(where).expanduser(), [key, 0])
+            entry[1] += nbytes
+    for path, (key, per_rank) in needs.items():
+        if not path.is_dir():
+            raise UserError(
+                f"{key}: {path} {'is not a folder' if path.exists() else 'does not exist'} (create it on a local disk)"
+            )
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UserError(f"{key}: {path} is not writable")
+        need, free = cfg.launch.nproc_per_node * per_rank, shutil.disk_usage(path).free
+        if need > free:
+            raise UserError(f"{key}: {path} has {human(free)} free; this node's swap files need {human(need)}")

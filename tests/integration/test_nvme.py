@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from tests.harness import reference_run, run_zoff, tiny_cfg
-from zoff.config import OffloadOptimizerConfig, OptimConfig, OptimizerIoConfig, ZeroConfig, config_from_dict
+from zoff.config import (
+    IoConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimConfig,
+    OptimizerIoConfig,
+    ZeroConfig,
+    config_from_dict,
+)
 from zoff.engine import build_engine
 from zoff.engine.disk_io import AlignedBuffer, SwapFile, filesystem_type
 from zoff.errors import ConfigError, UserError
@@ -38,7 +46,9 @@ def _offload(device: str, swap: Path, delay: bool = False) -> dict:
             "io": {"threads": 2, "request_mb": 1}}  # fmt: skip
 
 
-def _engine_run(stage: int, precision: str, device: str, swap: Path, steps: int = 5, bucket: int = 1500):
+def _engine_run(
+    stage: int, precision: str, device: str, swap: Path, steps: int = 5, bucket: int = 1500, params: str = "none"
+):  # fmt: skip
     torch.manual_seed(0)
     model = GPT(2, 2, 32, 64, 16)
     zero = ZeroConfig(
@@ -46,6 +56,7 @@ def _engine_run(stage: int, precision: str, device: str, swap: Path, steps: int 
         offload_optimizer=OffloadOptimizerConfig(
             device=device, nvme_path=str(swap) if device == "nvme" else None, io=OptimizerIoConfig(threads=2, request_mb=1)
         ),
+        offload_param=OffloadParamConfig(device=params, io=IoConfig(threads=2, request_mb=1)),
     )  # fmt: skip
     eng = build_engine(model, zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision=precision, grad_clip=0.05,
                        grad_accum=2)  # fmt: skip
@@ -81,24 +92,52 @@ def test_nvme_is_bitwise_cpu_offload_in_process(stage: int, precision: str, swap
     assert not swap_file.exists()  # removed at a clean exit
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parameters_on_disk_are_bitwise_parameters_in_host_memory(precision: str, swap: Path) -> None:
+    """Stage 3 with both offloads on disk against both in host memory: only the storage differs."""
+    want_losses, want, _ = _engine_run(3, precision, "cpu", swap, params="cpu")
+    losses, got, eng = _engine_run(3, precision, "nvme", swap, params="nvme")
+    assert losses == want_losses
+    for name, p in want.items():
+        assert torch.equal(got[name], p), name
+    disk = eng.param_disk
+    assert disk.file.read_bytes > 0 and disk.file.written_bytes > 0  # gathered from and written back to disk
+    mem = eng.memory_report()
+    assert mem["disk_params"] == eng.planned_memory()["disk_params"] > 0
+    assert mem["params"] == eng.planned_memory()["params"]  # only the persistent units stay in memory
+    eng.close()
+    assert not (swap / "rank0").exists()  # both swap files and the rank's folder removed at a clean exit
+
+
+TWO_RANKS = [(2, "none", "fp32"), (3, "nvme", "fp32"), (3, "nvme", "bf16")]
+
+
 @pytest.mark.slow
-def test_nvme_on_two_ranks_equals_cpu_offload_and_the_reference(swap: Path) -> None:
+@pytest.mark.parametrize(("stage", "params", "precision"), TWO_RANKS)
+def test_nvme_on_two_ranks_equals_cpu_offload_and_the_reference(
+    stage: int, params: str, precision: str, swap: Path
+) -> None:
     results = {}
     for device in ("cpu", "nvme"):
+        zero = {"stage": stage, "reduce_bucket_size": 3000, "offload_optimizer": _offload(device, swap),
+                "param_persistence_threshold": 64,
+                "offload_param": {"device": {"none": "none", "nvme": device}[params]}}  # fmt: skip
         cfg = tiny_cfg(
-            zero={"stage": 2, "reduce_bucket_size": 3000, "offload_optimizer": _offload(device, swap)},
-            train={"max_steps": 6, "grad_accum": 2, "grad_clip": 0.5, "precision": "fp32"},
+            zero=zero, train={"max_steps": 6, "grad_accum": 2, "grad_clip": 0.5, "precision": precision}
         )
         results[device] = run_zoff(cfg, 2)[0]
     a, b = results["cpu"], results["nvme"]
     assert a["losses"] == b["losses"]
     for name, p in a["params"].items():
         assert torch.equal(b["params"][name], p), name
-    ref = reference_run(config_from_dict(cfg), 2)
-    for x, y in zip(b["losses"], ref["losses"]):
-        assert abs(x - y) <= 1e-5 * abs(y)
-    assert b["memory"]["disk_optimizer_states"] == b["planned"]["disk_optimizer_states"]
-    assert not any((swap / f"rank{r}" / "optimizer.swap").exists() for r in range(2))
+    if precision == "fp32":
+        ref = reference_run(config_from_dict(cfg), 2)
+        for x, y in zip(b["losses"], ref["losses"]):
+            assert abs(x - y) <= 1e-5 * abs(y)
+    for key in ("disk_optimizer_states", "disk_params"):
+        assert b["memory"][key] == b["planned"][key]
+    assert (b["memory"]["disk_params"] > 0) == (params == "nvme")
+    assert not any((swap / f"rank{r}").exists() for r in range(2))
 
 
 def test_swap_file_uses_o_direct_on_a_real_disk_and_round_trips(swap: Path) -> None:
@@ -170,9 +209,14 @@ def test_the_disk_tier_holds_its_buffers_in_ram_not_the_shard(swap: Path) -> Non
     eng.close()
 
 
-def _ckpt_cfg(stage: int, micro: int, device: str, swap: Path, ckpt: Path) -> dict:
+def _ckpt_cfg(stage: int, micro: int, device: str, swap: Path, ckpt: Path, params: str = "none") -> dict:
     return tiny_cfg(
-        zero={"stage": stage, "reduce_bucket_size": 3000, "offload_optimizer": _offload(device, swap)},
+        zero={
+            "stage": stage,
+            "reduce_bucket_size": 3000,
+            "offload_optimizer": _offload(device, swap),
+            "offload_param": {"device": params},
+        },  # fmt: skip
         data={"batch_size": micro},
         train={"max_steps": 12, "grad_accum": 1, "global_batch_size": 12},
         checkpoint={"dir": str(ckpt), "every_steps": 6, "keep_last": 5},
@@ -180,14 +224,16 @@ def _ckpt_cfg(stage: int, micro: int, device: str, swap: Path, ckpt: Path) -> di
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("stage", "params"), [(2, "none"), (3, "nvme")])
 def test_checkpoint_of_an_nvme_run_resumes_bitwise_and_at_another_world_size(
-    swap: Path, tmp_path: Path
+    stage: int, params: str, swap: Path, tmp_path: Path
 ) -> None:
     """Saved unit by unit from the swap files; resumed into swap files on 2 ranks (bit for bit against the
-    run that never stopped) and into CPU offload on 3 ranks (the states re-partitioned)."""
-    full = run_zoff(_ckpt_cfg(2, 6, "nvme", swap, tmp_path / "a"), 2, tmp_path)[0]
+    run that never stopped) and into CPU offload on 3 ranks (the states re-partitioned); with stage 3's
+    parameters on disk too, read back into their swap file."""
+    full = run_zoff(_ckpt_cfg(stage, 6, "nvme", swap, tmp_path / "a", params), 2, tmp_path)[0]
     step6 = str(tmp_path / "a" / "step_00000006")
-    again = run_zoff(_ckpt_cfg(2, 6, "nvme", swap, tmp_path / "b"), 2, tmp_path, step6)[0]
+    again = run_zoff(_ckpt_cfg(stage, 6, "nvme", swap, tmp_path / "b", params), 2, tmp_path, step6)[0]
     assert again["start"] == 6 and again["losses"] == full["losses"][6:]
     for name, p in full["params"].items():
         assert torch.equal(again["params"][name], p), name

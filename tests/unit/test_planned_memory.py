@@ -60,16 +60,17 @@ def test_estimate_and_engine_share_one_function(monkeypatch) -> None:
     assert calls == [1]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+DISK_POLICIES = [Policy(1, "nvme"), Policy(2, "nvme"), Policy(3, "nvme"), Policy(3, "nvme", "nvme")]
+
+
+@pytest.mark.parametrize("pol", DISK_POLICIES, ids=str)
 @pytest.mark.parametrize(("precision", "delay"), [("fp32", False), ("bf16", True)])
-def test_the_disk_tier_allocates_what_the_table_plans(
-    stage: int, precision: str, delay: bool, tmp_path
-) -> None:
-    eng = _engine(Policy(stage, "nvme"), precision, 2, 1.0, delay, str(tmp_path))
+def test_the_disk_tier_allocates_what_the_table_plans(pol, precision: str, delay: bool, tmp_path) -> None:
+    eng = _engine(pol, precision, 2, 1.0, delay, str(tmp_path))
     mem, planned = eng.memory_report(), eng.planned_memory()
-    got = {k: mem[k] for k in (*KEYS, "disk_optimizer_states")} | {
-        "params": mem["params"] + mem["frozen_params"]
-    }
-    assert got == {k: planned[k] for k in (*KEYS, "disk_optimizer_states")}
+    keys = (*KEYS, "disk_optimizer_states", "disk_params")
+    got = {k: mem[k] for k in keys} | {"params": mem["params"] + mem["frozen_params"]}
+    assert got == {k: planned[k] for k in keys}
+    assert (planned["disk_params"] > 0) == (pol.offload_param == "nvme")
     assert planned["disk_optimizer_states"] > 0 and planned["optimizer_states"] == 0
     eng.close()

@@ -133,3 +133,12 @@ def test_format_1_checkpoints_still_load(tmp_path: Path) -> None:
     (step / "manifest.json").write_text(json.dumps(m))
     r = run_zoff(_cfg(2, 6, 6, 3, tmp_path / "b"), 2, tmp_path, str(step))[0]
     assert r["start"] == 3 and r["losses"] == full["losses"][3:]
+
+
+def test_checkpoint_enabled_false_never_saves(tmp_path: Path) -> None:
+    """A run whose disk has no room for a copy of its states (the beyond-memory demonstration) turns saving
+    off: no checkpoint at the end, not even a temporary folder."""
+    cfg = tiny_cfg(train={"max_steps": 3}, checkpoint={"dir": str(tmp_path / "ckpt"), "enabled": False})
+    out = run_zoff(cfg, 1, tmp_path)[0]
+    assert len(out["losses"]) == 3
+    assert not (tmp_path / "ckpt").exists()

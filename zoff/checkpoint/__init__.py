@@ -220,8 +220,15 @@ class Checkpointer:
         self.engine, self.cfg, self.max_steps, self.config_yaml = engine, cfg, max_steps, config_yaml
         self.dir = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
 
-    def due(self, step: int) -> bool:
-        return step == self.max_steps or bool(self.cfg.every_steps and step % self.cfg.every_steps == 0)
+    def due(self, step: int, stopping: bool = False) -> bool:
+        """Whether to save after `step`: every every_steps, at the end, and when stopping (preemption)."""
+        if not self.cfg.enabled:
+            return False
+        return (
+            stopping
+            or step == self.max_steps
+            or bool(self.cfg.every_steps and step % self.cfg.every_steps == 0)
+        )
 
     def save(self, step: int, trainer_state: dict) -> Path:
         path = save_checkpoint(self.engine, self.dir, step, trainer_state, self.config_yaml)

@@ -152,6 +152,9 @@ class CheckpointConfig:
     dir: str | None = None  # default: <run_dir>/checkpoints
     every_steps: int = field(default=0, metadata=_rng(0))  # 0: only at the end
     keep_last: int = field(default=2, metadata=_rng(1))
+    # false: never save, not even at the end or on preemption (a run whose disk has no room for a copy of its
+    # states); resuming from an existing checkpoint still works
+    enabled: bool = True
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def train_loop(
             val = evaluate(engine, batches, train.eval_batches, comm)
             if writer is not None:
                 writer.eval(done, val)
-        if ckpt is not None and (ckpt.due(done) or stopping):
+        if ckpt is not None and ckpt.due(done, stopping):
             ckpt.save(done, {"step": done, "data": batches.state_dict()})
         if stopping:
             engine.flush()

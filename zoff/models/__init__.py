@@ -24,9 +24,28 @@ def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------- what each model family answers, once
 def builds_sharded(cfg: ModelConfig) -> bool:
-    """The builtin GPT is built on the meta device and materialised shard by shard by the engine (each rank
-    draws only what it owns); other families are built whole, in fp32, on every rank first."""
-    return cfg.name == "gpt"
+    """The builtin GPT, and hf: models with a model.path of safetensors weights, are built on the meta device
+    and materialised shard by shard by the engine (each rank draws or reads only what it owns); other
+    families are built whole, in fp32, on every rank first."""
+    if cfg.name == "gpt":
+        return True
+    if cfg.name.startswith("hf:") and cfg.path is not None:
+        from zoff.models.hf import loads_shards
+
+        return loads_shards(cfg)
+    return False
+
+
+def build_for_engine(cfg: ModelConfig) -> nn.Module:
+    """The model as the trainer hands it to the engine: deferred (parameters on meta, materialised by the
+    engine from init_parameter) where builds_sharded says so, else built whole."""
+    if not builds_sharded(cfg):
+        return build_model(cfg)
+    if cfg.name.startswith("hf:"):
+        from zoff.models.hf import build_hf_model
+
+        return build_hf_model(cfg, shard_only=True)  # real buffers; parameters read from model.path
+    return meta_model(cfg)
 
 
 def checks_vocab(cfg: ModelConfig) -> bool:

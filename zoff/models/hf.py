@@ -63,6 +63,7 @@ def hf_config(cfg: ModelConfig) -> Any:
             raise UserError(
                 f"model.path: {path} has no config.json (expected a Hugging Face model directory)"
             )
+        _check_custom_code(path, user)
         try:
             config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, **user)
         except (OSError, ValueError) as e:
@@ -118,19 +119,48 @@ def _check_keys(config_cls: type, user: dict) -> None:
             raise UserError(f"model.config.{key}: not a {config_cls.__name__} setting{hint}")
 
 
-def build_hf_model(cfg: ModelConfig) -> nn.Module:
-    """Random init from the config, or the weights of model.path; on a meta device only the structure."""
+def concrete_class(cfg: ModelConfig, config: Any) -> type:
+    """The class `hf:<ClassName>` builds for this config: an Auto* class resolved to the config's model class
+    (from the folder's own code when its config asks for it and the user opted in)."""
     cls = model_class(cfg)
+    if getattr(cls, "config_class", None) is not None:
+        return cls
+    auto_map = getattr(config, "auto_map", None) or {}
+    if cfg.path is not None and cls.__name__ in auto_map and cfg.config.get("trust_remote_code"):
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(auto_map[cls.__name__], str(Path(cfg.path).expanduser()))
+    try:
+        return cls._model_mapping[type(config)]
+    except KeyError:
+        raise UserError(f"model.name: {cls.__name__} has no class for '{config.model_type}' models") from None
+
+
+def loads_shards(cfg: ModelConfig) -> bool:
+    """Whether this hf: section is built with shard-only loading: a model.path with safetensors weights of a
+    class whose checkpoints need no tensor conversions (hf_shards.shard_loadable)."""
+    from zoff.models.hf_shards import shard_loadable
+    from zoff.models.safetensors_reader import has_safetensors
+
+    if cfg.path is None or not has_safetensors(cfg.path):
+        return False
     config = hf_config(cfg)
-    if getattr(cls, "config_class", None) is None:  # Auto*: the concrete class for this config
-        try:
-            cls = cls._model_mapping[type(config)]
-        except KeyError:
-            raise UserError(
-                f"model.name: {cls.__name__} has no class for '{config.model_type}' models"
-            ) from None
+    return shard_loadable(concrete_class(cfg, config), config)
+
+
+def build_hf_model(cfg: ModelConfig, shard_only: bool = False) -> nn.Module:
+    """Random init from the config, or the weights of model.path; on a meta device only the structure.
+
+    `shard_only` (loads_shards(cfg) must hold): parameters stay on the meta device and the engine reads each
+    rank's share of them from model.path's safetensors files (hf_shards.py)."""
+    config = hf_config(cfg)
+    cls = concrete_class(cfg, config)
     on_meta = torch.empty(0).device.type == "meta"
-    if cfg.path is None or on_meta:
+    if shard_only:
+        from zoff.models.hf_shards import build_deferred_hf
+
+        model = build_deferred_hf(cls, config, Path(cfg.path).expanduser())
+    elif cfg.path is None or on_meta:
         model = cls._from_config(config, dtype=torch.get_default_dtype())
     else:
         try:
@@ -146,6 +176,27 @@ def build_hf_model(cfg: ModelConfig) -> nn.Module:
     if emb is not None and hasattr(emb, "num_embeddings"):
         model.register_forward_pre_hook(_IdGuard(emb.num_embeddings))
     return model
+
+
+def _check_custom_code(path: Path, user: dict) -> None:
+    """A config.json whose model type transformers does not know names its own Python code (auto_map), which
+    would run on every rank: only when the user says so (model.config.trust_remote_code: true, the keyword
+    transformers itself takes)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path: cannot read {path / 'config.json'}: {e}") from None
+    if not isinstance(raw, dict) or not raw.get("auto_map") or user.get("trust_remote_code"):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if raw.get("model_type") in CONFIG_MAPPING:  # transformers' own class, as from_pretrained would use
+        return
+    classes = ", ".join(f"{k}={v}" for k, v in raw["auto_map"].items())
+    raise UserError(
+        f"model.path: {path / 'config.json'} needs custom code from the folder ({classes}); "
+        "zoff runs it only with model.config.trust_remote_code: true"
+    )
 
 
 class _IdGuard:
@@ -170,12 +221,23 @@ class _IdGuard:
                 )
 
 
-def save_hf_config(cfg: ModelConfig, out: Path, dtype: torch.dtype, eos_id: int | None) -> None:
-    """config.json for an exported model: the training config, its class as architecture, the export dtype."""
+def save_hf_config(
+    cfg: ModelConfig, out: Path, dtype: torch.dtype, eos_id: int | None, stored: dict | None = None
+) -> None:
+    """config.json for an exported model: the training config, its class as architecture, the export dtype.
+
+    `stored`: the config.json a checkpoint carries (exported_files), used as it is but for the same edits;
+    without it the config is rebuilt from the run's config (and model.path's config.json)."""
+    if stored is not None:
+        data = {k: v for k, v in stored.items() if k != "torch_dtype"}  # the old name of dtype
+        data["use_cache"] = True  # inference wants the cache that training switched off
+        data["dtype"] = str(dtype).removeprefix("torch.")
+        if eos_id is not None and isinstance(data.get("vocab_size"), int) and eos_id < data["vocab_size"]:
+            data["eos_token_id"] = eos_id
+        (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return
     config = hf_config(cfg)
-    cls = model_class(cfg)
-    if getattr(cls, "config_class", None) is None:
-        cls = cls._model_mapping[type(config)]
+    cls = concrete_class(cfg, config)
     config.architectures = [cls.__name__]
     config.use_cache = True  # inference wants the cache that training switched off
     config.dtype = dtype
@@ -183,3 +245,19 @@ def save_hf_config(cfg: ModelConfig, out: Path, dtype: torch.dtype, eos_id: int 
         config.eos_token_id = eos_id
     config.save_pretrained(str(out))
     json.loads((out / "config.json").read_text())  # fail here, not in from_pretrained, if it is not JSON
+
+
+def exported_files(model: nn.Module) -> dict[str, str]:
+    """What a checkpoint stores beside a transformers model's tensors so that `zoff convert --format hf` needs
+    nothing from the original model folder: its config.json (with its class as architecture) and, when it
+    has one, its generation_config.json. Empty for other models."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "to_dict", None)) or not hasattr(config, "model_type"):
+        return {}
+    data = config.to_dict()
+    data["architectures"] = [type(model).__name__]
+    files = {"config.json": json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"}
+    generation = getattr(model, "generation_config", None)
+    if callable(getattr(generation, "to_json_string", None)):
+        files["generation_config.json"] = generation.to_json_string()
+    return files

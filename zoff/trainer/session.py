@@ -16,11 +16,9 @@ from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.engine.policy import data_parallel_bytes
 from zoff.models import (
-    build_model,
-    builds_sharded,
+    build_for_engine,
     checks_vocab,
     enable_activation_checkpointing,
-    meta_model,
     model_flops_per_token,
 )
 from zoff.trainer.loop import train_loop
@@ -42,8 +40,9 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     """Model (same initial weights on every rank), engine for the ZeRO policy, this rank's data stream."""
     comm = Comm(timeout_s=cfg.launch.timeout_s)
     torch.manual_seed(cfg.train.seed)
-    # The builtin GPT is built on the meta device and materialised shard by shard by the engine.
-    model = meta_model(cfg.model) if builds_sharded(cfg.model) else build_model(cfg.model)
+    # The builtin GPT and hf: models with safetensors weights are built on the meta device and materialised
+    # shard by shard by the engine.
+    model = build_for_engine(cfg.model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)

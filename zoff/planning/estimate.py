@@ -24,6 +24,7 @@ from zoff.planning.memory import (
     estimate,
     resolve_auto,
     suggest_policy,
+    swap_free_bytes,
 )
 from zoff.units import human
 from zoff.units import parse_size as _parse_size
@@ -137,6 +138,9 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
         f"GPU memory: {human(budget.gpu)} ({budget.gpu_source}); CPU memory: {human(budget.cpu)} per node "
         f"({budget.cpu_source})",
         f"activations: {est.activation_method}, for the configured micro-batch; ▶ = the configured policy",
+        f"disk: {human(budget.disk)} free at zero.offload_optimizer.nvme_path"
+        if budget.disk
+        else "disk: no zero.offload_optimizer.nvme_path folder, so no nvme row fits",
         _startup_text(est, budget),
         *(f"note: {note}" for note in est.notes),
         *_disk_note(est),
@@ -193,6 +197,7 @@ def run_cli(
     gpn = parse_count(gpus_per_node, "--gpus-per-node", 1024)
     n = parse_count(nodes, "--nodes", 100_000)
     cfg = load_config(config, overrides)
+    budget = dataclasses.replace(budget, disk=swap_free_bytes(cfg.zero))  # nvme rows fit where the disk has room
     gpn = gpn or cfg.launch.nproc_per_node
     n = n or int(cfg.launch.nnodes.split(":")[0])  # elastic MIN:MAX: the fewest ranks need the most memory
     est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type)

@@ -307,13 +307,17 @@ def resolve_auto(
     if world % local:
         raise UserError(f"zero: auto: world size {world} is not a multiple of {local} ranks per node")
     est = estimate(model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type)
-    path = zero_cfg.offload_optimizer.nvme_path
-    disk = shutil.disk_usage(path).free if path and Path(path).expanduser().is_dir() else 0
-    pe, reason = suggest_policy(est, Budget(gpu_bytes, cpu_bytes, shared, disk=disk))
+    pe, reason = suggest_policy(est, Budget(gpu_bytes, cpu_bytes, shared, disk=swap_free_bytes(zero_cfg)))
     if pe is None:
         raise UserError(f"zero: auto: {reason}")
     p = pe.policy
     return p.stage, p.offload_optimizer, p.offload_param, p.activation_checkpointing, reason
+
+
+def swap_free_bytes(zero_cfg: ZeroConfig) -> int:
+    """Free bytes at the disk tier's folder (zero.offload_optimizer.nvme_path); 0 without one."""
+    path = zero_cfg.offload_optimizer.nvme_path
+    return shutil.disk_usage(path).free if path and Path(path).expanduser().is_dir() else 0
 
 
 def _budget_text(b: Budget) -> str:

@@ -3,6 +3,8 @@ overlap its shards, and the weights are the same at every world size and stage a
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness import spawn
-from zoff.config import OptimConfig, ZeroConfig
+from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import ZeroEngine, build_engine
 from zoff.engine.partition import PartitionPlan
 from zoff.models.gpt import GPT
@@ -57,28 +59,43 @@ def _rss_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _stage3_rss(world: int) -> dict | None:
-    """Peak RSS growth while a stage-3 engine materialises BIG, against what the rank must hold."""
+def _stage3_rss(world: int, swap: str | None = None) -> dict | None:
+    """Peak RSS growth while a stage-3 engine materialises BIG, against what the rank must hold (with `swap`:
+    parameters and optimizer states go to swap files there as they are made)."""
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak) to the current RSS
     except OSError:
         return None
     model = _gpt(SEED, meta=True, shape=BIG)
+    zero = ZeroConfig(stage=3, param_persistence_threshold=THRESHOLD)
+    if swap is not None:
+        zero = ZeroConfig(
+            stage=3, param_persistence_threshold=THRESHOLD, offload_param=OffloadParamConfig(device="nvme"),
+            offload_optimizer=OffloadOptimizerConfig(device="nvme", nvme_path=swap),
+        )  # fmt: skip
     before = _rss_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
-    engine = build_engine(model, ZeroConfig(stage=3, param_persistence_threshold=THRESHOLD), OptimConfig())
+    engine = build_engine(model, zero, OptimConfig())
     peak = _rss_kib("VmHWM")
     mem = engine.memory_report()
-    return {
+    out = {
         "grew": (peak - before) * 1024,
-        "model_state": mem["params"] + mem["grads"] + mem["optimizer_states"],
+        # what the rank holds in memory: on disk, the persistent params, the grads and the tier's buffers
+        "model_state": mem["params"] + mem["grads"] + mem["optimizer_states"] + mem["cpu_optimizer_states"],
+        "on_disk": mem["disk_params"] + mem["disk_optimizer_states"],
         "model_bytes": engine.plan.numel * 4,
         "largest_unit_bytes": max(u.padded for u in engine.plan.units) * 4,
     }
+    engine.close()
+    return out
+
+
+def _nvme_rank(rank: int, world: int, swap: str) -> dict | None:
+    return _stage3_rss(world, swap)
 
 
 def _init_rank(rank: int, world: int) -> dict:
-    rss = _stage3_rss(world) if world == 3 else None  # first, while the process's peak is still clean
+    rss = _stage3_rss(world)  # first, while the process's peak is still clean
     out: dict = {"rss": rss}
     for stage in STAGES:
         model = _gpt(SEED, meta=True)
@@ -158,16 +175,35 @@ def test_materialised_weights_equal_eager_at_every_world_size(runs, stage: int, 
         assert all(torch.equal(got[n], reference[n]) for n in reference), (stage, world, rank)
 
 
-def test_stage3_rank_never_holds_the_model(runs) -> None:
-    """Peak RSS while a 3-rank stage-3 engine materialises a 57 MB model: its model states (params, grads and
-    Adam moments of a third) plus a unit or two in flight, well below what one more whole-model copy adds."""
-    for rank, r in enumerate(runs[3]):
-        rss = r["rss"]
-        if rss is None:
-            pytest.skip("/proc/self/clear_refs is not writable: no way to reset the peak RSS")
-        allowed = rss["model_state"] + 2 * rss["largest_unit_bytes"] + 8 * 2**20
-        assert allowed < rss["model_state"] + rss["model_bytes"]  # the bound can tell a whole copy apart
-        assert rss["grew"] <= allowed, (
-            f"rank {rank}: peak RSS grew {rss['grew'] / 2**20:.1f} MiB building the engine; model states "
-            f"{rss['model_state'] / 2**20:.1f} MiB, whole model {rss['model_bytes'] / 2**20:.1f} MiB"
-        )
+def _assert_bounded(rss: dict | None, rank: int) -> None:
+    if rss is None:
+        pytest.skip("/proc/self/clear_refs is not writable: no way to reset the peak RSS")
+    allowed = rss["model_state"] + 2 * rss["largest_unit_bytes"] + 8 * 2**20
+    assert allowed < rss["model_state"] + rss["model_bytes"]  # the bound can tell a whole copy apart
+    assert rss["grew"] <= allowed, (
+        f"rank {rank}: peak RSS grew {rss['grew'] / 2**20:.1f} MiB building the engine; model states "
+        f"{rss['model_state'] / 2**20:.1f} MiB, whole model {rss['model_bytes'] / 2**20:.1f} MiB"
+    )
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_stage3_rank_never_holds_the_model(runs, world: int) -> None:
+    """Peak RSS while a stage-3 engine on 1, 2 or 3 ranks materialises a 57 MB model: its model states (params,
+    grads and Adam moments of psi/N: 16 B x psi/N) plus a unit or two in flight, well below what one more
+    whole-model copy adds."""
+    for rank, r in enumerate(runs[world]):
+        _assert_bounded(r["rss"], rank)
+
+
+def test_stage3_on_disk_builds_into_the_swap_files(tmp_path: Path) -> None:
+    """zero3-nvme on 2 ranks: each unit goes to the parameter and optimizer swap files as it is made, so RAM
+    grows by the persistent params, the grads, the tier's buffers and a unit or two, not by the states."""
+    swap = (
+        Path(tempfile.mkdtemp(prefix="zoff-test-", dir="/var/tmp")) if Path("/var/tmp").is_dir() else tmp_path
+    )
+    try:
+        for rank, rss in enumerate(spawn(_nvme_rank, 2, str(swap))):
+            _assert_bounded(rss, rank)
+            assert rss is None or rss["on_disk"] > 2 * rss["model_state"]  # most of the states went to disk
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)

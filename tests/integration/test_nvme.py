@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.harness import reference_run, run_zoff, tiny_cfg
+from zoff.checkpoint import save_checkpoint
 from zoff.config import (
     IoConfig,
     OffloadOptimizerConfig,
@@ -180,7 +181,7 @@ def _status(field: str) -> int:
 def test_the_disk_tier_holds_its_buffers_in_ram_not_the_shard(swap: Path) -> None:
     """1.07 GB of optimizer states (89M fp32 params x 12 B) stepped from disk: the process's peak memory grows
     by what the plan says (params, grads and the tier's unit buffers; within 10%), not by the states, and
-    the page cache does not take them in either (O_DIRECT)."""
+    the page cache does not take them in either (O_DIRECT); saving a checkpoint of them holds a unit or two."""
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak, to the current RSS
     except OSError:
@@ -206,6 +207,14 @@ def test_the_disk_tier_holds_its_buffers_in_ram_not_the_shard(swap: Path) -> Non
     assert planned["cpu_optimizer_states"] < disk / 5  # a few units' buffers, not the shard
     assert grew <= 1.10 * ram, (grew, ram)
     assert _meminfo("Cached") - cached < disk / 4, "the swap traffic went through the page cache"
+    # A checkpoint of it streams unit by unit: RAM grows by a unit's state or two, not by the 1.07 GB shard.
+    before = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    path = save_checkpoint(eng, swap / "ckpt", 2, {"step": 2}, "{}")
+    grew = _status("VmHWM") - before
+    largest = 4 * max(u.shard for u in eng.plan.units)
+    assert (path / "shard_00000.safetensors").stat().st_size > disk * 0.99
+    assert grew <= 3 * largest + 32 * 2**20, (grew, largest)
     eng.close()
 
 

@@ -11,6 +11,7 @@ any stage read exactly the byte ranges they need.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import time
@@ -36,6 +37,7 @@ from zoff.checkpoint.format import (
     write_tensors,
     write_text_atomic,
 )
+from zoff.checkpoint.safetensors_io import write_streaming
 from zoff.config import CheckpointConfig
 from zoff.engine import ZeroEngine
 from zoff.errors import UserError
@@ -58,14 +60,7 @@ def save_checkpoint(
     files: dict[str, dict] = {}
     state = engine.state_dict()
     if engine.rank == rank:  # this rank owns a partition (stage 0: only rank 0 writes the single partition)
-        tensors = {}
-        for u in range(len(engine.plan.units)):
-            tensors[f"u{u}.master"] = state["masters"][u].detach().float().cpu().contiguous()
-            tensors[f"u{u}.exp_avg"] = state["optimizer"]["exp_avg"][u].cpu().contiguous()
-            tensors[f"u{u}.exp_avg_sq"] = state["optimizer"]["exp_avg_sq"][u].cpu().contiguous()
-        for u in range(len(engine.plan.units), len(engine.plan.all_units)):  # stage 3's frozen shards
-            tensors[f"u{u}.master"] = engine.param_shard(u).detach().float().cpu().contiguous()
-        files.update(write_tensors(tmp / f"shard_{engine.rank:05d}.safetensors", tensors))
+        files.update(_write_partition(tmp / f"shard_{engine.rank:05d}.safetensors", engine, state))
     files.update(write_tensors(tmp / f"rng_{rank:05d}.safetensors", rng_states(engine.device)))
     if rank == 0:
         files.update(write_tensors(tmp / "extra.safetensors", _extra_tensors(engine)))
@@ -89,6 +84,26 @@ def save_checkpoint(
         write_text_atomic(ckpt_dir / "latest", final.name + "\n")
     _barrier(engine)
     return final
+
+
+def _write_partition(path: Path, engine: ZeroEngine, state: dict) -> dict[str, dict]:
+    """This rank's partition, streamed one unit's tensor at a time (the header comes from the plan's shapes):
+    RAM holds one unit's state, not the partition's, which on the disk tier is larger than memory."""
+    n, units = len(engine.plan.units), engine.plan.all_units
+    layout = [(f"u{u}.{kind}", [units[u].shard], torch.float32) for u in range(n) for kind in KINDS]
+    layout += [(f"u{u}.master", [units[u].shard], torch.float32) for u in range(n, len(units))]
+    sources = {"master": state["masters"], **state["optimizer"]}
+
+    def tensors():
+        for key, _, _ in layout:
+            u, kind = int(key[1 : key.index(".")]), key[key.index(".") + 1 :]
+            t = sources[kind][u] if u < n else engine.param_shard(u)  # stage 3's frozen shards after
+            yield key, t.detach().float().cpu()
+
+    write_streaming(path, layout, tensors())  # (fsyncs the file)
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {path.name: {"bytes": path.stat().st_size, "sha256": digest}}
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> None:

@@ -4,6 +4,7 @@ swap files are O_DIRECT where the filesystem allows and are gone after a clean e
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -344,6 +345,35 @@ def test_the_estimates_nvme_row_is_what_a_run_measures(swap: Path) -> None:
     eng.close()
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_estimates_disk_traffic_is_what_a_step_reads_and_writes(micro: int, swap: Path) -> None:
+    """zero3-nvme: the estimate's swap files and bytes read and written per step against the I/O counters of
+    a real step (optimizer states once each way; parameter shards per gather and after the step)."""
+    from zoff.planning import memory
+
+    zero = {"stage": 3, "reduce_bucket_size": 3000, "param_persistence_threshold": 64,
+            "offload_optimizer": _offload("nvme", swap), "offload_param": {"device": "nvme"}}  # fmt: skip
+    cfg = config_from_dict(tiny_cfg(zero=zero, train={"grad_accum": micro}))
+    row = memory.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 1, "cpu").get(
+        memory.Policy(3, "nvme", "nvme")
+    )
+    torch.manual_seed(0)
+    eng = build_engine(memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=0.5, grad_accum=micro)
+    files = (eng.optimizer.states.file, eng.param_disk.file)
+    assert row.disk == sum(f.nbytes for f in files)
+    x = torch.randint(0, 256, (2, 16))
+    for _step in range(2):  # the second step is the steady state (the first records the gather order)
+        r0, w0 = sum(f.read_bytes for f in files), sum(f.written_bytes for f in files)
+        eng.zero_grad()
+        for m in range(micro):
+            eng.backward(eng.model(x).float().logsumexp(-1).mean(), sync=m == micro - 1)
+        eng.step(1e-3)
+    read, written = sum(f.read_bytes for f in files) - r0, sum(f.written_bytes for f in files) - w0
+    assert abs(read - row.disk_read) <= 0.05 * row.disk_read, (read, row.disk_read)
+    assert written == row.disk_written
+    eng.close()
+
+
 def test_a_stale_swap_file_is_reclaimed_not_reused(swap: Path) -> None:
     """A killed run leaves its swap file behind; the next run truncates it and starts from the live
     parameters (results equal to CPU offload), never reading what was there."""
@@ -357,18 +387,38 @@ def test_a_stale_swap_file_is_reclaimed_not_reused(swap: Path) -> None:
     eng.close()
 
 
-def test_bench_io_measures_a_path_and_suggests_a_setting(swap: Path) -> None:
+def test_bench_io_measures_a_path_and_suggests_a_setting(swap: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "ZOFF_CACHE_DIR": str(tmp_path / "cache")}
     p = subprocess.run(
         [sys.executable, "-m", "zoff", "bench-io", str(swap), "--size", "8MiB"], capture_output=True, text=True,
-        timeout=300,
+        timeout=300, env=env,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
     assert lines[0].startswith(f"zoff bench-io {swap} (")
     assert sum("raw O_DIRECT" in line and "GB/s" in line for line in lines) == 5
     assert any("engine swap" in line for line in lines)
-    assert lines[-1].startswith("suggested: zero.offload_optimizer.io.threads=")
+    assert lines[-2].startswith("suggested: zero.offload_optimizer.io.threads=")
+    assert lines[-1].endswith(str(tmp_path / "cache" / "bench-io.json"))
     assert list(swap.iterdir()) == []  # its files are gone
+    # estimate projects the disk time per step from that measurement (any path on the same filesystem)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps(tiny_cfg(zero={"stage": 3, "offload_optimizer": _offload("nvme", swap)})))
+    est = subprocess.run(
+        [sys.executable, "-m", "zoff", "estimate", str(cfg), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert est.returncode == 0, est.stderr
+    out = json.loads(est.stdout)
+    bw = out["disk_bandwidth"]
+    assert bw["source"].startswith(f"zoff bench-io {swap}, ") and bw["read_gbps"] > 0
+    row = next(r for r in out["policies"] if r["name"] == "zero3-nvme" and not r["activation_checkpointing"])
+    per_rank = 1 / out["gpus_per_node"]
+    want = per_rank * (row["disk_read_bytes_per_step_per_node"] / bw["read_gbps"]
+                       + row["disk_written_bytes_per_step_per_node"] / bw["write_gbps"]) / 1e9  # fmt: skip
+    assert row["disk_seconds_per_step"] == pytest.approx(want) and want > 0
     bad = subprocess.run(
         [sys.executable, "-m", "zoff", "bench-io", str(swap / "no")], capture_output=True, text=True
     )

@@ -8,6 +8,7 @@ scripts/bench_nvme.py adds dd as an outside reference and the optimizer step.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from zoff.cache import cache_dir
 from zoff.engine.disk_io import AlignedBuffer, SwapFile, aligned, filesystem_type, wait
 from zoff.engine.tiers import SwappedStates
 from zoff.errors import UserError
@@ -89,6 +91,50 @@ def run(path: Path, nbytes: int, unit_params: int = 8 << 20) -> list[str]:
         lines.append(
             f"suggested: zero.offload_optimizer.io.threads={threads} zero.offload_optimizer.io.request_mb={mb}"
         )
+        record = {"path": str(path), "filesystem": filesystem_type(path), "read_gbps": best["read"],
+                  "write_gbps": best["write"], "swap_each_way_gbps": sw["both"] / 2, "threads": threads,
+                  "request_mb": mb, "measured_at": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+        lines.append(
+            f"saved for `zoff estimate` (disk time per step on this filesystem): {_save(path, record)}"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return lines
+
+
+# ---------------------------------------------------------------------------- the last measurement, kept
+DEFAULT_GBPS = 1.0  # each way, when a filesystem was never measured: a SATA SSD's order, stated as assumed
+
+
+def _store() -> Path:
+    return cache_dir() / "bench-io.json"
+
+
+def _save(path: Path, record: dict) -> Path:
+    """Keep the measurement under the filesystem's device id: every path on that filesystem shares it."""
+    store = _store()
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known[str(os.stat(path).st_dev)] = record
+    store.parent.mkdir(parents=True, exist_ok=True)
+    tmp = store.with_suffix(".tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, store)
+    return store
+
+
+def disk_bandwidth(path: str | None) -> tuple[float, float, str]:
+    """(read GB/s, write GB/s, where they come from) for the filesystem holding `path`: the last `zoff
+    bench-io` of it, else DEFAULT_GBPS each way, said to be assumed."""
+    try:
+        known = json.loads(_store().read_text())
+        rec = known[str(os.stat(Path(path).expanduser()).st_dev)]
+        return rec["read_gbps"], rec["write_gbps"], f"zoff bench-io {rec['path']}, {rec['measured_at']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return (
+            DEFAULT_GBPS,
+            DEFAULT_GBPS,
+            f"assumed {DEFAULT_GBPS:g} GB/s each way: run `zoff bench-io` on it",
+        )

@@ -16,11 +16,13 @@ import torch
 
 from zoff.config import Config, TrainConfig, ZeroConfig
 from zoff.errors import UserError
+from zoff.planning.bench_io import disk_bandwidth
 from zoff.planning.memory import (
     GPU_KEYS,
     Budget,
     Estimate,
     Policy,
+    PolicyEstimate,
     estimate,
     resolve_auto,
     suggest_policy,
@@ -79,6 +81,7 @@ def _is_configured(p: Policy, zero: ZeroConfig, train: TrainConfig) -> bool:
 
 
 def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, suggestion=None) -> dict:
+    bandwidth = disk_bandwidth(zero.offload_optimizer.nvme_path)
     out = {
         "params": est.params,
         "trainable_params": est.trainable_params,
@@ -98,10 +101,12 @@ def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig,
              # optimizer states once each way; parameter shards per gather and after the step (disk_traffic)
              "disk_read_bytes_per_step_per_node": pe.disk_read * pe.local_ranks,
              "disk_written_bytes_per_step_per_node": pe.disk_written * pe.local_ranks,
+             "disk_seconds_per_step": _disk_seconds(pe, bandwidth),
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train)}
             for pe in est.policies
         ],
     }  # fmt: skip
+    out["disk_bandwidth"] = {"read_gbps": bandwidth[0], "write_gbps": bandwidth[1], "source": bandwidth[2]}
     if suggestion is not None:
         pe, reason = suggestion
         out["suggestion"] = {**(pe.policy.to_dict() if pe else {}), "fits": pe is not None, "reason": reason}
@@ -143,25 +148,34 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
         else "disk: no zero.offload_optimizer.nvme_path folder, so no nvme row fits",
         _startup_text(est, budget),
         *(f"note: {note}" for note in est.notes),
-        *_disk_note(est),
+        *_disk_note(est, disk_bandwidth(zero.offload_optimizer.nvme_path)),
         *([f"suggested: {suggestion[1]}"] if suggestion else []),
     ]
     for line in lines:
         console.print(line, soft_wrap=True)
 
 
-def _disk_note(est: Estimate) -> list[str]:
-    """What the disk tier costs the disk: each step reads and rewrites every swap file (SSD wear)."""
+def _disk_seconds(pe: PolicyEstimate, bandwidth: tuple[float, float, str]) -> float:
+    """A rank's disk time per step at the measured bandwidth, reads and writes one after the other (an upper
+    bound: the engine overlaps them, and compute, where the disk serves both at once)."""
+    return pe.disk_read / (bandwidth[0] * 1e9) + pe.disk_written / (bandwidth[1] * 1e9)
+
+
+def _disk_note(est: Estimate, bandwidth: tuple[float, float, str]) -> list[str]:
+    """What the disk tier costs: time per step at the disk's bandwidth, and the bytes written a day (SSD wear)."""
     worst = max(est.policies, key=lambda pe: pe.disk_written)
     if not worst.disk_written:
         return []
     read, written = (b * worst.local_ranks for b in (worst.disk_read, worst.disk_written))
-    per_day = written * 86400 / 10
+    # the node's ranks share one disk: their traffic adds up
+    seconds = _disk_seconds(worst, bandwidth) * worst.local_ranks
+    per_day = written * 86400 / seconds
     return [
         f"nvme rows: each step reads the node's swap files for the optimizer (and, with parameters on disk, "
-        f"for every gather) and writes them back ({human(read)} read and {human(written)} written per node "
-        f"per step at the most, {worst.policy.name}); at one step every 10 s that is {per_day / 1e12:,.1f} TB "
-        "written per node per day"
+        f"for every gather) and writes them back: {human(read)} read and {human(written)} written per node per "
+        f"step at the most ({worst.policy.name}), {seconds:,.1f} s of disk time per step at {bandwidth[0]:.2f} "
+        f"GB/s read and {bandwidth[1]:.2f} GB/s write ({bandwidth[2]}); stepping that fast writes "
+        f"{per_day / 1e12:,.1f} TB per node per day (SSD wear: check the drive's rated TBW)"
     ]
 
 
@@ -197,7 +211,9 @@ def run_cli(
     gpn = parse_count(gpus_per_node, "--gpus-per-node", 1024)
     n = parse_count(nodes, "--nodes", 100_000)
     cfg = load_config(config, overrides)
-    budget = dataclasses.replace(budget, disk=swap_free_bytes(cfg.zero))  # nvme rows fit where the disk has room
+    budget = dataclasses.replace(
+        budget, disk=swap_free_bytes(cfg.zero)
+    )  # nvme rows fit where the disk has room
     gpn = gpn or cfg.launch.nproc_per_node
     n = n or int(cfg.launch.nnodes.split(":")[0])  # elastic MIN:MAX: the fewest ranks need the most memory
     est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type)

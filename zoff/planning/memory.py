@@ -355,4 +355,6 @@ def check_swap_path(cfg: Config, model: nn.Module) -> None:
             raise UserError(f"{key}: {path} is not writable")
         need, free = cfg.launch.nproc_per_node * per_rank, shutil.disk_usage(path).free
         if need > free:
-            raise UserError(f"{key}: {path} has {human(free)} free; this node's swap files need {human(need)}")
+            raise UserError(
+                f"{key}: {path} has {human(free)} free; this node's swap files need {human(need)}"
+            )

@@ -12,6 +12,7 @@ sequential I/O.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,10 +90,14 @@ class SwapFile:
         ]
 
     def close(self, remove: bool = True) -> None:
+        """Wait for the I/O in flight and close; `remove` deletes the file and its folder once that is empty
+        (a rank's folder under the user's nvme_path, which itself stays)."""
         self.pool.shutdown(wait=True)
         os.close(self.fd)
         if remove:
             self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()
 
 
 def filesystem_type(path: Path) -> str:

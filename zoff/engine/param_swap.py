@@ -10,7 +10,6 @@ swap file). RAM: the shards being gathered, not the partition.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections import deque
 from concurrent.futures import Future
@@ -93,5 +92,3 @@ class SwappedShards:
     def close(self) -> None:
         self.flush()
         self.file.close()
-        with contextlib.suppress(OSError):  # this rank's folder, once empty; the user's nvme_path stays
-            self.file.path.parent.rmdir()

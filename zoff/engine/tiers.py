@@ -322,5 +322,3 @@ class SwappedStates:
     def close(self) -> None:
         self._drain()
         self.file.close()
-        with contextlib.suppress(OSError):  # this rank's folder, once empty; the user's nvme_path stays
-            self.file.path.parent.rmdir()

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from zoff.checkpoint.format import Readers, find_checkpoint, read_manifest, read_whole
+from zoff.checkpoint.format import Readers, find_checkpoint, read_manifest, read_model_files, read_whole
 from zoff.checkpoint.safetensors_io import write_streaming
 from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
@@ -128,7 +128,8 @@ def _write_weights(
 
 
 def _hf_files(ckpt: Path, tmp: Path, out: Path, target: torch.dtype) -> list[Path]:
-    """A Hugging Face model folder's other files: config.json from the run's config, the tokenizer's files."""
+    """A Hugging Face model folder's other files: config.json (and generation_config.json) from what the
+    checkpoint carries, or for an older checkpoint rebuilt from the run's config; the tokenizer's files."""
     import yaml
 
     from zoff.config import config_from_dict
@@ -140,11 +141,27 @@ def _hf_files(ckpt: Path, tmp: Path, out: Path, target: torch.dtype) -> list[Pat
     )
     if not cfg.model.name.startswith("hf:"):
         raise UserError(f"--format hf: the checkpoint's model is '{cfg.model.name}', not an hf: model")
+    stored = read_model_files(ckpt)
+    path = cfg.model.path
+    if (
+        "config.json" not in stored
+        and path is not None
+        and not (Path(path).expanduser() / "config.json").is_file()
+    ):
+        raise UserError(
+            f"--format hf: {ckpt} carries no model config (saved by an older zoff) and model.path {path} "
+            "has no config.json any more: restore that folder to export"
+        )
     tok = cfg.data.tokenizer  # its files travel with the model; a folder gone since training is skipped
     known = cfg.data.name != "synthetic" and (tok == "bytes" or Path(tok).expanduser().is_dir())
     tokenizer = load_tokenizer(tok) if known else None
-    save_hf_config(cfg.model, tmp, target, tokenizer.eos_id if tokenizer else None)
+    save_hf_config(cfg.model, tmp, target, tokenizer.eos_id if tokenizer else None, stored.get("config.json"))
     written = [out / "config.json"]
+    if "generation_config.json" in stored:
+        (tmp / "generation_config.json").write_text(
+            json.dumps(stored["generation_config.json"], indent=2) + "\n"
+        )
+        written.append(out / "generation_config.json")
     for f in tokenizer.files() if tokenizer else []:
         shutil.copy2(f, tmp / f.name)
         written.append(out / f.name)

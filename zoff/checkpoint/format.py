@@ -35,6 +35,46 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dic
     return {path.name: {"bytes": path.stat().st_size, "sha256": digest}}
 
 
+# What a checkpoint carries beside the tensors to describe the model (a transformers model's config.json and
+# generation_config.json), under names that say they are not the checkpoint's own files.
+MODEL_FILES = {"config.json": "hf_config.json", "generation_config.json": "hf_generation_config.json"}
+
+
+def write_model_files(folder: Path, model: torch.nn.Module) -> dict[str, dict]:
+    """Write the model's description files into a checkpoint folder (rank 0, beside config.yaml); returns
+    their manifest entries. An hf: model's config travels with its checkpoint, so `zoff convert --format hf`
+    works after the model folder the run started from is gone. Nothing for models without such files."""
+    from zoff.models.hf import exported_files  # transformers itself is only imported by the model's config
+
+    files = {}
+    for name, text in exported_files(model).items():
+        path = folder / MODEL_FILES[name]
+        with open(path, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(path, "rb") as f:
+            files[path.name] = {
+                "bytes": path.stat().st_size,
+                "sha256": hashlib.file_digest(f, "sha256").hexdigest(),
+            }
+    return files
+
+
+def read_model_files(ckpt: Path) -> dict[str, dict]:
+    """The model description files a checkpoint carries, parsed ({"config.json": {...}, ...}); empty for a
+    checkpoint of a model without them, or one saved before zoff stored them."""
+    out = {}
+    for name, stored in MODEL_FILES.items():
+        path = ckpt / stored
+        if path.is_file():
+            try:
+                out[name] = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"{path}: corrupted model description ({e})") from None
+    return out
+
+
 def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Complete checkpoints (a manifest is present), oldest first."""
     if not ckpt_dir.is_dir():

@@ -371,6 +371,11 @@ def test_the_estimates_disk_traffic_is_what_a_step_reads_and_writes(micro: int, 
     read, written = sum(f.read_bytes for f in files) - r0, sum(f.written_bytes for f in files) - w0
     assert abs(read - row.disk_read) <= 0.05 * row.disk_read, (read, row.disk_read)
     assert written == row.disk_written
+    # the step reports the same bytes (metrics.jsonl carries last_step_times), and its time blocked on them
+    t = eng.last_step_times
+    assert t["disk_optimizer_read_bytes"] + t["disk_params_read_bytes"] == read
+    assert t["disk_optimizer_written_bytes"] + t["disk_params_written_bytes"] == written
+    assert t["disk_params_wait_s"] >= 0 and t["disk_optimizer_wait_s"] >= 0
     eng.close()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,6 +69,14 @@ class SwapFile:
             ) from None
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io")
         self.read_bytes = self.written_bytes = 0
+        self.wait_s = 0.0  # time the caller spent blocked on this file's I/O (the step's "disk wait")
+
+    def wait(self, futures: list[Future]) -> None:
+        """Block until `futures` (of this file's reads or writes) are done, counting the time in wait_s."""
+        if futures:
+            t0 = time.perf_counter()
+            wait(futures)
+            self.wait_s += time.perf_counter() - t0
 
     def _chunks(self, buf: torch.Tensor, offset: int) -> list[tuple[memoryview, int]]:
         assert offset % ALIGN == 0 and buf.numel() % ALIGN == 0, "swap regions are 4096-aligned"

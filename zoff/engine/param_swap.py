@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned, wait
+from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned
 
 # Write-backs in flight during the step: each holds one piece's 16-bit copy; more would only add RAM (the
 # disk serves them in order anyway) and fewer would make the step wait for each write.
@@ -27,11 +27,13 @@ MAX_WRITES = 2
 class ShardRead:
     """A shard being read from the swap file; wait() returns it (a view of its own aligned buffer)."""
 
-    def __init__(self, buf: AlignedBuffer, futures: list[Future], numel: int, dtype: torch.dtype):
-        self.buf, self.futures, self.numel, self.dtype = buf, futures, numel, dtype
+    def __init__(
+        self, file: SwapFile, buf: AlignedBuffer, futures: list[Future], numel: int, dtype: torch.dtype
+    ):
+        self.file, self.buf, self.futures, self.numel, self.dtype = file, buf, futures, numel, dtype
 
     def wait(self) -> torch.Tensor:
-        wait(self.futures)
+        self.file.wait(self.futures)
         self.futures = []
         return self.buf.view(self.dtype, 0, self.numel)
 
@@ -62,7 +64,7 @@ class SwappedShards:
         self.flush()
         n = self.numels[u]
         buf = AlignedBuffer(n * self.dtype.itemsize)
-        return ShardRead(buf, self.file.read(buf.bytes, self.offset[u]), n, self.dtype)
+        return ShardRead(self.file, buf, self.file.read(buf.bytes, self.offset[u]), n, self.dtype)
 
     def load(self, u: int) -> torch.Tensor:
         return self.read(u).wait()
@@ -79,12 +81,12 @@ class SwappedShards:
         buf.view(self.dtype, 0, n).copy_(src.reshape(-1))
         self.writes.append((buf, self.file.write(buf.bytes, start)))
         while len(self.writes) > MAX_WRITES:
-            wait(self.writes.popleft()[1])
+            self.file.wait(self.writes.popleft()[1])
 
     def flush(self) -> None:
         """Wait for every write-back (before a read, and at the end of a step)."""
         while self.writes:
-            wait(self.writes.popleft()[1])
+            self.file.wait(self.writes.popleft()[1])
 
     def disk_bytes(self) -> int:
         return self.file.nbytes

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned, wait
+from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned
 from zoff.engine.param_swap import SwappedShards
 from zoff.engine.staging import Staging
 
@@ -264,7 +264,7 @@ class SwappedStates:
     def _free_buffer(self, exclude) -> int:
         free = [b for b in range(self.n_buffers) if b not in exclude and b not in self.holds.values()]
         b = min(free, key=lambda b: bool(self.pending[b]))  # an idle buffer before one still writing
-        wait(self.pending[b])
+        self.file.wait(self.pending[b])
         self.pending[b] = []
         return b
 
@@ -280,7 +280,7 @@ class SwappedStates:
 
     def _drain(self) -> None:
         for b in range(self.n_buffers):
-            wait(self.pending[b])
+            self.file.wait(self.pending[b])
             self.pending[b] = []
 
     @contextlib.contextmanager
@@ -288,7 +288,7 @@ class SwappedStates:
         """Unit i's states, resident while the block runs; written back after it (asynchronously), with
         `following` already being read."""
         b = self._fetch(i)
-        wait(self.pending[b])
+        self.file.wait(self.pending[b])
         self.pending[b] = []
         if following is not None and self.n_buffers > 1:
             self._fetch(following, exclude=(b,))

@@ -214,6 +214,8 @@ class ZeroEngine:
         if not in_flight:
             self._published = self.optimizer.step_count
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
+        now = self._disk_counters()  # the step's swap I/O: from zero_grad (forward's gathers) to here
+        self.last_step_times |= {k: v - self._disk_at_start.get(k, 0) for k, v in now.items()}
         self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
 
@@ -302,6 +304,18 @@ class ZeroEngine:
             p.grad = None  # the hooks move every gradient into the engine's buffers at once
         self.reducer.zero_grad()
         self.comm.stats.reset()
+        self._disk_at_start = self._disk_counters()
+
+    def _disk_counters(self) -> dict[str, float]:
+        """This rank's swap-file I/O so far, per file: bytes read and written, seconds blocked waiting."""
+        files = {"optimizer": getattr(self.optimizer.states, "file", None)}
+        files["params"] = self.param_disk.file if self.param_disk is not None else None
+        out: dict[str, float] = {}
+        for name, f in files.items():
+            if f is not None:
+                out |= {f"disk_{name}_read_bytes": f.read_bytes, f"disk_{name}_written_bytes": f.written_bytes,
+                        f"disk_{name}_wait_s": f.wait_s}  # fmt: skip
+        return out
 
     # ------------------------------------------------------------------------------------- reporting
     def memory_report(self) -> dict[str, int]:

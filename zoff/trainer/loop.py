@@ -63,6 +63,7 @@ def train_loop(
                 "tokens_per_s": tokens_per_step / dt,
                 "step_time_s": dt,
                 "skipped": not result.stepped,
+                **engine.last_step_times,  # optimizer and publish seconds; on the disk tier its I/O and waits
             }
             writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
         if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:

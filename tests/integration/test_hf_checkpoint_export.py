@@ -92,8 +92,11 @@ def test_convert_uses_the_stored_config_and_names_what_is_missing(trained, tmp_p
     one without them (an older checkpoint) says what is missing in one line."""
     step = tmp_path / "step"
     shutil.copytree(find_checkpoint(str(trained["ckpt"]), Path(".")), step)
-    for name in ("hf_config.json", "hf_generation_config.json"):
+    manifest = json.loads((step / "manifest.json").read_text())
+    for name in ("hf_config.json", "hf_generation_config.json"):  # as saved before checkpoints carried them
         (step / name).unlink(missing_ok=True)
+        manifest["files"].pop(name, None)
+    (step / "manifest.json").write_text(json.dumps(manifest))
     gone = trained["root"] / "llama-moved"
     shutil.move(trained["folder"], gone)
     try:

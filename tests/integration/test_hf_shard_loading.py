@@ -247,3 +247,25 @@ def test_dtype_conversion_in_chunks(folders, monkeypatch) -> None:
     files.read_into(key, out)
     assert torch.equal(out, files.read(key).float())
     assert out.numel() * 2 > 256 * 10  # many chunks
+
+
+def test_persistent_buffers_are_read_and_others_keep_their_values(folders, tmp_path) -> None:
+    """No transformers LM of these tests stores a buffer (rotary tables are recomputed), so one is added: a
+    persistent buffer the folder stores is read (converted to the buffer's dtype); the others stay."""
+    from safetensors.torch import load_file, save_file
+
+    from zoff.models.hf_shards import _ShardLoader
+    from zoff.models.safetensors_reader import WeightFiles
+
+    folder = _save(tmp_path / "buf", 6, tied=True, dtype=torch.float32, shard=None)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.scale"] = torch.arange(4, dtype=torch.bfloat16)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = build_for_engine(_cfg(folder))
+    model.model.register_buffer("scale", torch.zeros(4))  # persistent, as the class would declare it
+    model.model.register_buffer("table", torch.ones(2), persistent=False)
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    _ShardLoader(model, WeightFiles(folder)).load_buffers(model)
+    assert torch.equal(model.model.scale, torch.arange(4, dtype=torch.float32))
+    assert torch.equal(model.model.table, torch.ones(2))
+    assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)

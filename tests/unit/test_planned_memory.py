@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-import zoff.engine.zero as zero_mod
+import zoff.engine.report as zero_mod
 from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine import policy as policy_mod

@@ -1,0 +1,113 @@
+"""What a ZeroEngine reports about itself: memory held per category against the policy table's plan, pinned
+bytes, per-step disk I/O, and the stats the trainer logs. A mixin, so the engine module keeps to the
+training path; every method reads only the engine's own attributes."""
+
+from __future__ import annotations
+
+from zoff.engine.policy import (
+    frozen_param_bytes,
+    model_states,
+    optimizer_disk_bytes,
+    param_disk_bytes,
+    subgroup_of,
+)
+
+
+class EngineReports:
+    def _disk_counters(self) -> dict[str, float]:
+        """This rank's swap-file I/O so far, per file: bytes read and written, seconds blocked waiting."""
+        files = {"optimizer": getattr(self.optimizer.states, "file", None)}
+        files["params"] = self.param_disk.file if self.param_disk is not None else None
+        out: dict[str, float] = {}
+        for name, f in files.items():
+            if f is not None:
+                out |= {f"disk_{name}_read_bytes": f.read_bytes, f"disk_{name}_written_bytes": f.written_bytes,
+                        f"disk_{name}_wait_s": f.wait_s}  # fmt: skip
+        return out
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds per category; `cpu_*` is what offload keeps in host memory.
+
+        buffers are the transient peaks (reduce buckets, stage-3 gathered units).
+        """
+        # (meta tensors stand for shards on disk: no memory)
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None and not t.is_meta)  # noqa: E731
+        if self.policy.shards_params:
+            persistent = [f for u, f in zip(self.plan.units, self.full) if u.persistent]
+            shards = [t for u, t in zip(self.plan.units, self.shard_params) if not u.persistent]
+            offloaded = shards if self.offload_params else []
+            params = nbytes(persistent) + nbytes(shards) - nbytes(offloaded)
+        else:
+            params, offloaded = nbytes(self.full), []
+        grads = nbytes(self.gfull) if self.keep_full_grads else nbytes(self.gshard)
+        opt = self.optimizer.resident_bytes()
+        gathered = self.gatherer.peak_gathered if self.gatherer else 0
+        whole = set(self.plan.frozen)
+        frozen = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n in whole)
+        frozen += nbytes(self.shard_params[len(self.plan.units) :])  # stage 3's frozen shards
+        host_grads = self.optimizer.tier.buffer_bytes()
+        on_device = self.optimizer.tier.kind == "device"
+        on_disk = self.optimizer.states.disk_bytes()
+        return {
+            "params": params,
+            "grads": grads,
+            "optimizer_states": opt if on_device else 0,
+            "buffers": self.reducer.peak_bucket_bytes + self.comm.scratch.peak_bytes + gathered,
+            "frozen_params": frozen,
+            "cpu_params": nbytes(offloaded),
+            "cpu_grads": host_grads,
+            "cpu_optimizer_states": 0 if on_device else opt,
+            "cpu_staging": self.staging.nbytes if self.staging is not None else 0,
+            "disk_optimizer_states": on_disk,
+            "disk_params": self.param_disk.disk_bytes() if self.param_disk is not None else 0,
+        }
+
+    def planned_memory(self) -> dict[str, int]:
+        """memory_report()'s model-state keys as the policy table predicts them (policy.model_states, the very
+        function `zoff estimate` calls): the start-up plan prints these beside what was allocated."""
+        frozen = frozen_param_bytes(self.model, self.plan, self.precision, on_disk=self.policy.params_on_disk)
+        gpu, cpu = model_states(
+            self.plan, self.policy, self.precision, frozen_bytes=frozen, device_type=self.device.type,
+            fp32_grad_staging=self.grad_clip > 0 or self.precision == "fp16",
+            delay_update=self.zero.offload_optimizer.delay_update, accumulating=self.grad_accum > 1,
+            subgroup=subgroup_of(self.zero),
+        )  # fmt: skip
+        disk = {
+            "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy, subgroup_of(self.zero)),
+            "disk_params": param_disk_bytes(self.plan, self.policy, self.precision),
+        }
+        return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}, **disk}
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory this rank holds: the staging buffers and pinned offloaded parameter shards."""
+        shards = [t for u, t in enumerate(self.shard_params) if self._host_shard(u) and t.is_pinned()]
+        staged = self.staging.pinned_bytes if self.staging is not None else 0
+        return staged + sum(t.numel() * t.element_size() for t in shards)
+
+    def stats(self) -> dict:
+        return {
+            "stage": self.stage,
+            "world_size": self.comm.world,
+            "comm_elements": dict(self.last_step_comm),  # of the last step: zero_grad through step
+            "comm_elements_total": sum(self.last_step_comm.values()),
+            "peak_bucket_bytes": self.reducer.peak_bucket_bytes,
+            "grad_reduction": self.reducer.mode,
+            "late_corrections": self.reducer.corrections,  # reductions repeated for late gradients, all steps
+            "skipped_steps": self.scaler.skipped,
+            "params": self.plan.numel,
+            # stage 3: gathered once per step (forward through backward), not once for each
+            "root_params": sum(u.numel for u in self.plan.units if u.modules == ("",) and not u.persistent),
+            "units": len(self.plan.units),
+            "loss_scale": self.scaler.scale,
+            "offload_optimizer": self.offload,
+            "cpu_adam": _cpu_adam_backend() if self.offload else None,
+            "cpu_step_threads": self.cpu_threads,
+            "last_step_times": {**self.last_step_times, "dpu_wait_s": self.last_flush_s},
+        }
+
+
+def _cpu_adam_backend() -> str:
+    from zoff.optim import backend_info
+
+    info = backend_info()
+    return f"{info.get('backend')} ({info.get('simd', '?')})"

@@ -34,6 +34,7 @@ from zoff.checkpoint.format import (
     set_rng_states,
     step_dir_name,
     write_json,
+    write_model_files,
     write_tensors,
     write_text_atomic,
 )
@@ -65,6 +66,7 @@ def save_checkpoint(
     if rank == 0:
         files.update(write_tensors(tmp / "extra.safetensors", _extra_tensors(engine)))
         (tmp / "config.yaml").write_text(config_yaml)
+        files.update(write_model_files(tmp, engine.model))  # an hf: model's config.json: export needs no model.path
     gathered = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, files)

@@ -4,7 +4,6 @@ carries the model's config.json and generation_config.json, so the export works 
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import zoff.checkpoint
 from tests.harness import run_zoff, tiny_cfg
 from zoff.checkpoint.convert import convert
 from zoff.checkpoint.format import find_checkpoint, read_model_files, write_model_files
@@ -27,8 +25,6 @@ SMALL = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48,
     vocab_size=256, max_position_embeddings=32, tie_word_embeddings=False,
 )  # fmt: skip
-# save_checkpoint writes the model's files only once the line that calls write_model_files is in it.
-HOOKED = "write_model_files" in inspect.getsource(zoff.checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +63,6 @@ def test_convert_round_trip_is_exact(trained) -> None:
     _assert_loads_exactly(out, trained["params"])
 
 
-@pytest.mark.xfail(
-    not HOOKED, strict=True, reason="zoff/checkpoint/__init__.py's save does not call write_model_files yet"
-)
 def test_checkpoint_carries_the_hf_config_and_exports_without_the_folder(trained) -> None:
     step = find_checkpoint(str(trained["ckpt"]), Path("."))
     stored = read_model_files(step)

@@ -38,10 +38,10 @@ from zoff.checkpoint.format import (
     write_tensors,
     write_text_atomic,
 )
-from zoff.checkpoint.safetensors_io import write_streaming
 from zoff.config import CheckpointConfig
 from zoff.engine import ZeroEngine
 from zoff.errors import UserError
+from zoff.tensorfile import write_streaming
 
 # ------------------------------------------------------------------------------------------------ save
 
@@ -66,7 +66,9 @@ def save_checkpoint(
     if rank == 0:
         files.update(write_tensors(tmp / "extra.safetensors", _extra_tensors(engine)))
         (tmp / "config.yaml").write_text(config_yaml)
-        files.update(write_model_files(tmp, engine.model))  # an hf: model's config.json: export needs no model.path
+        files.update(
+            write_model_files(tmp, engine.model)
+        )  # an hf: model's config.json: export needs no model.path
     gathered = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, files)

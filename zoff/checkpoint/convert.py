@@ -21,9 +21,9 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from zoff.checkpoint.format import Readers, find_checkpoint, read_manifest, read_model_files, read_whole
-from zoff.checkpoint.safetensors_io import write_streaming
 from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
+from zoff.tensorfile import write_streaming
 from zoff.units import parse_size
 
 

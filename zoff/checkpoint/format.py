@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from zoff.checkpoint.safetensors_io import SafetensorsReader
 from zoff.engine.partition import PartitionPlan
 from zoff.errors import UserError
+from zoff.tensorfile import SafetensorsReader
 
 # 2: per-parameter skipped_steps (its Adam step count) and stage 3's frozen parameters in the shard files;
 # version 1 checkpoints load as they are.

@@ -8,8 +8,7 @@ buffer, a rank's shard), converting dtype in bounded chunks when the file's dtyp
 Why not `safetensors.safe_open`: it memory-maps whole files, and every page a read touches stays resident
 and counted in the process's RSS until the file is closed, so loading a rank's shard would still grow RSS
 towards the whole model. pread copies only what is asked for (the page cache holds the rest, reclaimably).
-The header is parsed here (8-byte little-endian length, then JSON: each tensor's dtype, shape and byte
-range in the data section): models sit below the checkpoint package, whose reader is for zoff's own files.
+Headers are parsed by zoff.tensorfile, which checkpoints read their shard files with too.
 """
 
 from __future__ import annotations
@@ -22,66 +21,13 @@ from pathlib import Path
 import torch
 
 from zoff.errors import UserError
+from zoff.tensorfile import ST_DTYPES, SafetensorsReader
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Conversion of dtype goes through a temporary of at most this many bytes (of the file's dtype), so loading a
 # bf16 file into fp32 buffers never holds a second copy of a large tensor.
 CHUNK_BYTES = 64 * 2**20
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
-MAX_HEADER = 100 * 2**20  # safetensors' own limit: a larger length field is a corrupted file
-
-
-class SafetensorsFile:
-    """One open safetensors file: its header, parsed once, and the descriptor positioned reads go through."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.fd = -1  # set first: __del__ runs even when the open below fails
-        try:
-            self.fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise UserError(f"{path}: cannot open weights file ({e.strerror})") from None
-        size = os.fstat(self.fd).st_size
-        raw = os.pread(self.fd, 8, 0)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        if not 0 < n <= min(MAX_HEADER, size - 8):
-            self.close()
-            raise UserError(f"{path}: not a safetensors file (bad header length)")
-        try:
-            header = json.loads(os.pread(self.fd, n, 8))
-            self.base = 8 + n
-            self.meta = {k: v for k, v in header.items() if k != "__metadata__"}
-            for k, v in self.meta.items():
-                if v["dtype"] not in ST_DTYPES:
-                    raise ValueError(f"tensor {k!r} has dtype {v['dtype']}, which zoff does not read")
-                lo, hi = v["data_offsets"]
-                if not 0 <= lo <= hi or hi + self.base > size:
-                    raise ValueError(f"tensor {k!r} lies past the end of the file")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            self.close()
-            raise UserError(f"{path}: corrupted safetensors header ({e})") from None
-
-    def keys(self) -> list[str]:
-        return list(self.meta)
-
-    def shape(self, key: str) -> list[int]:
-        return list(self.meta[key]["shape"])
-
-    def dtype(self, key: str) -> torch.dtype:
-        return ST_DTYPES[self.meta[key]["dtype"]]
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def has_safetensors(folder: str | Path) -> bool:
@@ -98,7 +44,7 @@ class WeightFiles:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder).expanduser()
-        self.readers: dict[str, SafetensorsFile] = {}
+        self.readers: dict[str, SafetensorsReader] = {}
         if (self.folder / INDEX).is_file():
             self.weight_map = self._index(self.folder / INDEX)
         elif (self.folder / SINGLE).is_file():
@@ -120,9 +66,9 @@ class WeightFiles:
                 raise UserError(f"{path}: names shard '{name}', which is not in {self.folder}")
         return weight_map
 
-    def _reader(self, name: str) -> SafetensorsFile:
+    def _reader(self, name: str) -> SafetensorsReader:
         if name not in self.readers:
-            self.readers[name] = SafetensorsFile(self.folder / name)
+            self.readers[name] = SafetensorsReader(self.folder / name)
         return self.readers[name]
 
     def keys(self) -> list[str]:
@@ -191,7 +137,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
-def _pread_exact(reader: SafetensorsFile, key: str, dst: memoryview, offset: int) -> None:
+def _pread_exact(reader: SafetensorsReader, key: str, dst: memoryview, offset: int) -> None:
     """Fill the writable buffer `dst` from the file at `offset`; preadv may return short, so loop."""
     view = dst
     done = 0

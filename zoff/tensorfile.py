@@ -1,4 +1,5 @@
-"""The safetensors file format, read and written by hand where the library's API costs memory.
+"""The safetensors file format, read and written by hand where the library's API costs memory: checkpoints'
+shard files (zoff.checkpoint) and Hugging Face model folders' weights (zoff.models.safetensors_reader).
 
 Reading: `SafetensorsReader` parses the header and reads element ranges with pread. The library's safe_open
 memory-maps the file, and every page a slice touches stays resident (and counted in RSS) until the file is
@@ -22,7 +23,7 @@ from zoff.errors import UserError
 ST_NAMES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
 ST_DTYPES = {v: k for k, v in ST_NAMES.items()}
 MAX_HEADER = 100 * 2**20  # a larger header is a corrupted length field, not a real file
@@ -37,7 +38,7 @@ class SafetensorsReader:
         try:
             self.fd = os.open(path, os.O_RDONLY)
         except OSError as e:
-            raise UserError(f"{path}: cannot open checkpoint file ({e.strerror})") from None
+            raise UserError(f"{path}: cannot open safetensors file ({e.strerror})") from None
         size = os.fstat(self.fd).st_size
         raw = os.pread(self.fd, 8, 0)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
@@ -49,9 +50,12 @@ class SafetensorsReader:
             self.base = 8 + n
             self.meta = {k: v for k, v in header.items() if k != "__metadata__"}
             for k, v in self.meta.items():
-                if v["dtype"] not in ST_DTYPES or v["data_offsets"][1] + self.base > size:
-                    raise ValueError(f"tensor {k!r} has dtype {v['dtype']} or lies past the end of the file")
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+                if v["dtype"] not in ST_DTYPES:
+                    raise ValueError(f"tensor {k!r} has dtype {v['dtype']}, which zoff does not read")
+                lo, hi = v["data_offsets"]
+                if not 0 <= lo <= hi or hi + self.base > size:
+                    raise ValueError(f"tensor {k!r} lies past the end of the file")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             self.close()
             raise UserError(f"{path}: corrupted safetensors header ({e})") from None
 

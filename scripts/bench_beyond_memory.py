@@ -496,6 +496,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if proc.returncode == 0 else 1
 
 
+SPLIT = (  # (key, label): the parts of a step, from rank 0's records in metrics.jsonl
+    ("compute_s", "forward/backward compute (and everything else)"),
+    ("param_read_wait_s", "waiting for parameter shards read from disk (gathers)"),
+    ("optimizer_disk_wait_s", "optimizer: waiting for its states' reads and writes"),
+    ("adam_s", "optimizer: CPU Adam and conversions"),
+    ("param_write_wait_s", "optimizer: waiting for parameter write-backs"),
+    ("publish_s", "publish (all-gather of persistent params, last write-back)"),
+)
+
+
+def step_split(steps: list[dict]) -> dict:
+    """Median seconds of each part of a step over `steps` (metrics.jsonl records carry the engine's timings
+    and swap-file waits); empty without them."""
+    if not steps or "optimizer_s" not in steps[0]:
+        return {}
+    parts: dict[str, list[float]] = {k: [] for k, _ in SPLIT}
+    for x in steps:
+        read_wait = x.get("disk_params_read_wait_s", 0.0)
+        param_write = x.get("disk_params_wait_s", 0.0) - read_wait
+        opt_wait = x.get("disk_optimizer_wait_s", 0.0)
+        parts["compute_s"].append(x["step_time_s"] - x["optimizer_s"] - x["publish_s"] - read_wait)
+        parts["param_read_wait_s"].append(read_wait)
+        parts["optimizer_disk_wait_s"].append(opt_wait)
+        parts["adam_s"].append(x["optimizer_s"] - opt_wait - param_write)
+        parts["param_write_wait_s"].append(param_write)
+        parts["publish_s"].append(x["publish_s"])
+    return {
+        "steps": [x["step"] for x in steps],
+        **{k: statistics.median(v) for k, v in parts.items()},
+        "note": "medians over the steps listed, rank 0; compute is the step less the rest",
+    }
+
+
 def measure(s: Sampler, run_dir: Path, r: dict, baseline: int) -> dict:
     """The measured side of the table from the sampler, metrics.jsonl and the rank logs."""
     steps = [x for x in s.records if "loss" in x and "event" not in x]
@@ -506,18 +539,7 @@ def measure(s: Sampler, run_dir: Path, r: dict, baseline: int) -> dict:
     ranks_io, device_io = per_step_io(s.snapshots, "ranks_io"), per_step_io(s.snapshots, "device_io")
     times = [x["step_time_s"] for x in steps]
     steady = times[1:] or times
-    split = {}
-    if stats and times:
-        last = {k: statistics.fmean(v["last_step_times"].get(k, 0.0) for v in stats.values())
-                for k in ("optimizer_s", "publish_s", "dpu_wait_s")}  # fmt: skip
-        split = {
-            "step": steps[-1]["step"],
-            "step_time_s": times[-1],
-            **last,
-            "rest_s": times[-1] - last["optimizer_s"] - last["publish_s"] - last["dpu_wait_s"],
-            "note": "the last step only (engine.stats() at exit, mean over ranks); forward/backward compute, "
-            "gather wait and disk wait are not recorded by the trainer: rest_s = step - optimizer - publish",
-        }
+    split = step_split(steps[1:] or steps)
     io_measured = {}
     for name, src in (("ranks", ranks_io), ("device", device_io)):
         if src is not None:
@@ -572,13 +594,7 @@ def measure(s: Sampler, run_dir: Path, r: dict, baseline: int) -> dict:
 
 
 MISSING = [
-    "per-step engine timings in metrics.jsonl (only the last step's optimizer_s/publish_s reach the rank logs, "
-    "through engine.stats() at exit)",
-    "the step split into forward/backward compute, stage-3 gather wait (parameter reads from disk), optimizer "
-    "disk-read wait, CPU Adam and disk-write wait",
-    "disk bytes read/written per step by the swap files (SwapFile.read_bytes/written_bytes exist, not logged)",
-    "every rank's peak RSS per step (metrics.jsonl carries rank 0's only)",
-    "a switch that turns checkpoints off (checkpoint.every_steps 0 still saves at the last step)",
+    "every rank's peak RSS per step (metrics.jsonl carries rank 0's only; this script samples /proc instead)",
 ]
 
 
@@ -632,17 +648,8 @@ def render(con: Console, r: dict) -> None:
     med = r["step_time_median_s"]
     tab.add_row("step time (median of steps 2..)", f"{med:.2f} s" if med is not None else "-", "", "")
     sp = r["step_time_split"]
-    if sp:
-        tab.add_row(
-            f"  step {sp['step']}: optimizer (disk read + Adam + write)", f"{sp['optimizer_s']:.2f} s", "", ""
-        )
-        tab.add_row(
-            f"  step {sp['step']}: publish (all-gather of new params)", f"{sp['publish_s']:.2f} s", "", ""
-        )
-        tab.add_row(
-            f"  step {sp['step']}: rest (fwd/bwd, gathers, disk wait)", f"{sp['rest_s']:.2f} s", "", ""
-        )
-    tab.add_row("  compute / disk wait", "not recorded", "", "")
+    for key, label in SPLIT if sp else ():
+        tab.add_row(f"  {label}", f"{sp[key]:.2f} s", "", "")
     tab.add_row("loss per step", " ".join(f"{x['loss']:.3f}" for x in r["steps"]), "", "")
     if r.get("val_loss") is not None:
         tab.add_row("final val loss", f"{r['val_loss']:.3f}", "", "")

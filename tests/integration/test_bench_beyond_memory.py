@@ -41,7 +41,7 @@ def disk_dir(tmp_path):
 def run_bench(disk: Path, *args: str) -> dict:
     out = disk / "out.json"
     cmd = [sys.executable, str(SCRIPT), "--size", "tiny", "--steps", "3", "--path", str(disk / "swap"),
-           "--io-size", "16MiB", "--interval", "0.1", "--json", str(out), "--run-dir", str(disk / "run"), *args]  # fmt: skip
+           "--io-size", "16MiB", "--interval", "0.1", "--nproc", "2", "--json", str(out), "--run-dir", str(disk / "run"), *args]  # fmt: skip
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "zoff beyond memory" in p.stdout  # the table
@@ -63,6 +63,8 @@ def check(r: dict) -> None:
     assert r["vs_estimate"]["disk_bytes"]["measured"] == r["estimate"]["disk_bytes"] > 0
     assert r["bench_io"]["raw_read_gbps"] > 0 and r["bench_io"]["raw_write_gbps"] > 0
     assert set(r["nvme_sections"]) == {"offload_optimizer", "offload_param"}
+    split = r["step_time_split"]  # from the engine's timings and swap-file waits in metrics.jsonl
+    assert split["steps"] == [2, 3] and split["compute_s"] > 0 and split["param_read_wait_s"] >= 0
 
 
 @pytest.mark.slow

@@ -70,13 +70,17 @@ class SwapFile:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io")
         self.read_bytes = self.written_bytes = 0
         self.wait_s = 0.0  # time the caller spent blocked on this file's I/O (the step's "disk wait")
+        self.read_wait_s = 0.0  # the part of it spent on reads, where the caller knows they are reads
 
-    def wait(self, futures: list[Future]) -> None:
-        """Block until `futures` (of this file's reads or writes) are done, counting the time in wait_s."""
+    def wait(self, futures: list[Future], reads: bool = False) -> None:
+        """Block until `futures` (of this file's reads or writes) are done, counting the time in wait_s (and
+        read_wait_s when they are reads)."""
         if futures:
             t0 = time.perf_counter()
             wait(futures)
-            self.wait_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.wait_s += dt
+            self.read_wait_s += dt if reads else 0.0
 
     def _chunks(self, buf: torch.Tensor, offset: int) -> list[tuple[memoryview, int]]:
         assert offset % ALIGN == 0 and buf.numel() % ALIGN == 0, "swap regions are 4096-aligned"

@@ -33,7 +33,7 @@ class ShardRead:
         self.file, self.buf, self.futures, self.numel, self.dtype = file, buf, futures, numel, dtype
 
     def wait(self) -> torch.Tensor:
-        self.file.wait(self.futures)
+        self.file.wait(self.futures, reads=True)  # a gather waiting for its shard: the forward's disk wait
         self.futures = []
         return self.buf.view(self.dtype, 0, self.numel)
 

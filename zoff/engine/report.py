@@ -23,6 +23,8 @@ class EngineReports:
             if f is not None:
                 out |= {f"disk_{name}_read_bytes": f.read_bytes, f"disk_{name}_written_bytes": f.written_bytes,
                         f"disk_{name}_wait_s": f.wait_s}  # fmt: skip
+        if self.param_disk is not None:  # gathers waiting for shards, apart from the step's write-backs
+            out["disk_params_read_wait_s"] = self.param_disk.file.read_wait_s
         return out
 
     def memory_report(self) -> dict[str, int]:

@@ -49,12 +49,13 @@ def _offload(device: str, swap: Path, delay: bool = False) -> dict:
 
 
 def _engine_run(
-    stage: int, precision: str, device: str, swap: Path, steps: int = 5, bucket: int = 1500, params: str = "none"
+    stage: int, precision: str, device: str, swap: Path, steps: int = 5, bucket: int = 1500, params: str = "none",
+    prefetch: int = 3_000_000, layers: int = 2,
 ):  # fmt: skip
     torch.manual_seed(0)
-    model = GPT(2, 2, 32, 64, 16)
+    model = GPT(layers, 2, 32, 64, 16)
     zero = ZeroConfig(
-        stage=stage, reduce_bucket_size=bucket, param_persistence_threshold=64,
+        stage=stage, reduce_bucket_size=bucket, param_persistence_threshold=64, prefetch_bucket_size=prefetch,
         offload_optimizer=OffloadOptimizerConfig(
             device=device, nvme_path=str(swap) if device == "nvme" else None, io=OptimizerIoConfig(threads=2, request_mb=1)
         ),
@@ -109,6 +110,27 @@ def test_parameters_on_disk_are_bitwise_parameters_in_host_memory(precision: str
     assert mem["params"] == eng.planned_memory()["params"]  # only the persistent units stay in memory
     eng.close()
     assert not (swap / "rank0").exists()  # both swap files and the rank's folder removed at a clean exit
+
+
+def test_parameters_on_disk_read_the_next_block_ahead(swap: Path) -> None:
+    """A block's shards come from disk, slower than the compute they would stall: the next block is read (and
+    gathered) ahead even when prefetch_bucket_size reaches nothing; the estimate's working set holds it."""
+    from zoff.planning.memory import stage3_working_set
+
+    peaks, engines = {}, {}
+    for params in ("cpu", "nvme"):
+        device = "nvme" if params == "nvme" else "cpu"
+        losses, _, eng = _engine_run(3, "fp32", device, swap, steps=2, params=params, prefetch=1, layers=4)
+        peaks[params], engines[params] = eng.gatherer.peak_gathered, (eng, losses)
+    eng = engines["nvme"][0]
+    assert engines["nvme"][1] == engines["cpu"][1]  # reading ahead changes no number
+    block = max(
+        sum(4 * u.padded for u in eng.plan.all_units if u.modules == (f"blocks.{i}",)) for i in range(4)
+    )
+    assert peaks["nvme"] >= peaks["cpu"] + block  # one more block held: the one read ahead
+    assert peaks["nvme"] <= 4 * stage3_working_set(eng.plan, eng.zero)
+    for e, _ in engines.values():
+        e.close()
 
 
 TWO_RANKS = [(2, "none", "fp32"), (3, "nvme", "fp32"), (3, "nvme", "bf16")]

@@ -192,7 +192,7 @@ def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig) -> int:
 
     The root unit (gathered from the start of forward to the end of backward), the block in use and the one
     whose gradients are still arriving when the next is gathered, and prefetch: up to prefetch_bucket_size
-    ahead plus what an earlier prefetch already started. A recomputed block (activation checkpointing) is the
+    ahead plus what an earlier prefetch already started (with parameters on disk, at least the next block). A recomputed block (activation checkpointing) is the
     block in use: it gathers nothing more.
     """
     blocks: dict[str, int] = {}
@@ -201,7 +201,10 @@ def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig) -> int:
             blocks[u.modules[0]] = blocks.get(u.modules[0], 0) + u.padded
     root = blocks.pop("", 0)
     sizes = sorted(blocks.values(), reverse=True)
-    return root + sum(sizes[:2]) + min(2 * zero.prefetch_bucket_size, sum(sizes[2:]))
+    ahead = 2 * zero.prefetch_bucket_size
+    if zero.offload_param.device == "nvme":  # the next block is read ahead whatever the bucket size
+        ahead = max(ahead, sizes[0] if sizes else 0)
+    return root + sum(sizes[:2]) + min(ahead, sum(sizes[2:]))
 
 
 # --------------------------------------------------------------------------------------------- estimate

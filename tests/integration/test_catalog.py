@@ -69,9 +69,7 @@ def test_cp_errors_are_one_line(tmp_path, args, message):
 
 @pytest.mark.parametrize("path", sorted(CONFIGS_DIR.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_and_builds(path):
-    head = [line for line in path.read_text().splitlines() if line.startswith("#")]
-    for tag in ("# Command:", "# Hardware:", "# Expected:"):
-        assert any(line.startswith(tag) for line in head), f"{path.name}: no {tag} line"
+    # (its header's Command/Hardware/Expected lines: tests/unit/test_config.py)
     cfg = load_config(path)
     if cfg.model.name.startswith("hf:"):
         pytest.importorskip("transformers")

@@ -19,7 +19,9 @@ parameter that differs.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -60,18 +62,37 @@ STEPS = 12
 # scripts/gpu_check.sh runs the slice at world 1 on a single GPU (ZOFF_TEST_WORLD=1).
 SLICE_WORLD, SLICE_ACCUM = int(os.environ.get("ZOFF_TEST_WORLD", "2")), 3
 SLICE = [(p, s) for p in PATTERNS for s in (1, 2, 3)] + [("moe", 0), ("moe_idle_expert", 0), ("branch", 0)]
-FULL = [(p, s) for p in PATTERNS for s in STAGES]
+# Stage 3 with parameters and optimizer states on disk (zero3-nvme): its gathers read shards from a swap file
+# and issue their all-gathers late, and its step writes the shards back; every pattern must still match.
+DISK = "3-nvme"
+DISK_SLICE = [(p, DISK) for p in PATTERNS]
+FULL = [(p, s) for p in PATTERNS for s in STAGES] + DISK_SLICE
 GRID = [(w, a, p, s) for w in WORLDS for a in ACCUMS for p, s in FULL]
 
 # A collective waiting longer than this is an error (healthy cells take about a second); the parent gives a
 # spawn this long past its last finished cell before it kills the ranks and calls the cell hung.
 COLLECTIVE_TIMEOUT_S = 60
+SWAP_DIR: str | None = None
 STARTUP_S = 120
 
 
-def cell_cfg(pattern: str, stage: int, accum: int) -> dict:
+def _swap_dir() -> str:
+    """The disk cells' swap folder, on the real disk (each rank's subfolder is removed when its engine closes)."""
+    base = "/var/tmp" if Path("/var/tmp").is_dir() else None
+    path = tempfile.mkdtemp(prefix="zoff-zoo-", dir=base)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def cell_cfg(pattern: str, stage: int | str, accum: int) -> dict:
     # persistence threshold 64 keeps norms and biases in persistent units and gathers the matrices at stage
     # 3; a 3000-element bucket splits the model into several units, so reduction overlaps backward.
+    zero = {"stage": stage, "param_persistence_threshold": 64, "reduce_bucket_size": 3000}
+    if stage == DISK:
+        global SWAP_DIR
+        SWAP_DIR = SWAP_DIR or _swap_dir()
+        zero |= {"stage": 3, "offload_param": {"device": "nvme"},
+                 "offload_optimizer": {"device": "nvme", "nvme_path": SWAP_DIR}}  # fmt: skip
     return tiny_cfg(
         model={
             "name": f"python:tests.patterns.models:{pattern}",
@@ -79,7 +100,7 @@ def cell_cfg(pattern: str, stage: int, accum: int) -> dict:
             "vocab_size": 256,
             "n_layer": 2,
         },
-        zero={"stage": stage, "param_persistence_threshold": 64, "reduce_bucket_size": 3000},
+        zero=zero,
         train={"grad_accum": accum, "grad_clip": 0.5, "max_steps": STEPS},
     )
 
@@ -261,6 +282,12 @@ def zoo() -> Zoo:
 @pytest.mark.parametrize(("pattern", "stage"), SLICE, ids=[f"{p}-s{s}" for p, s in SLICE])
 def test_slice(zoo: Zoo, pattern: str, stage: int) -> None:
     zoo.check(SLICE_WORLD, SLICE_ACCUM, pattern, stage, SLICE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_slice_on_disk(zoo: Zoo, pattern: str) -> None:
+    zoo.check(SLICE_WORLD, SLICE_ACCUM, pattern, DISK, DISK_SLICE)
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ class UnitGatherer:
     ):
         self.model, self.plan, self.comm, self.full, self.shards = model, plan, comm, full, shards
         self.disk = disk  # parameter offload to nvme: the shards are read from their swap file per gather
+        self.reading: list[tuple[int, ShardRead]] = []  # disk gathers started, all-gather not yet issued
         self.blocks = blocks  # also says whether backward is running (a forward then is a recompute)
         blocks.listeners.append(self._maybe_release)
         self.prefetch_numel = prefetch_numel
@@ -176,7 +177,8 @@ class UnitGatherer:
         full.untyped_storage().resize_(full.numel() * full.element_size())
         self.gathered[u] = True
         if self.disk is not None and self.disk.holds(u):
-            self.pending[u] = _GatherFromDisk(self.disk.read(u), full, self.comm)
+            self.reading.append((u, self.disk.read(u)))
+            self.pending[u] = _GatherFromDisk(self, u)
             return
         shard = self.shards[u]
         if shard.device != full.device:  # parameter offload: the shard comes up from host memory first
@@ -198,6 +200,23 @@ class UnitGatherer:
                 break
             if not self.gathered[nxt]:
                 self._start(nxt)
+
+    def issue_disk_gathers(self, through: int) -> dict[int, tuple[Handle, ShardRead]]:
+        """Issue the all-gathers of disk gathers, in the order they were started, up to unit `through`.
+
+        A disk gather's all-gather waits for its shard's read, so it is issued late; but issued in the
+        order the gathers were waited for, ranks would disagree (a block is released, and its prefetched
+        neighbour waited for, when its last gradient arrives: data-dependent under MoE routing) and pair
+        their all-gathers wrongly. The start order is the same on every rank, as it is for gathers from
+        memory; each read stays referenced until its all-gather is done."""
+        issued = {}
+        while self.reading:
+            v, read = self.reading.pop(0)
+            handle = self.comm.all_gather(read.wait(), self.full[v], async_op=True, stream="gather")
+            issued[v] = (handle, read)
+            if v == through:
+                break
+        return issued
 
     def _next_block_numel(self, u: int, ahead: list[int]) -> int:
         """Parameters on disk: the elements up to the end of the next block, which are read ahead whatever
@@ -313,17 +332,22 @@ class UnitGatherer:
 
 
 class _GatherFromDisk:
-    """A gather whose shard is still being read from its swap file: the read runs ahead (prefetch), the
-    all-gather is issued when the gather is waited for. Every rank waits for its gathers in the same order (the
-    model's), so the gather stream's collectives still pair up; the cost is that the all-gather itself no
-    longer overlaps compute (the disk read, the larger part, does)."""
+    """A gather whose shard is still being read from its swap file: the read runs ahead (prefetch); the
+    all-gather is issued, in start order, once this gather or a later one is waited for
+    (UnitGatherer.issue_disk_gathers). The cost: the all-gather itself overlaps compute only as far as the
+    gathers started before it; the disk read, the larger part, overlaps fully."""
 
-    def __init__(self, read: ShardRead, full: torch.Tensor, comm: Comm):
-        self.read, self.full, self.comm = read, full, comm
+    def __init__(self, gatherer: UnitGatherer, u: int):
+        self.gatherer, self.u = gatherer, u
+        self.issued: tuple[Handle, ShardRead] | None = None
 
     def wait(self) -> None:
-        self.comm.all_gather(self.read.wait(), self.full, stream="gather")
-        self.read = None  # the aligned buffer goes with it
+        if self.issued is None:
+            for v, issued in self.gatherer.issue_disk_gathers(self.u).items():
+                # this one (already popped from pending by its waiter), or one started before it
+                (self if v == self.u else self.gatherer.pending[v]).issued = issued
+        self.issued[0].wait()
+        self.issued = None  # the read's aligned buffer goes with it
 
 
 # Tensor functions that read only metadata: allowed on a released parameter (e.g. `x.to(w.dtype)`).

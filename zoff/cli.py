@@ -204,9 +204,14 @@ def _preflight(cfg: Config) -> None:
     import torch
 
     from zoff.data import preflight as preflight_data
+    from zoff.engine.policy import Policy
     from zoff.models import build_model, enable_activation_checkpointing
     from zoff.planning.memory import check_swap_path
 
+    # an impossible stage/offload combination, named here rather than by every rank's engine
+    invalid = None if cfg.zero.auto else Policy.of(cfg.zero).invalid()
+    if invalid is not None:
+        raise UserError(f"{invalid[0]}: {invalid[1]}")
     with torch.device("meta"):
         model = build_model(cfg.model)
     if cfg.train.activation_checkpointing:

@@ -324,6 +324,33 @@ def test_train_refuses_a_missing_swap_path_before_any_rank_starts(tmp_path: Path
     assert not (tmp_path / "run").exists()
 
 
+def test_train_refuses_a_missing_parameter_swap_path(swap: Path, tmp_path: Path) -> None:
+    """zero3-nvme with its own offload_param.nvme_path: that folder is checked too, naming its key."""
+    missing = tmp_path / "nope"
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "train", "tiny", "zero=zero3-nvme", f"zero.offload_optimizer.nvme_path={swap}",
+         f"zero.offload_param.nvme_path={missing}", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (
+        f"zoff: error: zero.offload_param.nvme_path: {missing} does not exist (create it on a local disk)"
+    )
+    assert not (tmp_path / "run").exists() and not missing.exists()
+
+
+def test_parameters_on_disk_need_the_optimizer_on_disk(swap: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "validate", "tiny", "zero.stage=3", "zero.offload_optimizer.device=cpu",
+         "zero.offload_param.device=nvme", f"zero.offload_param.nvme_path={swap}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2
+    assert p.stderr.strip() == (
+        "zoff: error: zero.offload_param.device: parameter offload to nvme needs zero.offload_optimizer.device nvme"
+    )
+
+
 def test_too_little_space_names_the_path_and_both_sizes(swap: Path, monkeypatch) -> None:
     cfg = config_from_dict(
         tiny_cfg(zero={"stage": 2, "offload_optimizer": _offload("nvme", swap)}, launch={"nproc_per_node": 2})

@@ -339,14 +339,14 @@ def check_swap_path(cfg: Config, model: nn.Module) -> None:
     world = cfg.launch.nproc_per_node * int(cfg.launch.nnodes.split(":")[0])
     plan = engine_plan(model, zero.stage, world, zero)
     needs: dict[Path, list] = {}  # folder -> [config key, bytes per rank]
-    wanted = [
+    wanted = [  # (key, folder, bytes per rank, whether the policy swaps there at all)
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
-         optimizer_disk_bytes(plan, policy, subgroup_of(zero))),
+         optimizer_disk_bytes(plan, policy, subgroup_of(zero)), policy.offload_optimizer == "nvme"),
         ("zero.offload_param.nvme_path" if zero.offload_param.nvme_path else "zero.offload_optimizer.nvme_path",
-         param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision)),
+         param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision), policy.params_on_disk),
     ]  # fmt: skip
-    for key, where, nbytes in wanted:
-        if nbytes:
+    for key, where, nbytes, used in wanted:
+        if used:  # (even with nothing to swap: the engine still opens its file there)
             entry = needs.setdefault(Path(where).expanduser(), [key, 0])
             entry[1] += nbytes
     for path, (key, per_rank) in needs.items():

@@ -11,7 +11,6 @@ any stage read exactly the byte ranges they need.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
@@ -26,6 +25,7 @@ from zoff.checkpoint.format import (
     Readers,
     assemble_shard,
     complete_checkpoints,
+    file_entry,
     find_checkpoint,
     fsync_dir,
     read_manifest,
@@ -104,10 +104,8 @@ def _write_partition(path: Path, engine: ZeroEngine, state: dict) -> dict[str, d
             t = sources[kind][u] if u < n else engine.param_shard(u)  # stage 3's frozen shards after
             yield key, t.detach().float().cpu()
 
-    write_streaming(path, layout, tensors())  # (fsyncs the file)
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {path.name: {"bytes": path.stat().st_size, "sha256": digest}}
+    write_streaming(path, layout, tensors())
+    return file_entry(path)
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> None:

@@ -29,9 +29,14 @@ def step_dir_name(step: int) -> str:
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
     save_file(tensors, str(path))
+    return file_entry(path)
+
+
+def file_entry(path: Path) -> dict[str, dict]:
+    """A written file's manifest entry (size and sha256), fsynced first: what load_checkpoint verifies."""
     with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
         os.fsync(f.fileno())
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
     return {path.name: {"bytes": path.stat().st_size, "sha256": digest}}
 
 
@@ -49,15 +54,8 @@ def write_model_files(folder: Path, model: torch.nn.Module) -> dict[str, dict]:
     files = {}
     for name, text in exported_files(model).items():
         path = folder / MODEL_FILES[name]
-        with open(path, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(path, "rb") as f:
-            files[path.name] = {
-                "bytes": path.stat().st_size,
-                "sha256": hashlib.file_digest(f, "sha256").hexdigest(),
-            }
+        path.write_text(text)
+        files.update(file_entry(path))  # (fsyncs it)
     return files
 
 

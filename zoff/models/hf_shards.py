@@ -20,6 +20,7 @@ of materialisation while the others wait in an all-gather.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ class _ShardLoader:
                 also = [n for n in aliases[id(p)] if n != name]
                 tied = f" (nor its tied name{'s' if len(also) > 1 else ''} {', '.join(also)})" if also else ""
                 raise UserError(f"model.path: {where} has no tensor for parameter '{name}'{tied}")
-            if _numel(files.shape(key)) != p.numel():
+            if math.prod(files.shape(key)) != p.numel():
                 raise UserError(
                     f"model.path: {files.file_of(key)}: tensor '{key}' has shape {files.shape(key)}, "
                     f"parameter '{name}' of the model has {list(p.shape)}"
@@ -110,7 +111,7 @@ class _ShardLoader:
             key = self.source.get(name)
             if name not in persistent or key is None:
                 continue
-            if _numel(self.files.shape(key)) != buf.numel():
+            if math.prod(self.files.shape(key)) != buf.numel():
                 raise UserError(
                     f"model.path: {self.files.file_of(key)}: buffer '{key}' has shape "
                     f"{self.files.shape(key)}, the model's '{name}' has {list(buf.shape)}"
@@ -177,10 +178,3 @@ def _generation_config(model: nn.Module, folder: Path) -> None:
         model.generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:
         raise UserError(f"model.path: cannot read {folder / 'generation_config.json'}: {e}") from None
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

@@ -310,32 +310,27 @@ except OSError as e:
     assert not (swap / "big.swap").exists()  # nothing left behind
 
 
-def test_train_refuses_a_missing_swap_path_before_any_rank_starts(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "key"),
+    [("zero2-nvme", "zero.offload_optimizer.nvme_path"), ("zero3-nvme", "zero.offload_param.nvme_path")],
+)
+def test_train_refuses_a_missing_swap_path_before_any_rank_starts(
+    recipe: str, key: str, swap: Path, tmp_path: Path
+) -> None:
+    """The optimizer's folder, and parameter offload's own one when it names another: checked before any rank
+    starts, naming the key."""
     missing = tmp_path / "nope"
+    paths = {
+        "zero.offload_optimizer.nvme_path": swap,
+        key: missing,
+    }  # the key under test names the missing one
     p = subprocess.run(
-        [sys.executable, "-m", "zoff", "train", "tiny", "zero=zero2-nvme",
-         f"zero.offload_optimizer.nvme_path={missing}", "--run-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "zoff", "train", "tiny", f"zero={recipe}", *(f"{k}={v}" for k, v in paths.items()),
+         "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
-    assert p.stderr.strip() == (
-        f"zoff: error: zero.offload_optimizer.nvme_path: {missing} does not exist (create it on a local disk)"
-    )
-    assert not (tmp_path / "run").exists()
-
-
-def test_train_refuses_a_missing_parameter_swap_path(swap: Path, tmp_path: Path) -> None:
-    """zero3-nvme with its own offload_param.nvme_path: that folder is checked too, naming its key."""
-    missing = tmp_path / "nope"
-    p = subprocess.run(
-        [sys.executable, "-m", "zoff", "train", "tiny", "zero=zero3-nvme", f"zero.offload_optimizer.nvme_path={swap}",
-         f"zero.offload_param.nvme_path={missing}", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert p.returncode == 2, p.stderr
-    assert p.stderr.strip() == (
-        f"zoff: error: zero.offload_param.nvme_path: {missing} does not exist (create it on a local disk)"
-    )
+    assert p.stderr.strip() == f"zoff: error: {key}: {missing} does not exist (create it on a local disk)"
     assert not (tmp_path / "run").exists() and not missing.exists()
 
 

@@ -217,7 +217,7 @@ def io_bandwidth(path: Path, nbytes: int, threads: int, request_mb: int) -> dict
     """zoff bench-io's measurements at the config's io setting: raw O_DIRECT each way, then the engine's swap."""
     import torch
 
-    from zoff.engine.tiers import SwappedStates
+    from zoff.engine.state_swap import SwappedStates
     from zoff.planning.bench_io import raw_bandwidth, swap_bandwidth
 
     work = Path(tempfile.mkdtemp(prefix="zoff-bench-io-", dir=path))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+DISK = Path(os.environ.get("ZOFF_TEST_NVME_DIR", "/var/tmp"))  # a real disk: /tmp may be tmpfs elsewhere
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +35,12 @@ def agents():
     yield start
     for a in started:
         a.cleanup()
+
+
+@pytest.fixture
+def swap(tmp_path: Path):
+    """A fresh folder for disk-tier swap files on the real disk (tmp_path when there is none), removed
+    afterwards."""
+    where = Path(tempfile.mkdtemp(prefix="zoff-test-", dir=DISK)) if DISK.is_dir() else tmp_path / "swap"
+    yield where
+    shutil.rmtree(where, ignore_errors=True)

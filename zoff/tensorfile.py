@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -98,21 +99,61 @@ class SafetensorsReader:
         self.close()
 
 
-def write_streaming(path: Path, layout: list[tuple[str, list[int], torch.dtype]], tensors: Iterable) -> None:
-    """Write (key, tensor) pairs in `layout` order; the header comes from `layout` before any data is read."""
-    header, offset = {}, 0
+@dataclass(frozen=True)
+class FileLayout:
+    """Where every tensor of a safetensors file lies: its header (the length prefix included), each tensor's
+    absolute byte offset, and the file's size."""
+
+    header: bytes
+    offsets: dict[str, int]
+    nbytes: int
+
+
+def file_layout(layout: list[tuple[str, list[int], torch.dtype]], align: int | None = None) -> FileLayout:
+    """The safetensors file of `layout`, tensors in that order. With `align`, the data section and every
+    tensor start on an `align`-byte boundary of the file and the file ends on one: the gaps are zero-filled
+    `__pad<j>__` uint8 tensors (the format allows no holes between tensors) and the header is padded with
+    spaces. Disk-tier swap files use 4096 (O_DIRECT's alignment), so a swap file is a checkpoint shard."""
+    header, offsets, pos = {}, {}, 0
+
+    def pad(gap: int) -> None:
+        nonlocal pos
+        header[f"__pad{len(header) - len(offsets)}__"] = {
+            "dtype": "U8",
+            "shape": [gap],
+            "data_offsets": [pos, pos + gap],
+        }
+        pos += gap
+
     for key, shape, dt in layout:
-        n = _numel(shape) * torch.empty(0, dtype=dt).element_size()
-        header[key] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
+        if align and pos % align:
+            pad(align - pos % align)
+        n = _numel(shape) * dt.itemsize
+        header[key] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        offsets[key], pos = pos, pos + n
+    if align and pos % align:
+        pad(align - pos % align)
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
+    blob += b" " * (-(8 + len(blob)) % (align or 8))  # data starts aligned (the format asks for 8 at least)
+    base = 8 + len(blob)
+    return FileLayout(
+        len(blob).to_bytes(8, "little") + blob, {k: base + o for k, o in offsets.items()}, base + pos
+    )
+
+
+def write_streaming(
+    path: Path, layout: list[tuple[str, list[int], torch.dtype]], tensors: Iterable, align: int | None = None
+) -> None:
+    """Write (key, tensor) pairs in `layout` order; the header comes from `layout` before any data is read.
+    With `align`, as file_layout lays it out (the padding is left as holes, which read as zeros)."""
+    where = file_layout(layout, align)
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for _, t in tensors:
+        f.write(where.header)
+        for key, t in tensors:
+            f.seek(where.offsets[key])
             if t.numel():
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
+        f.truncate(where.nbytes)
         f.flush()
         os.fsync(f.fileno())
 

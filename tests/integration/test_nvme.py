@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import DISK
 from tests.harness import reference_run, run_zoff, tiny_cfg
 from zoff.checkpoint import save_checkpoint
 from zoff.config import (
@@ -31,16 +32,6 @@ from zoff.engine import build_engine
 from zoff.engine.disk_io import AlignedBuffer, SwapFile, filesystem_type
 from zoff.errors import ConfigError, UserError
 from zoff.models.gpt import GPT
-
-DISK = Path(os.environ.get("ZOFF_TEST_NVME_DIR", "/var/tmp"))  # a real disk: /tmp may be tmpfs elsewhere
-
-
-@pytest.fixture
-def swap(tmp_path: Path):
-    """A fresh folder on the real disk (tmp_path when there is none), removed afterwards."""
-    where = Path(tempfile.mkdtemp(prefix="zoff-test-", dir=DISK)) if DISK.is_dir() else tmp_path / "swap"
-    yield where
-    shutil.rmtree(where, ignore_errors=True)
 
 
 def _offload(device: str, swap: Path, delay: bool = False) -> dict:

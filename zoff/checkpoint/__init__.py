@@ -40,6 +40,8 @@ from zoff.checkpoint.format import (
 )
 from zoff.config import CheckpointConfig
 from zoff.engine import ZeroEngine
+from zoff.engine.disk_io import ALIGN
+from zoff.engine.partition import PartitionPlan
 from zoff.errors import UserError
 from zoff.tensorfile import write_streaming
 
@@ -91,21 +93,32 @@ def save_checkpoint(
 
 
 def _write_partition(path: Path, engine: ZeroEngine, state: dict) -> dict[str, dict]:
-    """This rank's partition, streamed one unit's tensor at a time (the header comes from the plan's shapes):
-    RAM holds one unit's state, not the partition's, which on the disk tier is larger than memory."""
-    n, units = len(engine.plan.units), engine.plan.all_units
-    layout = [(f"u{u}.{kind}", [units[u].shard], torch.float32) for u in range(n) for kind in KINDS]
-    layout += [(f"u{u}.master", [units[u].shard], torch.float32) for u in range(n, len(units))]
-    sources = {"master": state["masters"], **state["optimizer"]}
+    """This rank's partition: the masters and moments of every unit, laid out as the disk tier's swap file
+    (state_swap.partition_layout). The disk tier copies that file (file to file, no unit through RAM); the
+    other tiers stream one unit's tensor at a time from the plan's shapes. Stage 3's frozen shards go to
+    frozen_<r>.safetensors beside it, so the shard stays byte for byte a swap file."""
+    n, units, rank = len(engine.plan.units), engine.plan.all_units, engine.rank
+    files = {}
+    digest = engine.optimizer.save_file(path)
+    if digest is not None:
+        files[path.name] = {"bytes": path.stat().st_size, "sha256": digest}
+    else:
+        layout = [(f"u{u}.{kind}", [units[u].shard], torch.float32) for u in range(n) for kind in KINDS]
+        sources = {"master": state["masters"], **state["optimizer"]}
+        tensors = ((f"u{u}.{k}", sources[k][u].detach().float().cpu()) for u in range(n) for k in KINDS)
+        write_streaming(path, layout, tensors, align=ALIGN)  # the order of `layout`
+        files.update(file_entry(path))
+    if len(units) > n:
+        frozen = path.with_name(_frozen_file(rank))
+        layout = [(f"u{u}.master", [units[u].shard], torch.float32) for u in range(n, len(units))]
+        shards = ((f"u{u}.master", engine.param_shard(u).float().cpu()) for u in range(n, len(units)))
+        write_streaming(frozen, layout, shards)
+        files.update(file_entry(frozen))
+    return files
 
-    def tensors():
-        for key, _, _ in layout:
-            u, kind = int(key[1 : key.index(".")]), key[key.index(".") + 1 :]
-            t = sources[kind][u] if u < n else engine.param_shard(u)  # stage 3's frozen shards after
-            yield key, t.detach().float().cpu()
 
-    write_streaming(path, layout, tensors())
-    return file_entry(path)
+def _frozen_file(rank: int) -> str:
+    return f"frozen_{rank:05d}.safetensors"
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> None:
@@ -129,17 +142,12 @@ def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict) -
     plan = engine.plan
     params = []
     for i, s in enumerate(plan.all_slots):
-        pieces = [
-            {
-                "file": f"shard_{r:05d}.safetensors",
-                "unit": s.unit,
-                "start": s.offset + p_start - r * plan.all_units[s.unit].shard,
-                "length": length,
-                "param_start": p_start,
-            }
-            for r, p_start, length in plan.pieces(i)
-        ]
-        entry = {"names": list(s.names), "shape": list(s.shape), "dtype": "float32", "pieces": pieces}
+        entry = {
+            "names": list(s.names),
+            "shape": list(s.shape),
+            "dtype": "float32",
+            "pieces": _pieces(plan, i),
+        }
         if i >= len(plan.slots):  # a frozen parameter partitioned at stage 3: values only, no optimizer state
             entry["frozen"] = True
         elif engine.skipped_steps[i]:  # steps without a gradient anywhere: its Adam step count lags this far
@@ -162,7 +170,19 @@ def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict) -
     }
 
 
-# ------------------------------------------------------------------------------------------------ find
+def _pieces(plan: PartitionPlan, i: int) -> list[dict]:
+    """Where slot i's elements lie in the partition files of `plan` (frozen ones: in the frozen files)."""
+    s = plan.all_slots[i]
+    return [
+        {
+            "file": f"shard_{r:05d}.safetensors" if i < len(plan.slots) else _frozen_file(r),
+            "unit": s.unit,
+            "start": s.offset + p_start - r * plan.all_units[s.unit].shard,
+            "length": length,
+            "param_start": p_start,
+        }
+        for r, p_start, length in plan.pieces(i)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ load
@@ -188,15 +208,19 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
         raise UserError(f"{path}: checkpoint of a different model (parameter sets differ)")
     # Each rank checks the size and checksum of exactly the files it opens, once: N ranks do not hash the
     # whole checkpoint N times over (the launcher already checked everything once before starting them).
+    copied = _copy_partition_file(engine, path, manifest, by_name, verify)
     with Readers(path, manifest["files"] if verify else None) as readers:
-        state = {
-            "masters": [],
-            "optimizer": {"step": manifest["optimizer_step"], "exp_avg": [], "exp_avg_sq": []},
-        }
-        for u in range(len(plan.units)):
-            for kind in KINDS:
-                shard = assemble_shard(plan, engine.rank, u, kind, by_name, readers)
-                (state["masters"] if kind == "master" else state["optimizer"][kind]).append(shard)
+        state = {"masters": None, "optimizer": {"step": manifest["optimizer_step"]}}
+        if not copied:
+            state["masters"] = [
+                assemble_shard(plan, engine.rank, u, "master", by_name, readers)
+                for u in range(len(plan.units))
+            ]
+            for kind in KINDS[1:]:
+                state["optimizer"][kind] = [
+                    assemble_shard(plan, engine.rank, u, kind, by_name, readers)
+                    for u in range(len(plan.units))
+                ]
         state["scaler"] = manifest["scaler"]
         state["skipped_steps"] = {
             n: int(p.get("skipped_steps", 0)) for p in manifest["params"] for n in p["names"]
@@ -218,6 +242,24 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
             rng = readers.get(rng_file.name)
             set_rng_states({k: rng.read(k) for k in rng.keys()}, engine.device)
     return manifest["trainer"]
+
+
+def _copy_partition_file(engine: ZeroEngine, path: Path, manifest: dict, by_name: dict, verify: bool) -> bool:
+    """Resuming the disk tier into the partitioning it was saved with: this rank's shard file is copied into
+    its swap file as it is (file to file, checked against the manifest's checksum on the way). False, with
+    nothing done, for another partitioning, another tier's layout or a checkpoint from before this layout:
+    those are re-assembled piece by piece."""
+    plan, name = engine.plan, f"shard_{engine.rank:05d}.safetensors"
+    if manifest["partitions"] != plan.world_size or name not in manifest["files"]:
+        return False
+    if any(by_name[s.names[0]]["pieces"] != _pieces(plan, i) for i, s in enumerate(plan.slots)):
+        return False
+    digest = engine.optimizer.load_file(path / name)
+    if digest is None:
+        return False
+    if verify and digest != manifest["files"][name]["sha256"]:
+        raise UserError(f"{path / name}: checksum mismatch (corrupted file)")
+    return True
 
 
 # ----------------------------------------------------------------------------------------------- utils

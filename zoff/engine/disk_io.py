@@ -13,6 +13,7 @@ sequential I/O.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import time
@@ -44,20 +45,17 @@ class AlignedBuffer:
 class SwapFile:
     """A preallocated file of `nbytes` that aligned regions are read from and written to asynchronously."""
 
-    def __init__(self, path: Path, nbytes: int, threads: int = 4, request_bytes: int = 8 << 20):
+    def __init__(
+        self, path: Path, nbytes: int, threads: int = 4, request_bytes: int = 8 << 20, *, swap: bool = True
+    ):
+        """Create (truncate) `path` with `nbytes` reserved. `swap=False`: a checkpoint file copied to or from
+        a swap file (copy_file), with no warnings about the disk tier."""
         self.path, self.nbytes = path, aligned(nbytes)
         self.request = max(ALIGN, aligned(request_bytes))
         path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        self.direct = hasattr(os, "O_DIRECT")
-        try:
-            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
-        except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
-            self.direct = False
-            self.fd = os.open(path, flags, 0o600)
-            print(f"zoff: warning: {path.parent} does not support O_DIRECT; swapping through the page cache")
+        self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC, warn=swap)
         fs = filesystem_type(path.parent)
-        if fs in ("tmpfs", "ramfs"):
+        if swap and fs in ("tmpfs", "ramfs"):
             print(f"zoff: warning: {path.parent} is on {fs}, in memory: the disk tier saves no RAM there")
         try:
             os.posix_fallocate(self.fd, 0, self.nbytes)  # the space is claimed now: ENOSPC here, not mid-step
@@ -67,6 +65,34 @@ class SwapFile:
             raise _os_error(
                 e, f"zoff: cannot reserve {self.nbytes:,} bytes in {path}: {e.strerror}"
             ) from None
+        self.owned = True  # close() may remove it
+        self._start(threads)
+
+    @classmethod
+    def existing(cls, path: Path, threads: int = 4, request_bytes: int = 8 << 20) -> SwapFile:
+        """An existing file opened for reading only (O_DIRECT where the filesystem has it)."""
+        self = cls.__new__(cls)
+        self.path, self.request = path, max(ALIGN, aligned(request_bytes))
+        self._open(os.O_RDONLY, warn=False)
+        self.nbytes = os.fstat(self.fd).st_size
+        self.owned = False  # someone else's file (a checkpoint's): close() never removes it
+        self._start(threads)
+        return self
+
+    def _open(self, flags: int, warn: bool) -> None:
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
+            self.direct = False
+            self.fd = os.open(self.path, flags, 0o600)
+            if warn:
+                print(
+                    f"zoff: warning: {self.path.parent} does not support O_DIRECT; swapping through the page cache"
+                )
+
+    def _start(self, threads: int) -> None:
+        self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io")
         self.read_bytes = self.written_bytes = 0
         self.wait_s = 0.0  # time the caller spent blocked on this file's I/O (the step's "disk wait")
@@ -107,10 +133,37 @@ class SwapFile:
         (a rank's folder under the user's nvme_path, which itself stays)."""
         self.pool.shutdown(wait=True)
         os.close(self.fd)
-        if remove:
+        if remove and self.owned:
             self.path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.path.parent.rmdir()
+
+
+def copy_file(src: SwapFile, dst: SwapFile, nbytes: int) -> str:
+    """Bytes [0, nbytes) of `src` into `dst` (both 4096-aligned sizes), file to file; returns their sha256.
+
+    Two page-aligned chunk buffers of threads x request bytes alternate: chunk c+1 is read while chunk c is
+    hashed and written, so the copy runs at the disk's pace with O_DIRECT on both sides (no page cache) and
+    RAM holds two chunks whatever the size. hashlib releases the GIL on large buffers, so the hash overlaps
+    the I/O threads; a checkpoint's checksum costs no second read of the file."""
+    chunk = min(aligned(max(nbytes, 1)), src.request * src.threads)
+    bufs = [AlignedBuffer(chunk) for _ in range(2 if nbytes > chunk else 1)]
+    spans = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+    digest = hashlib.sha256()
+    writes: list[list[Future]] = [[] for _ in bufs]
+    reads = src.read(bufs[0].bytes[: aligned(spans[0][1])], 0) if spans else []
+    for c, (off, n) in enumerate(spans):
+        b = c % len(bufs)
+        src.wait(reads, reads=True)
+        if c + 1 < len(spans):
+            nb = (c + 1) % len(bufs)
+            dst.wait(writes[nb])
+            reads = src.read(bufs[nb].bytes[: aligned(spans[c + 1][1])], spans[c + 1][0])
+        digest.update(memoryview(bufs[b].bytes[:n].numpy()))
+        writes[b] = dst.write(bufs[b].bytes[: aligned(n)], off)
+    for w in writes:
+        dst.wait(w)
+    return digest.hexdigest()
 
 
 def filesystem_type(path: Path) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -225,11 +226,25 @@ class ShardOptimizer:
                 "masters": kinds["master"]}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
+        """The step count and the moments; a state without moments leaves them as they are (a checkpoint
+        shard copied in with load_file brought them)."""
         self.finish()
         self.step_count = int(state["step"])
         for kind in ("exp_avg", "exp_avg_sq"):
-            for i, src in enumerate(state[kind]):
+            for i, src in enumerate(state.get(kind, ())):
                 self.states.write(i, kind, src)
+
+    def save_file(self, path: Path) -> str | None:
+        """The states straight into a checkpoint shard file when they already are one (the disk tier: a copy
+        of its swap file); returns its sha256, or None when they must be streamed unit by unit instead."""
+        self.finish()
+        return self.states.save_file(path)
+
+    def load_file(self, path: Path) -> str | None:
+        """Masters and moments straight from a checkpoint shard laid out as the swap file (see save_file);
+        returns the copied bytes' sha256, or None (nothing loaded) when the layout differs."""
+        self.finish()
+        return self.states.load_file(path)
 
     def resident_bytes(self) -> int:
         return self.states.resident_bytes(self.shards)

@@ -21,7 +21,7 @@ from zoff.engine.disk_io import ALIGN, aligned
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.staging import chunk_bytes, needs_staging
-from zoff.engine.tiers import piece_spans, ring_size, subgroup_numel
+from zoff.engine.state_swap import partition_layout, piece_spans, ring_size, subgroup_numel
 
 
 @dataclass(frozen=True)
@@ -212,29 +212,28 @@ def subgroup_of(zero: ZeroConfig) -> int:
 
 
 def _pieces(plan: PartitionPlan, subgroup: int | None) -> list[int]:
-    """Element counts of the disk tier's pieces: each unit's shard in sub-groups (tiers.piece_spans)."""
+    """Element counts of the disk tier's pieces: each unit's shard in sub-groups (state_swap.piece_spans)."""
     return [hi - lo for u in plan.units for lo, hi in piece_spans(u.shard, subgroup)]
 
 
 def swap_buffer_bytes(plan: PartitionPlan, subgroup: int | None = None) -> int:
-    """The disk tier's resident states (tiers.SwappedStates): up to three page-aligned buffers, each one
+    """The disk tier's resident states (state_swap.SwappedStates): up to three page-aligned buffers, each one
     piece's master, exp_avg and exp_avg_sq (the piece stepped, the next being read, the last being written)."""
     pieces = _pieces(plan, subgroup)
     return ring_size(len(pieces)) * 3 * max((aligned(4 * n) for n in pieces), default=ALIGN)
 
 
-def disk_bytes(
-    plan: PartitionPlan, policy: Policy, subgroup: int | None = None, precision: str = "fp32"
-) -> int:
-    """The disk tier's swap files per rank: every piece's fp32 master and moments, 4096-aligned, and under
-    parameter offload to nvme every non-persistent parameter shard in the compute dtype."""
-    return optimizer_disk_bytes(plan, policy, subgroup) + param_disk_bytes(plan, policy, precision)
+def disk_bytes(plan: PartitionPlan, policy: Policy, precision: str = "fp32") -> int:
+    """The disk tier's swap files per rank: every unit's fp32 master and moments as a checkpoint shard, and
+    under parameter offload to nvme every non-persistent parameter shard in the compute dtype."""
+    return optimizer_disk_bytes(plan, policy) + param_disk_bytes(plan, policy, precision)
 
 
-def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy, subgroup: int | None = None) -> int:
+def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
+    """The optimizer's swap file per rank: its checkpoint shard's layout (state_swap.partition_layout)."""
     if policy.offload_optimizer != "nvme":
         return 0
-    return sum(3 * aligned(4 * n) for n in _pieces(plan, subgroup))
+    return partition_layout([u.shard for u in plan.units]).nbytes
 
 
 def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str) -> int:
@@ -253,7 +252,10 @@ def disk_traffic(
     under parameter offload to nvme each micro-batch reads a block's shard for its forward and again for its
     backward (the root unit once, held from forward to backward), and the step writes back the trainable
     shards."""
-    opt = optimizer_disk_bytes(plan, policy, subgroup)
+    # every piece's three states, each read and written whole pages (not the file's header)
+    opt = (
+        sum(3 * aligned(4 * n) for n in _pieces(plan, subgroup)) if policy.offload_optimizer == "nvme" else 0
+    )
     if not policy.params_on_disk:
         return opt, opt
     c = DTYPES[precision].itemsize

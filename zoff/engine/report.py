@@ -75,7 +75,7 @@ class EngineReports:
             subgroup=subgroup_of(self.zero),
         )  # fmt: skip
         disk = {
-            "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy, subgroup_of(self.zero)),
+            "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy),
             "disk_params": param_disk_bytes(self.plan, self.policy, self.precision),
         }
         return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}, **disk}

@@ -10,20 +10,20 @@ its live (compute-dtype) shard; plus the bytes of its own transfer buffers. The 
   the device<->host traffic is the minimum the ZeRO-Offload paper gives: the reduced gradient shard down and
   the updated 16-bit shard up, through a few pinned staging buffers (staging.py) on a GPU. On a host-only
   machine the "device" is the host: the copies vanish (buffers alias the shards) and the same code runs.
-- DiskTier: the host tier with its states in a swap file on local disk (disk_io.py), streamed unit by unit.
+- DiskTier: the host tier with its states in a swap file on local disk, laid out as the rank's checkpoint
+  shard and streamed unit by unit (state_swap.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import torch
 
-from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned
 from zoff.engine.param_swap import SwappedShards
 from zoff.engine.staging import Staging
+from zoff.engine.state_swap import KINDS, SwappedStates
 
 
 def host_buffer(like: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -159,15 +159,6 @@ class DiskTier(HostTier):
         return source
 
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def ring_size(units: int) -> int:
-    """Unit buffers of the disk tier: the unit stepped, the next being read, the last being written (fewer
-    when there are fewer units: a single unit needs one)."""
-    return max(1, min(3, units))
-
-
 class ResidentStates:
     """Master, exp_avg and exp_avg_sq of every unit held in memory (device or host tier)."""
 
@@ -181,7 +172,7 @@ class ResidentStates:
         return [(i, 0, self.masters[i].numel())]
 
     @contextlib.contextmanager
-    def open(self, i: int, following: int | None = None):
+    def open(self, i: int, following: int | None = None, write_back: bool = True):
         yield self.masters[i], self.exp_avg[i], self.exp_avg_sq[i]
 
     def read(self, i: int, kind: str) -> torch.Tensor:
@@ -197,128 +188,12 @@ class ResidentStates:
     def disk_bytes(self) -> int:
         return 0
 
+    def save_file(self, path: Path) -> None:
+        """Not a file: the checkpoint streams these units (state_swap.SwappedStates copies its file)."""
+        return None
+
+    def load_file(self, path: Path) -> None:
+        return None
+
     def close(self) -> None:
         pass
-
-
-def subgroup_numel(subgroup_mb: int) -> int:
-    """Parameters per disk-tier sub-group: its master and two moments (12 B each) fill subgroup_mb, in whole
-    pages (4096 elements, so every region stays aligned)."""
-    return max(4096, (subgroup_mb << 20) // 12 // 4096 * 4096)
-
-
-def piece_spans(numel: int, piece: int | None) -> list[tuple[int, int]]:
-    """A unit's [lo, hi) pieces of at most `piece` elements (None: the whole unit); at least one piece."""
-    step = max(1, piece or numel or 1)
-    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)] or [(0, 0)]
-
-
-class SwappedStates:
-    """Every piece's [master | exp_avg | exp_avg_sq] region in one swap file (4096-aligned). A piece is a unit,
-    or a sub-group of at most io.subgroup_mb of states of a larger one. Up to three page-aligned piece buffers
-    rotate: the piece being stepped, the next one being read, the previous one being written. Host memory:
-    ring_size x the largest piece's states, whatever the shard's total."""
-
-    def __init__(
-        self, shards: list[torch.Tensor], swap_dir: Path, download, *, threads: int, request_bytes: int,
-        piece: int | None = None, source=None,
-    ):  # fmt: skip
-        source = source or shards.__getitem__  # unit i's live shard, for its initial master
-        self.pieces = [(i, lo, hi) for i, s in enumerate(shards) for lo, hi in piece_spans(s.numel(), piece)]
-        self._spans: list[list[tuple[int, int, int]]] = [[] for _ in shards]
-        for k, (i, lo, hi) in enumerate(self.pieces):
-            self._spans[i].append((k, lo, hi))
-        self.numel = [hi - lo for _, lo, hi in self.pieces]
-        self.part = [aligned(4 * n) for n in self.numel]  # bytes of one kind of piece k
-        self.offset = [0]
-        for p in self.part[:-1]:
-            self.offset.append(self.offset[-1] + 3 * p)
-        total = self.offset[-1] + 3 * self.part[-1] if shards else ALIGN
-        rank = os.environ.get("RANK", "0")
-        self.file = SwapFile(swap_dir / f"rank{rank}" / "optimizer.swap", total, threads, request_bytes)
-        largest = 3 * max(self.part, default=ALIGN)
-        self.n_buffers = ring_size(len(self.pieces))
-        self.buffers = [AlignedBuffer(largest) for _ in range(self.n_buffers)]
-        self.pending: list[list] = [[] for _ in self.buffers]  # futures of the I/O in flight on each buffer
-        self.holds: dict[int, int] = {}  # piece -> the buffer holding (or reading) it
-        for k, (i, lo, hi) in enumerate(self.pieces):  # initial master from the live shard, zero moments
-            buf = self._free_buffer(exclude=())
-            master, m, v = self._views(buf, k)
-            download(source(i)[lo:hi], master)
-            m.zero_()
-            v.zero_()
-            self._write(buf, k)
-        self._drain()
-
-    def spans(self, i: int) -> list[tuple[int, int, int]]:
-        """Unit i's pieces as (piece, lo, hi), in order (the step asks per unit: looked up, not searched)."""
-        return self._spans[i]
-
-    def _views(self, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        buf, n, p = self.buffers[b], self.numel[i], self.part[i]
-        return tuple(buf.view(torch.float32, k * p, n) for k in range(3))
-
-    def _region(self, b: int, i: int) -> torch.Tensor:
-        return self.buffers[b].bytes[: 3 * self.part[i]]
-
-    def _free_buffer(self, exclude) -> int:
-        free = [b for b in range(self.n_buffers) if b not in exclude and b not in self.holds.values()]
-        b = min(free, key=lambda b: bool(self.pending[b]))  # an idle buffer before one still writing
-        self.file.wait(self.pending[b])
-        self.pending[b] = []
-        return b
-
-    def _write(self, b: int, i: int) -> None:
-        self.pending[b] = self.file.write(self._region(b, i), self.offset[i])
-
-    def _fetch(self, i: int, exclude=()) -> int:
-        if i not in self.holds:
-            b = self._free_buffer(exclude)
-            self.pending[b] = self.file.read(self._region(b, i), self.offset[i])
-            self.holds[i] = b
-        return self.holds[i]
-
-    def _drain(self) -> None:
-        for b in range(self.n_buffers):
-            self.file.wait(self.pending[b])
-            self.pending[b] = []
-
-    @contextlib.contextmanager
-    def open(self, i: int, following: int | None = None):
-        """Unit i's states, resident while the block runs; written back after it (asynchronously), with
-        `following` already being read."""
-        b = self._fetch(i)
-        self.file.wait(self.pending[b])
-        self.pending[b] = []
-        if following is not None and self.n_buffers > 1:
-            self._fetch(following, exclude=(b,))
-        try:
-            yield self._views(b, i)
-        finally:
-            del self.holds[i]
-            self._write(b, i)
-
-    def read(self, i: int, kind: str) -> torch.Tensor:
-        """A copy of one kind of unit i's states (checkpoints, gathered_params): unit-sized, not shard-sized."""
-        spans = self.spans(i)
-        out = torch.empty(spans[-1][2], dtype=torch.float32)
-        for k, lo, hi in spans:
-            with self.open(k) as states:
-                out[lo:hi] = states[KINDS.index(kind)]
-        return out
-
-    def write(self, i: int, kind: str, src: torch.Tensor) -> None:
-        src = src.reshape(-1)
-        for k, lo, hi in self.spans(i):
-            with self.open(k) as states:
-                states[KINDS.index(kind)].copy_(src[lo:hi])
-
-    def resident_bytes(self, shards: list[torch.Tensor]) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
-    def disk_bytes(self) -> int:
-        return self.file.nbytes
-
-    def close(self) -> None:
-        self._drain()
-        self.file.close()

@@ -254,7 +254,8 @@ class ZeroEngine(EngineReports):
         states, n = self.optimizer.states, len(self.plan.units)
         pieces = [(u, k, lo) for u in range(n) for k, lo, _ in states.spans(u)]
         for j, (u, k, lo) in enumerate(pieces):
-            with states.open(k, pieces[j + 1][1] if j + 1 < len(pieces) else None) as (master, _, _):
+            following = pieces[j + 1][1] if j + 1 < len(pieces) else None
+            with states.open(k, following, write_back=False) as (master, _, _):  # read only
                 self._publish(u, lo, master, True, handles)
             if j + 1 == len(pieces) or pieces[j + 1][0] != u:
                 self._publish(u, None, None, True, handles)
@@ -354,7 +355,7 @@ class ZeroEngine(EngineReports):
         skipped = state.get("skipped_steps", {})
         self.skipped_steps = [int(skipped.get(s.names[0], 0)) for s in self.plan.slots]
         self.optimizer.load_state_dict(state["optimizer"])
-        for u, src in enumerate(state["masters"]):
+        for u, src in enumerate(state["masters"] or ()):  # None: already in place (optimizer.load_file)
             self.optimizer.write(u, "master", src)
         self.scaler.load_state_dict(state["scaler"])
         self._publish_params()

@@ -19,7 +19,7 @@ import torch
 
 from zoff.cache import cache_dir
 from zoff.engine.disk_io import AlignedBuffer, SwapFile, aligned, filesystem_type, wait
-from zoff.engine.tiers import SwappedStates
+from zoff.engine.state_swap import SwappedStates
 from zoff.errors import UserError
 
 SETTINGS = ((1, 1), (4, 1), (4, 8), (8, 8), (8, 32))  # (threads, request MiB)

@@ -242,7 +242,7 @@ def estimate(
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
-        disk = disk_bytes(plan, pol, subgroup_of(zero_cfg), precision)
+        disk = disk_bytes(plan, pol, precision)
         traffic = disk_traffic(plan, pol, subgroup_of(zero_cfg), precision, micro_batches)
         out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk, *traffic))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
@@ -341,7 +341,7 @@ def check_swap_path(cfg: Config, model: nn.Module) -> None:
     needs: dict[Path, list] = {}  # folder -> [config key, bytes per rank]
     wanted = [  # (key, folder, bytes per rank, whether the policy swaps there at all)
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
-         optimizer_disk_bytes(plan, policy, subgroup_of(zero)), policy.offload_optimizer == "nvme"),
+         optimizer_disk_bytes(plan, policy), policy.offload_optimizer == "nvme"),
         ("zero.offload_param.nvme_path" if zero.offload_param.nvme_path else "zero.offload_optimizer.nvme_path",
          param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision), policy.params_on_disk),
     ]  # fmt: skip

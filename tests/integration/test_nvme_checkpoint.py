@@ -1,0 +1,94 @@
+"""The disk tier's swap file is its checkpoint shard: a save copies it file to file, a resume into the same
+partitioning copies the shard back, and both are bitwise the same run as one that never stopped. Other world
+sizes go through the checkpoint's pieces (tests/integration/test_nvme.py holds those)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration.test_nvme import _engine_run
+from zoff.checkpoint import load_checkpoint, save_checkpoint
+from zoff.errors import UserError
+
+
+def _more_steps(eng, seed: int, steps: int = 2) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        eng.zero_grad()
+        for micro in range(2):
+            loss = eng.model(torch.randint(0, 64, (2, 16), generator=gen)).float().logsumexp(-1).mean() / 2
+            eng.backward(loss, sync=micro == 1)
+        eng.step(1e-2)
+        losses.append(loss.item())
+    return losses
+
+
+def _sha(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+CASES = [(2, "none", "bf16"), (3, "nvme", "fp32")]
+
+
+@pytest.mark.parametrize(("stage", "params", "precision"), CASES)
+def test_a_save_copies_the_swap_file_and_a_resume_copies_it_back(
+    stage: int, params: str, precision: str, swap: Path
+) -> None:
+    _, _, a = _engine_run(stage, precision, "nvme", swap / "a", steps=3, params=params)
+    states = a.optimizer.states
+    read0, written0 = states.file.read_bytes, states.file.written_bytes
+    ckpt = save_checkpoint(a, swap / "ckpt", 3, {"step": 3}, "{}")
+    shard = ckpt / "shard_00000.safetensors"
+    # File to file: the save read the swap file once, wrote nothing back, and the shard is its exact copy.
+    assert states.file.read_bytes - read0 == states.layout.nbytes == shard.stat().st_size
+    assert states.file.written_bytes == written0
+    assert _sha(shard) == _sha(states.file.path)
+    # ... and a safetensors file every reader takes, with the unit's states under the checkpoint's names.
+    tensors = load_file(shard)
+    for u in range(len(a.plan.units)):
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(tensors[f"u{u}.{kind}"], a.optimizer.read(u, kind)), (u, kind)
+
+    _, _, b = _engine_run(stage, precision, "nvme", swap / "b", steps=0, params=params)
+    written0 = b.optimizer.states.file.written_bytes
+    load_checkpoint(b, ckpt)
+    assert b.optimizer.states.file.written_bytes - written0 == b.optimizer.states.layout.nbytes  # one copy
+    assert _sha(b.optimizer.states.file.path) == _sha(shard)
+    assert _more_steps(b, 7) == _more_steps(a, 7)  # the continuation is the uninterrupted run's, bit for bit
+    want, got = a.gathered_params(), b.gathered_params()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    a.close()
+    b.close()
+
+
+def test_a_cpu_offload_checkpoint_is_copied_straight_into_a_disk_tier_run(swap: Path) -> None:
+    """Every tier writes the same shard layout, so a run that moves from host memory to disk resumes by copy."""
+    _, _, a = _engine_run(2, "bf16", "cpu", swap, steps=3)
+    ckpt = save_checkpoint(a, swap / "ckpt", 3, {"step": 3}, "{}")
+    _, _, b = _engine_run(2, "bf16", "nvme", swap / "b", steps=0)
+    written0 = b.optimizer.states.file.written_bytes
+    load_checkpoint(b, ckpt)
+    assert b.optimizer.states.file.written_bytes - written0 == b.optimizer.states.layout.nbytes
+    assert _more_steps(b, 9) == _more_steps(a, 9)
+    b.close()
+
+
+def test_a_corrupted_shard_is_refused_when_copied_in(swap: Path) -> None:
+    _, _, a = _engine_run(2, "fp32", "nvme", swap / "a", steps=2)
+    ckpt = save_checkpoint(a, swap / "ckpt", 2, {"step": 2}, "{}")
+    a.close()
+    shard = ckpt / "shard_00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5000] ^= 0x40  # a byte of the last unit's exp_avg_sq: the header still matches
+    shard.write_bytes(bytes(data))
+    _, _, b = _engine_run(2, "fp32", "nvme", swap / "b", steps=0)
+    with pytest.raises(UserError, match="shard_00000.safetensors: checksum mismatch"):
+        load_checkpoint(b, ckpt)
+    b.close()

@@ -215,24 +215,12 @@ def configured_row(est_json: dict) -> dict:
 
 def io_bandwidth(path: Path, nbytes: int, threads: int, request_mb: int) -> dict:
     """zoff bench-io's measurements at the config's io setting: raw O_DIRECT each way, then the engine's swap."""
-    import torch
-
-    from zoff.engine.state_swap import SwappedStates
-    from zoff.planning.bench_io import raw_bandwidth, swap_bandwidth
+    from zoff.planning.bench_io import measure_swap, raw_bandwidth
 
     work = Path(tempfile.mkdtemp(prefix="zoff-bench-io-", dir=path))
     try:
         raw = raw_bandwidth(work, nbytes, threads, request_mb)
-        numel = nbytes // 12
-        unit = 8 << 20
-        shards = [torch.zeros(min(unit, numel - a)) for a in range(0, numel, unit)]
-        states = SwappedStates(
-            shards, work, lambda s, d: d.copy_(s), threads=threads, request_bytes=request_mb << 20
-        )
-        try:
-            swap = swap_bandwidth(states)
-        finally:
-            states.close()
+        swap = measure_swap(work, nbytes, threads, request_mb)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {
@@ -241,7 +229,8 @@ def io_bandwidth(path: Path, nbytes: int, threads: int, request_mb: int) -> dict
         "request_mb": request_mb,
         "raw_write_gbps": raw["write"],
         "raw_read_gbps": raw["read"],
-        "swap_each_way_gbps": swap["both"] / 2,
+        "swap_read_gbps": swap["read"],
+        "swap_write_gbps": swap["write"],
     }
 
 
@@ -644,7 +633,8 @@ def render(con: Console, r: dict) -> None:
                 tab.add_row(f"  {src}: {key} GB/s over the step / bench-io raw",
                             gbs(io[f"{key}_gbps_over_step"]), gbs(bio.get(f"raw_{key}_gbps")), "")  # fmt: skip
     if bio:
-        tab.add_row("bench-io engine swap, each way", gbs(bio["swap_each_way_gbps"]), "", "")
+        sw = f"{gbs(bio['swap_write_gbps'])} / {gbs(bio['swap_read_gbps'])}"
+        tab.add_row("bench-io engine swap-out / swap-in", sw, "", "")
     med = r["step_time_median_s"]
     tab.add_row("step time (median of steps 2..)", f"{med:.2f} s" if med is not None else "-", "", "")
     sp = r["step_time_split"]

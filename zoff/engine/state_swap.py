@@ -163,6 +163,19 @@ class SwappedStates:
             with self.open(k) as states:
                 states[KINDS.index(kind)].copy_(src[lo:hi])
 
+    def stream(self, read: bool = True, write: bool = True) -> None:
+        """Every piece in file order through the ring as a step walks it, without the compute: read (with the
+        next one read ahead) and written back; read only; or written only (read=False, whatever the buffers
+        hold: a measurement's, not a step's). bench-io's and bench_nvme's measure of the tier's own I/O."""
+        n = len(self.pieces)
+        for k in range(n):
+            if read:
+                with self.open(k, k + 1 if k + 1 < n else None, write_back=write):
+                    pass
+            else:
+                self._write(self._free_buffer(exclude=()), k)
+        self._drain()
+
     def save_file(self, path: Path) -> str:
         """Copy the swap file, which is a checkpoint shard, to `path` (fsynced); returns its sha256."""
         self._drain()

@@ -1,8 +1,8 @@
 """`zoff bench-io PATH`: what the disk tier can expect from a path, measured with the tier's own I/O.
 
 For a few (threads, request size) settings: sequential O_DIRECT write then read of a file through
-disk_io.SwapFile, the engine's I/O alone; then the engine's swap of whole units (tiers.SwappedStates, reads and
-writes overlapping as in a step) at the best setting. Prints them side by side with the `io:` setting to use.
+disk_io.SwapFile, the engine's I/O alone; then the engine's swap of whole units (state_swap.SwappedStates: in, out, and both
+overlapping as in a step) at the best setting. Prints them side by side with the `io:` setting to use.
 scripts/bench_nvme.py adds dd as an outside reference and the optimizer step.
 """
 
@@ -26,18 +26,23 @@ SETTINGS = ((1, 1), (4, 1), (4, 8), (8, 8), (8, 32))  # (threads, request MiB)
 
 
 def raw_bandwidth(folder: Path, nbytes: int, threads: int, request_mb: int) -> dict[str, float]:
-    """Write then read `nbytes` sequentially with the engine's I/O: GB/s each way (the write fsynced)."""
+    """Write then read `nbytes` sequentially with the engine's I/O: GB/s each way (the write fsynced).
+
+    The timed write overwrites data already written, as a swap file is after its first step: the first
+    write into fallocated space also converts the filesystem's extents, slower, and would flatter the
+    engine's steady state compared with it. The read reads written data (unwritten extents read as zeros
+    without touching the disk)."""
     nbytes = aligned(nbytes)
     f = SwapFile(folder / "bench-io.swap", nbytes, threads, request_mb << 20)
     buf = AlignedBuffer(min(nbytes, 256 << 20))
     buf.bytes.fill_(7)
     out = {}
     try:
-        for kind, op in (("write", f.write), ("read", f.read)):
+        for kind, op in (("fill", f.write), ("write", f.write), ("read", f.read)):
             t0 = time.perf_counter()
             for off in range(0, nbytes, buf.nbytes):
                 wait(op(buf.bytes[: min(buf.nbytes, nbytes - off)], off))
-            if kind == "write":
+            if kind != "read":
                 os.fsync(f.fd)
             out[kind] = nbytes / (time.perf_counter() - t0) / 1e9
     finally:
@@ -46,17 +51,38 @@ def raw_bandwidth(folder: Path, nbytes: int, threads: int, request_mb: int) -> d
 
 
 def swap_bandwidth(states: SwappedStates) -> dict[str, float]:
-    """Every unit read in (with read-ahead) and written back, no compute: GB/s of both directions together."""
-    r0, w0, t0 = states.file.read_bytes, states.file.written_bytes, time.perf_counter()
-    n = len(states.numel)
-    for i in range(n):
-        with states.open(i, i + 1 if i + 1 < n else None):
-            pass
-    states._drain()
-    os.fsync(states.file.fd)
-    dt = time.perf_counter() - t0
-    moved = (states.file.read_bytes - r0) + (states.file.written_bytes - w0)
-    return {"both": moved / dt / 1e9, "seconds": dt, "bytes": moved}
+    """The tier's own swap throughput over every piece, no compute, in GB/s: swap-in alone (reads with
+    read-ahead), swap-out alone, and both as a step does them (each piece read, then written back while the
+    next is read). 'both' counts the bytes of the two directions together."""
+    out = {}
+    for kind, read, write in (("read", True, False), ("write", False, True), ("both", True, True)):
+        moved0 = states.file.read_bytes + states.file.written_bytes
+        t0 = time.perf_counter()
+        states.stream(read, write)
+        if write:
+            os.fsync(states.file.fd)
+        dt = time.perf_counter() - t0
+        moved = states.file.read_bytes + states.file.written_bytes - moved0
+        out[kind] = moved / dt / 1e9
+        if kind == "both":
+            out["seconds"], out["bytes"] = dt, moved
+    return out
+
+
+def measure_swap(
+    folder: Path, nbytes: int, threads: int, request_mb: int, unit_params: int = 8 << 20
+) -> dict:
+    """swap_bandwidth of a tier holding `nbytes` of states in units of `unit_params`, its swap file in
+    `folder` (removed after)."""
+    numel = nbytes // 12
+    shards = [torch.zeros(min(unit_params, numel - a)) for a in range(0, numel, unit_params)]
+    states = SwappedStates(
+        shards, folder, lambda s, d: d.copy_(s), threads=threads, request_bytes=request_mb << 20
+    )
+    try:
+        return swap_bandwidth(states)
+    finally:
+        states.close()
 
 
 def run(path: Path, nbytes: int, unit_params: int = 8 << 20) -> list[str]:
@@ -76,23 +102,17 @@ def run(path: Path, nbytes: int, unit_params: int = 8 << 20) -> list[str]:
                 f"  raw O_DIRECT  threads {threads:2d} x {mb:2d} MiB: write {r['write']:6.2f} GB/s, read {r['read']:6.2f} GB/s"
             )
         threads, mb, best = max(results, key=lambda x: x[2]["read"] + x[2]["write"])
-        numel = nbytes // 12
-        shards = [torch.zeros(min(unit_params, numel - a)) for a in range(0, numel, unit_params)]
-        states = SwappedStates(shards, work, lambda s, d: d.copy_(s), threads=threads, request_bytes=mb << 20)
-        try:
-            sw = swap_bandwidth(states)
-        finally:
-            states.close()
+        sw = measure_swap(work, nbytes, threads, mb, unit_params)
         lines.append(
-            f"  engine swap   threads {threads:2d} x {mb:2d} MiB: {sw['both'] / 2:6.2f} GB/s each way "
-            f"({sw['both']:.2f} GB/s reads and writes together; raw one way at a time: write {best['write']:.2f}, "
-            f"read {best['read']:.2f})"
+            f"  engine swap   threads {threads:2d} x {mb:2d} MiB: write {sw['write']:6.2f} GB/s, read {sw['read']:6.2f} GB/s "
+            f"({sw['write'] / best['write']:.0%} and {sw['read'] / best['read']:.0%} of raw); as a step overlaps "
+            f"them, {sw['both']:.2f} GB/s both ways together"
         )
         lines.append(
             f"suggested: zero.offload_optimizer.io.threads={threads} zero.offload_optimizer.io.request_mb={mb}"
         )
         record = {"path": str(path), "filesystem": filesystem_type(path), "read_gbps": best["read"],
-                  "write_gbps": best["write"], "swap_each_way_gbps": sw["both"] / 2, "threads": threads,
+                  "write_gbps": best["write"], "swap_read_gbps": sw["read"], "swap_write_gbps": sw["write"], "threads": threads,
                   "request_mb": mb, "measured_at": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
         lines.append(
             f"saved for `zoff estimate` (disk time per step on this filesystem): {_save(path, record)}"

@@ -5,6 +5,8 @@ sizes go through the checkpoint's pieces (tests/integration/test_nvme.py holds t
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from safetensors.torch import load_file
 
 from tests.integration.test_nvme import _engine_run
 from zoff.checkpoint import load_checkpoint, save_checkpoint
+from zoff.checkpoint.format import read_manifest
 from zoff.errors import UserError
 
 
@@ -92,3 +95,44 @@ def test_a_corrupted_shard_is_refused_when_copied_in(swap: Path) -> None:
     with pytest.raises(UserError, match="shard_00000.safetensors: checksum mismatch"):
         load_checkpoint(b, ckpt)
     b.close()
+
+
+def test_a_disk_that_fills_during_a_save_names_the_file_and_keeps_the_last_checkpoint(
+    swap: Path, repo_root: Path
+) -> None:
+    """The swap files' space is reserved at start, so a step never meets a full disk; a checkpoint save can.
+    RLIMIT_FSIZE below the shard's size stands in for it (in a child process): the save fails naming the
+    shard file, the previous checkpoint stays complete and `latest`, and the next save with room succeeds."""
+    code = f"""
+import resource, signal
+from pathlib import Path
+from tests.integration.test_nvme import _engine_run
+from zoff.checkpoint import Checkpointer, save_checkpoint
+from zoff.config import CheckpointConfig
+from zoff.errors import UserError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+root = Path({str(swap)!r})
+_, _, eng = _engine_run(2, "fp32", "nvme", root / "swap", steps=1)
+save_checkpoint(eng, root / "ckpt", 1, {{"step": 1}}, "{{}}")
+limit = eng.optimizer.states.layout.nbytes - 4096
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    Checkpointer(eng, CheckpointConfig(dir=str(root / "ckpt")), root, "{{}}", 9).save(2, {{"step": 2}})
+except UserError as e:
+    print("ERR", e)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+save_checkpoint(eng, root / "ckpt", 3, {{"step": 3}}, "{{}}")
+eng.close()
+"""
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo_root
+    )
+    err = [line for line in p.stdout.splitlines() if line.startswith("ERR")]
+    assert p.returncode == 0 and len(err) == 1, p.stdout + p.stderr
+    assert err[0].startswith("ERR checkpoint of step 2 not saved: cannot reserve"), err
+    assert ".tmp-step_00000002/shard_00000.safetensors" in err[0] and "is intact" in err[0], err
+    ckpt = swap / "ckpt"
+    read_manifest(ckpt / "step_00000001", verify=True)  # whole, every checksum right
+    assert not (ckpt / "step_00000002").exists()
+    assert (ckpt / "latest").read_text().strip() == "step_00000003"
+    read_manifest(ckpt / "step_00000003", verify=True)

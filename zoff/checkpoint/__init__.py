@@ -290,7 +290,13 @@ class Checkpointer:
         )
 
     def save(self, step: int, trainer_state: dict) -> Path:
-        path = save_checkpoint(self.engine, self.dir, step, trainer_state, self.config_yaml)
+        try:
+            path = save_checkpoint(self.engine, self.dir, step, trainer_state, self.config_yaml)
+        except OSError as e:  # a full disk, a quota: one line naming the file, not a traceback per rank
+            raise UserError(
+                f"checkpoint of step {step} not saved: {str(e).removeprefix('zoff: ')} "
+                f"(the last complete checkpoint in {self.dir} is intact)"
+            ) from None
         if self.engine.comm.rank == 0:
             prune(self.dir, self.cfg.keep_last)
         return path

@@ -1,195 +1,42 @@
-"""YAML config -> typed, validated, frozen dataclasses (one section per concern).
+"""YAML config -> typed, validated, frozen dataclasses (one section per concern, in sections.py).
 
-Validation happens once, here; every component downstream receives its own section and trusts it.
+Loading, `key.path=value` overrides, recipes and the checks across sections. Validation happens once, here;
+every component downstream receives its own section and trusts it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
-from zoff.config.schema import build, kind, range_meta, strip_optional, suggest, to_dict
+from zoff.config.schema import build, kind, strip_optional, suggest, to_dict  # noqa: F401  (to_dict: re-exported)
+from zoff.config.sections import (  # noqa: F401  (re-exported: the sections are zoff.config's API)
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    IoConfig,
+    LaunchConfig,
+    LogConfig,
+    ModelConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimConfig,
+    OptimizerIoConfig,
+    ScheduleConfig,
+    TrainConfig,
+    ZeroConfig,
+)
 from zoff.errors import ConfigError, UserError
 
 # Shipped inside the package (package data), so an installed wheel finds them as a checkout does; the
 # checkout's top-level configs/ and recipes/ are links to these.
 RECIPES_DIR = Path(str(resources.files("zoff") / "recipes"))
 CONFIGS_DIR = Path(str(resources.files("zoff") / "configs"))
-
-
-_rng = range_meta
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str = "gpt"  # builtin name, or python:pkg.module:factory (the factory receives this section)
-    n_layer: int = field(default=4, metadata=_rng(1))
-    n_head: int = field(default=4, metadata=_rng(1))
-    d_model: int = field(default=128, metadata=_rng(1))
-    vocab_size: int = field(default=256, metadata=_rng(2))
-    seq_len: int = field(default=128, metadata=_rng(1))  # the model's maximum context
-    dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))
-    tie_embeddings: bool = True
-    args: dict = field(default_factory=dict)  # free-form keyword arguments for python: factories
-    config: dict = field(default_factory=dict)  # hf: models: keyword arguments of the transformers config
-    path: str | None = None  # hf: models: a local Hugging Face model directory to start from
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    name: Literal["stdlib-source", "text", "synthetic", "jsonl", "parquet", "hf"] = "stdlib-source"
-    seq_len: int = field(default=128, metadata=_rng(1))
-    batch_size: int = field(default=8, metadata=_rng(1))  # per-rank micro-batch
-    paths: list[str] = field(default_factory=list)  # files or globs for name: text, jsonl, parquet, hf
-    val_fraction: float = field(default=0.05, metadata=_rng(0.0, 0.5))
-    max_bytes: int = field(default=0, metadata=_rng(0))  # 0: no cap on the corpus size
-    synthetic_tokens: int = field(default=200_000, metadata=_rng(1))
-    text_field: str = "text"  # jsonl, parquet, hf: the field (column) holding each document's text
-    tokenizer: str = "bytes"  # bytes, or a local Hugging Face tokenizer directory
-    hf_dataset: dict = field(default_factory=dict)  # name hf: keyword arguments of datasets.load_dataset
-    cache_dir: str | None = None  # tokenized corpora; default $ZOFF_CACHE_DIR or ~/.cache/zoff
-
-
-@dataclass(frozen=True)
-class IoConfig:
-    """The disk tier's I/O (engine/disk_io.py): parallel O_DIRECT requests of request_mb each."""
-
-    threads: int = field(default=4, metadata=_rng(1, 64))
-    request_mb: int = field(default=8, metadata=_rng(1, 1024))
-
-
-@dataclass(frozen=True)
-class OptimizerIoConfig(IoConfig):
-    """The optimizer's disk I/O, plus the size of the sub-groups it steps its shard in."""
-
-    # the optimizer steps its shard in sub-groups of at most this much state (master + moments): RAM holds
-    # three of them (stepped, read ahead, written back), whatever the size of a unit
-    subgroup_mb: int = field(default=96, metadata=_rng(1))
-
-
-@dataclass(frozen=True)
-class OffloadOptimizerConfig:
-    device: Literal["none", "cpu", "nvme"] = "none"
-    # nvme: the directory of the swap files (a local disk; a per-rank folder is made under it)
-    nvme_path: str | None = None
-    io: OptimizerIoConfig = field(default_factory=OptimizerIoConfig)
-    pin_memory: bool = True  # page-lock the staging buffers (GPU only): DMA at full speed, async with compute
-    # Gradient shards go down and parameter shards up through this many MiB of staging buffers per rank; the
-    # fp32 master and moments stay pageable (pinning them would lock 12 B/param/N of host memory).
-    staging_mb: int = field(default=64, metadata=_rng(1))
-    delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
-    delay_update_warmup: int = field(default=0, metadata=_rng(0))
-
-
-@dataclass(frozen=True)
-class OffloadParamConfig:
-    device: Literal["none", "cpu", "nvme"] = "none"  # nvme: stage 3's parameter shards in a swap file
-    # nvme: the directory of the parameter swap files; unset: offload_optimizer.nvme_path (one folder for both)
-    nvme_path: str | None = None
-    io: IoConfig = field(default_factory=IoConfig)
-    pin_memory: bool = True
-
-
-@dataclass(frozen=True)
-class ZeroConfig:
-    recipe: str | None = None  # the preset this section was built from, kept for the record
-    auto: bool = False  # `zero: auto`: zoff train picks the fastest policy that fits (zoff.planning.estimate)
-    stage: int = field(default=0, metadata=_rng(0, 3))
-    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
-    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
-    overlap_comm: bool = True
-    # Sizes are in elements, as in the ZeRO papers; a bucket holds one dtype.
-    # Stages 2/3 keep MAX_IN_FLIGHT + 1 pooled buckets of up to this size for the whole run: 25M fp32
-    # elements would hold 300 MB per rank; 5M holds 60 MB and measured no slower over gloo.
-    reduce_bucket_size: int = field(default=5_000_000, metadata=_rng(1))
-    # Accepted for DeepSpeed configs but not used: parameters are all-gathered per unit, as the gradients
-    # were reduced (reduce_bucket_size), straight from each rank's shard with no staging bucket.
-    allgather_bucket_size: int = field(default=25_000_000, metadata=_rng(1))
-    # Stage 3 gathers up to this many elements ahead of need. 3M rather than 5M: no slower over gloo here
-    # (per-round ratio 1.01, 57M GPT) and 16 MB less per rank in fp32; GPUs with NCCL may want more.
-    prefetch_bucket_size: int = field(default=3_000_000, metadata=_rng(0))
-    param_persistence_threshold: int = field(default=10_000, metadata=_rng(0))
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    name: Literal["adamw", "adam"] = "adamw"
-    lr: float = field(default=3e-4, metadata=_rng(0.0, gt=True))
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = field(default=1e-8, metadata=_rng(0.0, gt=True))
-    weight_decay: float = field(default=0.1, metadata=_rng(0.0))
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    warmup_steps: int = field(default=20, metadata=_rng(0))
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = field(default=0.1, metadata=_rng(0.0, 1.0))
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    max_steps: int = field(default=200, metadata=_rng(1))
-    grad_accum: int = field(default=1, metadata=_rng(1))
-    global_batch_size: int | None = field(default=None, metadata=_rng(1))
-    grad_clip: float = field(default=1.0, metadata=_rng(0.0))  # 0 disables clipping
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = field(default=0, metadata=_rng(0))
-    log_every: int = field(default=10, metadata=_rng(1))
-    eval_every: int = field(default=0, metadata=_rng(0))  # 0: only at the end
-    eval_batches: int = field(default=4, metadata=_rng(1))
-    activation_checkpointing: bool = False
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    dir: str | None = None  # default: <run_dir>/checkpoints
-    every_steps: int = field(default=0, metadata=_rng(0))  # 0: only at the end
-    keep_last: int = field(default=2, metadata=_rng(1))
-    # false: never save, not even at the end or on preemption (a run whose disk has no room for a copy of its
-    # states); resuming from an existing checkpoint still works
-    enabled: bool = True
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    nproc_per_node: int = field(default=2, metadata=_rng(1, 1024))
-    nnodes: str = "1"  # N or MIN:MAX
-    node_rank: int = field(default=0, metadata=_rng(0))
-    rdzv_endpoint: str | None = None  # HOST:PORT; None runs a standalone rendezvous on this node
-    max_restarts: int = field(default=0, metadata=_rng(0))
-    threads_per_rank: int | None = field(default=None, metadata=_rng(1))  # None: cores / local ranks
-    timeout_s: float = field(default=600.0, metadata=_rng(1.0))  # a collective waiting longer is an error
-    shutdown_timeout_s: int = field(default=300, metadata=_rng(1))  # preempted ranks' time to checkpoint
-
-
-@dataclass(frozen=True)
-class LogConfig:
-    run_dir: str | None = None  # default: runs/<config name>-<timestamp>
-    progress: bool = True
-    tensorboard: bool = False  # also write the metrics as TensorBoard scalars under <run_dir>/tensorboard
-
-
-@dataclass(frozen=True)
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-
-    def to_dict(self) -> dict:
-        return to_dict(self)
 
 
 # ---------------------------------------------------------------------------------------------- loading

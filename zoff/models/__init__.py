@@ -24,12 +24,13 @@ def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------- what each model family answers, once
 def builds_sharded(cfg: ModelConfig) -> bool:
-    """The builtin GPT, and hf: models with a model.path of safetensors weights, are built on the meta device
-    and materialised shard by shard by the engine (each rank draws or reads only what it owns); other
-    families are built whole, in fp32, on every rank first."""
+    """The builtin GPT, hf: models with a model.path of safetensors weights, and hf: models randomly
+    initialised (no path) are built on the meta device and materialised shard by shard by the engine (each
+    rank draws or reads only what it owns; hf.loads_shards has the exceptions); other families are built
+    whole, in fp32, on every rank first."""
     if cfg.name == "gpt":
         return True
-    if cfg.name.startswith("hf:") and cfg.path is not None:
+    if cfg.name.startswith("hf:"):
         from zoff.models.hf import loads_shards
 
         return loads_shards(cfg)

@@ -137,14 +137,18 @@ def concrete_class(cfg: ModelConfig, config: Any) -> type:
 
 
 def loads_shards(cfg: ModelConfig) -> bool:
-    """Whether this hf: section is built with shard-only loading: a model.path with safetensors weights of a
-    class whose checkpoints need no tensor conversions (hf_shards.shard_loadable)."""
+    """Whether this hf: section is built shard by shard: a model.path with safetensors weights of a class whose
+    checkpoints need no tensor conversions (hf_shards.shard_loadable), or no path and a model whose
+    `_init_weights` initialises every parameter module by module (hf_init.py)."""
+    from zoff.models.hf_init import initialisable
     from zoff.models.hf_shards import shard_loadable
     from zoff.models.safetensors_reader import has_safetensors
 
-    if cfg.path is None or not has_safetensors(cfg.path):
-        return False
     config = hf_config(cfg)
+    if cfg.path is None:
+        return initialisable(concrete_class(cfg, config), config)
+    if not has_safetensors(cfg.path):
+        return False
     return shard_loadable(concrete_class(cfg, config), config)
 
 
@@ -152,16 +156,27 @@ def build_hf_model(cfg: ModelConfig, shard_only: bool = False) -> nn.Module:
     """Random init from the config, or the weights of model.path; on a meta device only the structure.
 
     `shard_only` (loads_shards(cfg) must hold): parameters stay on the meta device and the engine reads each
-    rank's share of them from model.path's safetensors files (hf_shards.py)."""
+    rank's share of them from model.path's safetensors files (hf_shards.py), or draws it (no path:
+    hf_init.py). A random init without shard_only draws the same values whole, where hf_init can."""
+    from zoff.models.hf_init import build_random_hf
+
     config = hf_config(cfg)
     cls = concrete_class(cfg, config)
     on_meta = torch.empty(0).device.type == "meta"
-    if shard_only:
+    if shard_only and cfg.path is not None:
         from zoff.models.hf_shards import build_deferred_hf
 
         model = build_deferred_hf(cls, config, Path(cfg.path).expanduser())
-    elif cfg.path is None or on_meta:
+    elif on_meta and not shard_only:  # the structure alone
         model = cls._from_config(config, dtype=torch.get_default_dtype())
+    elif cfg.path is None:
+        model = build_random_hf(cls, config, whole=not shard_only)
+        if model is None:  # a model hf_init cannot draw module by module: transformers' own init, whole
+            if shard_only:
+                raise ValueError(
+                    f"{cls.__name__} cannot be initialised shard by shard (loads_shards said no)"
+                )
+            model = cls._from_config(config, dtype=torch.get_default_dtype())
     else:
         try:
             model = cls.from_pretrained(

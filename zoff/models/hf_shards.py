@@ -49,20 +49,26 @@ def shard_loadable(cls: type, config: Any) -> bool:
     return True
 
 
-def build_deferred_hf(cls: type, config: Any, folder: Path) -> nn.Module:
-    """`cls(config)` with parameters on meta, real buffers, and an init_parameter reading `folder`'s files."""
+def empty_hf_model(cls: type, config: Any) -> nn.Module:
+    """`cls(config)` with parameters on the meta device (tied as the model ties them) and buffers real."""
     from accelerate import init_empty_weights
 
-    files = WeightFiles(folder)
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # older transformers: their random init runs on meta tensors, costing only time
         from contextlib import nullcontext as no_init_weights
     # cpu: a caller under `with torch.device("meta")` would put the buffers there too. include_buffers=False
-    # keeps buffers real; no_init_weights skips transformers' random init of parameters about to be read.
+    # keeps buffers real; no_init_weights skips transformers' random init of parameters filled later.
     with torch.device("cpu"), init_empty_weights(include_buffers=False), no_init_weights():
         model = cls._from_config(config, dtype=torch.float32)
     model.tie_weights()  # no_init_weights skips post_init's tying; from_pretrained ties after loading too
+    return model
+
+
+def build_deferred_hf(cls: type, config: Any, folder: Path) -> nn.Module:
+    """`cls(config)` with parameters on meta, real buffers, and an init_parameter reading `folder`'s files."""
+    files = WeightFiles(folder)
+    model = empty_hf_model(cls, config)
     loader = _ShardLoader(model, files)
     loader.load_buffers(model)
     # An instance attribute, not a method: the engine looks for `init_parameter` on the model it is given.

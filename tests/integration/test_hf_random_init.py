@@ -1,0 +1,170 @@
+"""Random init of hf: models without model.path, shard by shard (zoff/models/hf_init.py): on 1, 2 and 3 ranks
+each rank draws only the parameters that meet its shards, the engine's weights equal zoff's whole build of the
+same model bit for bit, and they follow the model's own _init_weights; a 1 GB model builds on 2 ranks at
+stage 3 with RSS growth bounded by the rank's model states plus two units. A model that _init_weights cannot
+draw module by module is found at build time and built whole by transformers, as before."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.harness import spawn
+from zoff.config import ModelConfig, OptimConfig, ZeroConfig
+from zoff.engine import build_engine
+from zoff.models import build_for_engine, build_model, builds_sharded
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SEED = 7
+THRESHOLD = 64  # stage 3: norms in persistent units, matrices sharded: both init paths run
+SMALL = dict(
+    hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48,
+    vocab_size=96, max_position_embeddings=32, initializer_range=0.05,
+)  # fmt: skip
+# 1.07 GB in fp32, as test_hf_shard_loading's: 12 layers of 67 MB, two 131 MB embedding tables.
+BIG = dict(
+    hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8, intermediate_size=4096,
+    vocab_size=32000, max_position_embeddings=64, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def _cfg(**config) -> ModelConfig:
+    return ModelConfig(name="hf:LlamaForCausalLM", config=config)
+
+
+def _rank(rank: int, world: int) -> dict:
+    out = {}
+    for tied in (False, True):
+        for stage in (1, 3):
+            torch.manual_seed(SEED)  # the trainer seeds every rank alike before building the model
+            model = build_for_engine(_cfg(**SMALL, tie_word_embeddings=tied))
+            calls: list[str] = []
+            init = model.init_parameter
+            model.init_parameter = lambda name, t, init=init, calls=calls: (calls.append(name), init(name, t))
+            engine = build_engine(
+                model, ZeroConfig(stage=stage, param_persistence_threshold=THRESHOLD), OptimConfig()
+            )
+            out[tied, stage] = {
+                "params": engine.gathered_params(),
+                "calls": calls,
+                "numel": engine.plan.numel,
+            }
+            engine.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, list[dict]]:
+    return {world: spawn(_rank, world) for world in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("tied", [False, True])
+def test_shard_by_shard_init_equals_the_whole_build(runs, world: int, tied: bool) -> None:
+    cfg = _cfg(**SMALL, tie_word_embeddings=tied)
+    assert builds_sharded(cfg)
+    torch.manual_seed(SEED)
+    whole = build_model(cfg)
+    want = dict(whole.named_parameters(remove_duplicate=False))
+    for stage in (1, 3):
+        for rank, result in enumerate(runs[world]):
+            got = result[tied, stage]["params"]
+            assert set(got) == set(want)
+            for name, p in want.items():
+                assert torch.equal(got[name], p.detach()), (world, stage, rank, name)
+            drawn = Counter(result[tied, stage]["calls"])
+            if world > 1:  # a rank draws the parameters meeting its shards, not the model
+                assert (
+                    sum(dict(whole.named_parameters())[n].numel() for n in drawn)
+                    < result[tied, stage]["numel"]
+                )
+
+
+def test_the_values_follow_the_models_own_init_and_the_seed() -> None:
+    torch.manual_seed(SEED)
+    a = build_model(_cfg(**SMALL))
+    torch.manual_seed(SEED + 1)
+    b = build_model(_cfg(**SMALL))
+    for name, p in a.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name  # LlamaRMSNorm: ones
+        else:  # Linear and Embedding weights: normal(0, initializer_range)
+            assert abs(p.std().item() - 0.05) < 0.01 and abs(p.mean().item()) < 0.01, name
+            assert not torch.equal(p, dict(b.named_parameters())[name]), name  # another seed, other values
+    layers = [dict(a.named_parameters())[f"model.layers.{i}.mlp.up_proj.weight"] for i in range(3)]
+    assert not torch.equal(layers[0], layers[1])  # each module its own draw
+
+
+class _WithExtra(transformers.LlamaForCausalLM):
+    """A model with a parameter its _init_weights does not know (only a model-level init would set it)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.extra = nn.Parameter(torch.zeros(3))
+
+
+def test_a_model_init_weights_cannot_draw_module_by_module_is_built_whole() -> None:
+    from zoff.models.hf_init import build_random_hf, initialisable
+
+    config = transformers.LlamaConfig(**SMALL)
+    assert not initialisable(_WithExtra, config)
+    assert build_random_hf(_WithExtra, config, whole=True) is None
+    assert initialisable(transformers.LlamaForCausalLM, config)
+
+
+# ---------------------------------------------------------------------------------------- 1 GB, RSS
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _big_rank(rank: int, world: int) -> dict | None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak) to the current RSS
+    except OSError:
+        return None
+    cfg = _cfg(**BIG)
+    assert builds_sharded(cfg)  # imports transformers' Llama code before the measurement: Python, not weights
+    before = _rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    engine = build_engine(
+        build_for_engine(cfg), ZeroConfig(stage=3, param_persistence_threshold=THRESHOLD), OptimConfig()
+    )
+    peak = _rss_kib("VmHWM")
+    mem = engine.memory_report()
+    finite = all(bool(torch.isfinite(s).all()) for s in engine.shard_params)
+    engine.close()
+    return {
+        "grew": (peak - before) * 1024,
+        "model_state": mem["params"] + mem["grads"] + mem["optimizer_states"],
+        "model_bytes": engine.plan.numel * 4,
+        "largest_unit_bytes": max(u.padded for u in engine.plan.units) * 4,
+        "finite": finite,
+    }
+
+
+def test_one_gigabyte_model_initialises_within_its_shard_on_two_ranks() -> None:
+    numel = sum(math.prod(p.shape) for p in build_for_engine(_cfg(**BIG)).parameters())
+    assert numel * 4 >= 10**9  # 1 GB in fp32
+    for rank, r in enumerate(spawn(_big_rank, 2)):
+        if r is None:
+            pytest.skip("/proc/self/clear_refs is not writable: no way to reset the peak RSS")
+        assert r["finite"], rank
+        allowed = r["model_state"] + 2 * r["largest_unit_bytes"] + 32 * 2**20
+        assert allowed < r["model_state"] + r["model_bytes"]  # the bound tells a whole-model copy apart
+        assert r["grew"] <= allowed, (
+            f"rank {rank}: peak RSS grew {r['grew'] / 2**20:.0f} MiB initialising the model; its model states "
+            f"{r['model_state'] / 2**20:.0f} MiB, two units {2 * r['largest_unit_bytes'] / 2**20:.0f} MiB, "
+            f"whole model {r['model_bytes'] / 2**20:.0f} MiB"
+        )

@@ -220,3 +220,76 @@ def tiny_cfg(**sections) -> dict:
     for k, v in sections.items():
         base[k] = {**base.get(k, {}), **v}
     return base
+
+
+# --------------------------------------------------------------------------------- memory of one process
+
+
+def rss_kib(field: str) -> int:
+    """A /proc/self/status field in KiB: VmRSS (now) or VmHWM (the peak since reset_peak_rss)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (False where /proc/self/clear_refs is not writable)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def recording_init(model: torch.nn.Module) -> list[str]:
+    """Wrap a deferred model's init_parameter; the returned list fills with the names the engine asks for."""
+    calls: list[str] = []
+    init = model.init_parameter
+    model.init_parameter = lambda name, t: (calls.append(name), init(name, t))
+    return calls
+
+
+def assert_built_within_shard(results: list[dict | None], doing: str) -> None:
+    """Each rank's peak RSS growth while `doing` (building a model into its engine) stays within its model
+    states plus two units, a bound that tells a whole-model copy apart. Results: grew, model_state,
+    model_bytes, largest_unit_bytes (None: the peak could not be reset)."""
+    import pytest
+
+    for rank, r in enumerate(results):
+        if r is None:
+            pytest.skip("/proc/self/clear_refs is not writable: no way to reset the peak RSS")
+        allowed = r["model_state"] + 2 * r["largest_unit_bytes"] + 32 * 2**20
+        assert allowed < r["model_state"] + r["model_bytes"]  # the bound tells a whole-model copy apart
+        assert r["grew"] <= allowed, (
+            f"rank {rank}: peak RSS grew {r['grew'] / 2**20:.0f} MiB {doing}; its model states "
+            f"{r['model_state'] / 2**20:.0f} MiB, two units {2 * r['largest_unit_bytes'] / 2**20:.0f} MiB, "
+            f"whole model {r['model_bytes'] / 2**20:.0f} MiB"
+        )
+
+
+def build_measured(model_cfg, threshold: int, extra=None) -> dict | None:
+    """Build `model_cfg` into a stage-3 engine (build_for_engine), measuring the peak RSS growth; the result
+    assert_built_within_shard takes, plus extra(engine)'s items. None where the peak cannot be reset."""
+    from zoff.config import OptimConfig, ZeroConfig
+    from zoff.engine import build_engine
+    from zoff.models import build_for_engine, builds_sharded
+
+    if not reset_peak_rss():
+        return None
+    assert builds_sharded(model_cfg)  # imports the model's code before the measurement: Python, not weights
+    before = rss_kib("VmRSS")
+    reset_peak_rss()
+    model = build_for_engine(model_cfg)
+    engine = build_engine(model, ZeroConfig(stage=3, param_persistence_threshold=threshold), OptimConfig())
+    peak = rss_kib("VmHWM")
+    mem = engine.memory_report()
+    out = {
+        "grew": (peak - before) * 1024,
+        "model_state": mem["params"] + mem["grads"] + mem["optimizer_states"],
+        "model_bytes": engine.plan.numel * 4,
+        "largest_unit_bytes": max(u.padded for u in engine.plan.units) * 4,
+        **(extra(engine) if extra else {}),
+    }
+    engine.close()
+    return out

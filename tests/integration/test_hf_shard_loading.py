@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import spawn
+from tests.harness import assert_built_within_shard, build_measured, recording_init, spawn
 from zoff.config import ModelConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine.partition import PartitionPlan
@@ -74,9 +74,7 @@ def _load_rank(rank: int, world: int, folders: dict[str, str]) -> dict:
     for key, folder in folders.items():
         for stage in STAGES:
             model = build_for_engine(_cfg(Path(folder)))
-            calls: list[str] = []
-            read = model.init_parameter
-            model.init_parameter = lambda name, t, read=read, calls=calls: (calls.append(name), read(name, t))
+            calls = recording_init(model)
             engine = build_engine(
                 model, ZeroConfig(stage=stage, param_persistence_threshold=THRESHOLD), OptimConfig()
             )
@@ -143,36 +141,11 @@ def test_each_rank_reads_only_the_parameters_it_owns(runs, world: int) -> None:
 # ---------------------------------------------------------------------------------------- 1 GB, RSS
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _big_rank(rank: int, world: int, folder: str) -> dict | None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak) to the current RSS
-    except OSError:
-        return None
-    cfg = _cfg(Path(folder))
-    builds_sharded(cfg)  # imports transformers' Llama code before the measurement: Python, not weights
-    before = _rss_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
-    model = build_for_engine(cfg)
-    engine = build_engine(model, ZeroConfig(stage=3, param_persistence_threshold=THRESHOLD), OptimConfig())
-    peak = _rss_kib("VmHWM")
-    mem = engine.memory_report()
     # What this rank holds, summed: over the ranks, the sum of every weight (no gather of 1 GB over gloo)
-    total = sum(float(s.double().sum()) for s in engine.shard_params)
-    engine.close()
-    return {
-        "grew": (peak - before) * 1024,
-        "model_state": mem["params"] + mem["grads"] + mem["optimizer_states"],
-        "model_bytes": engine.plan.numel * 4,
-        "largest_unit_bytes": max(u.padded for u in engine.plan.units) * 4,
-        "sum": total,
-    }
+    return build_measured(
+        _cfg(Path(folder)), THRESHOLD, lambda e: {"sum": sum(float(s.double().sum()) for s in e.shard_params)}
+    )
 
 
 def test_one_gigabyte_model_loads_within_its_shard_on_two_ranks(tmp_path) -> None:
@@ -196,16 +169,7 @@ def test_one_gigabyte_model_loads_within_its_shard_on_two_ranks(tmp_path) -> Non
     results = spawn(_big_rank, 2, str(folder))
     if None not in results:  # the ranks hold the file's weights between them, each element once
         assert sum(r["sum"] for r in results) == pytest.approx(want, rel=1e-9, abs=1e-6)
-    for rank, r in enumerate(results):
-        if r is None:
-            pytest.skip("/proc/self/clear_refs is not writable: no way to reset the peak RSS")
-        allowed = r["model_state"] + 2 * r["largest_unit_bytes"] + 32 * 2**20
-        assert allowed < r["model_state"] + r["model_bytes"]  # the bound tells a whole-model copy apart
-        assert r["grew"] <= allowed, (
-            f"rank {rank}: peak RSS grew {r['grew'] / 2**20:.0f} MiB loading the model; its model states "
-            f"{r['model_state'] / 2**20:.0f} MiB, two units {2 * r['largest_unit_bytes'] / 2**20:.0f} MiB, "
-            f"whole model {r['model_bytes'] / 2**20:.0f} MiB"
-        )
+    assert_built_within_shard(results, "loading the model")
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -1,0 +1,191 @@
+"""The reporting side of scripts/bench_beyond_memory.py: the measured results (from the Sampler, metrics.jsonl
+and the rank logs) set against the estimate, as the JSON's fields and as the printed table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from beyond_memory_probe import Sampler, per_step_io
+from rich.console import Console
+from rich.table import Table
+
+from zoff.units import human
+
+GB = 1e9
+
+
+def engine_stats(run_dir: Path) -> dict[str, dict]:
+    """The 'engine stats' line each rank logs at the end (its last step's optimizer/publish times)."""
+    out = {}
+    for log in sorted((run_dir / "logs").glob("rank*.log")):
+        for line in log.read_text().splitlines():
+            if " engine stats " in line:
+                out[log.stem] = json.loads(line.split(" engine stats ", 1)[1])
+    return out
+
+
+def pct(measured: float, predicted: float) -> float | None:
+    return None if not predicted else 100.0 * (measured - predicted) / predicted
+
+
+SPLIT = (  # (key, label): the parts of a step, from rank 0's records in metrics.jsonl
+    ("compute_s", "forward/backward compute (and everything else)"),
+    ("param_read_wait_s", "waiting for parameter shards read from disk (gathers)"),
+    ("optimizer_disk_wait_s", "optimizer: waiting for its states' reads and writes"),
+    ("adam_s", "optimizer: CPU Adam and conversions"),
+    ("param_write_wait_s", "optimizer: waiting for parameter write-backs"),
+    ("publish_s", "publish (all-gather of persistent params, last write-back)"),
+)
+
+
+def step_split(steps: list[dict]) -> dict:
+    """Median seconds of each part of a step over `steps` (metrics.jsonl records carry the engine's timings
+    and swap-file waits); empty without them."""
+    if not steps or "optimizer_s" not in steps[0]:
+        return {}
+    parts: dict[str, list[float]] = {k: [] for k, _ in SPLIT}
+    for x in steps:
+        read_wait = x.get("disk_params_read_wait_s", 0.0)
+        param_write = x.get("disk_params_wait_s", 0.0) - read_wait
+        opt_wait = x.get("disk_optimizer_wait_s", 0.0)
+        parts["compute_s"].append(x["step_time_s"] - x["optimizer_s"] - x["publish_s"] - read_wait)
+        parts["param_read_wait_s"].append(read_wait)
+        parts["optimizer_disk_wait_s"].append(opt_wait)
+        parts["adam_s"].append(x["optimizer_s"] - opt_wait - param_write)
+        parts["param_write_wait_s"].append(param_write)
+        parts["publish_s"].append(x["publish_s"])
+    return {
+        "steps": [x["step"] for x in steps],
+        **{k: statistics.median(v) for k, v in parts.items()},
+        "note": "medians over the steps listed, rank 0; compute is the step less the rest",
+    }
+
+
+def measure(s: Sampler, run_dir: Path, r: dict, baseline: int) -> dict:
+    """The measured side of the table from the sampler, metrics.jsonl and the rank logs."""
+    steps = [x for x in s.records if "loss" in x and "event" not in x]
+    procs = s.per_process()
+    ranks = sorted((p for p in procs if p["role"].startswith("rank")), key=lambda p: int(p["role"][4:]))
+    launcher = next((p for p in procs if p["role"] == "launcher"), None)
+    stats = engine_stats(run_dir)
+    ranks_io, device_io = per_step_io(s.snapshots, "ranks_io"), per_step_io(s.snapshots, "device_io")
+    times = [x["step_time_s"] for x in steps]
+    steady = times[1:] or times
+    split = step_split(steps[1:] or steps)
+    io_measured = {}
+    for name, src in (("ranks", ranks_io), ("device", device_io)):
+        if src is not None:
+            sec = src["seconds_per_step"] or None
+            io_measured[name] = {
+                **src,
+                "read_gbps_over_step": src["read_per_step"] / sec / GB if sec else None,
+                "write_gbps_over_step": src["write_per_step"] / sec / GB if sec else None,
+            }
+    est = r["estimate"]
+    growth = s.peak("ranks", "train") - len(ranks) * baseline
+    mem_total = r["machine"]["mem_total_bytes"]
+    per_step = lambda key: ranks_io[key] if ranks_io else None  # noqa: E731
+    return {
+        "samples": s.samples,
+        "processes": procs,
+        "peak_rss_per_rank_bytes": {p["role"]: p["peak_rss_train_bytes"] for p in ranks},
+        "peak_rss_launcher_bytes": launcher["peak_rss_bytes"] if launcher else 0,
+        "peak_rss_job_bytes": s.peak("job", "train"),
+        "peak_rss_job_to_ram": s.peak("job", "train") / mem_total,
+        "peak_rss_ranks_bytes": s.peak("ranks", "train"),
+        "peak_rss_ranks_above_import_baseline_bytes": growth,
+        "page_cache_growth_bytes": s.peak("cache", "train"),
+        "end_phase": {  # the final evaluation and the checkpoint zoff train saves at the last step
+            "peak_rss_job_bytes": s.peaks["end"]["job"],
+            "peak_rss_per_rank_bytes": {p["role"]: max(p["peak_rss_bytes"], p["vm_hwm_bytes"]) for p in ranks},
+            "page_cache_growth_bytes": s.peaks["end"]["cache"],
+        },
+        "swap_files_peak_bytes": s.peak("swap"),
+        "ranks_io_total": {k: sum(p[f"{k}_bytes"] for p in ranks) for k in ("read", "write")},
+        "disk_io_per_step": io_measured,
+        "steps": [{k: x.get(k) for k in ("step", "loss", "step_time_s", "grad_norm", "lr", "peak_rss_mib")}
+                  for x in steps],  # fmt: skip
+        "val_loss": next((x["val_loss"] for x in reversed(s.records) if "val_loss" in x), None),
+        "step_time_median_s": statistics.median(steady) if steady else None,
+        "step_time_split": split,
+        "engine_stats": stats,
+        "series": {"columns": ["t_s", "phase", "job_rss", "ranks_rss", "page_cache_growth", "swap_bytes"],
+                   "rows": s.series},  # fmt: skip
+        "vs_estimate": {
+            "ram_bytes": {"predicted": est["ram_bytes"], "measured": growth, "diff_pct": pct(growth, est["ram_bytes"]),
+                          "measured_is": "the ranks' summed peak RSS during training less their import baseline"},
+            "disk_bytes": {"predicted": est["disk_bytes"], "measured": s.peak("swap"),
+                           "diff_pct": pct(s.peak("swap"), est["disk_bytes"])},
+            "disk_read_per_step": {"predicted": est["disk_read_bytes_per_step"], "measured": per_step("read_per_step"),
+                                   "diff_pct": pct(per_step("read_per_step") or 0, est["disk_read_bytes_per_step"]) if ranks_io else None},
+            "disk_written_per_step": {"predicted": est["disk_written_bytes_per_step"], "measured": per_step("write_per_step"),
+                                      "diff_pct": pct(per_step("write_per_step") or 0, est["disk_written_bytes_per_step"]) if ranks_io else None},
+        },
+        "missing_from_trainer": MISSING,
+    }  # fmt: skip
+
+
+MISSING = [
+    "every rank's peak RSS per step (metrics.jsonl carries rank 0's only; this script samples /proc instead)",
+]
+
+
+def render(con: Console, r: dict) -> None:
+    b = lambda x: "-" if x is None else human(int(x))  # noqa: E731
+    p = lambda x: "-" if x is None else f"{x:+.1f}%"  # noqa: E731
+    gbs = lambda x: "-" if x is None else f"{x:.2f} GB/s"  # noqa: E731
+    title = (
+        f"zoff beyond memory: {Path(r['config']).name}{' --size ' + r['size'] if r['size'] else ''}, "
+        f"{r['nproc']} rank(s), {r['precision']}, {r['estimate']['policy']}, {r['date']}"
+    )
+    tab = Table(title=title)
+    for col in ("", "measured", "zoff estimate", "diff"):
+        tab.add_column(col, justify="left" if not col else "right")
+    ram = r["machine"]["mem_total_bytes"]
+    tab.add_row("parameters", f"{r['params']:,}", "", "")
+    tab.add_row("model-state bytes (16 B/param)", b(r["model_state_bytes"]), "", "")
+    tab.add_row("total RAM (MemTotal)", b(ram), "", "")
+    tab.add_row("model states / RAM", f"{r['model_state_to_ram']:.2f}x", "", "")
+    for role, v in r["peak_rss_per_rank_bytes"].items():
+        tab.add_row(f"peak RSS {role} (training)", b(v), "", "")
+    tab.add_row("peak RSS launcher", b(r["peak_rss_launcher_bytes"]), "", "")
+    tab.add_row(
+        "peak RSS whole job (sum, training)",
+        f"{b(r['peak_rss_job_bytes'])} ({r['peak_rss_job_to_ram']:.1%} of RAM)",
+        "",
+        "",
+    )
+    v = r["vs_estimate"]["ram_bytes"]
+    tab.add_row(f"ranks' RSS less import baseline ({b(r['import_baseline_rss_bytes'])}/rank)",
+                b(v["measured"]), b(v["predicted"]), p(v["diff_pct"]))  # fmt: skip
+    tab.add_row("page-cache growth (peak, training)", b(r["page_cache_growth_bytes"]), "", "")
+    end = r["end_phase"]
+    tab.add_row("after the last step (eval, checkpoint): peak RSS job / page cache",
+                f"{b(end['peak_rss_job_bytes'])} / {b(end['page_cache_growth_bytes'])}", "", "")  # fmt: skip
+    v = r["vs_estimate"]["disk_bytes"]
+    tab.add_row("swap files on disk (peak)", b(v["measured"]), b(v["predicted"]), p(v["diff_pct"]))
+    bio = r.get("bench_io") or {}
+    for key, label in (("read", "read"), ("write", "written")):
+        v = r["vs_estimate"][f"disk_{label}_per_step"]
+        tab.add_row(
+            f"disk bytes {label} per step (ranks)", b(v["measured"]), b(v["predicted"]), p(v["diff_pct"])
+        )
+        for src in ("ranks", "device"):
+            io = r["disk_io_per_step"].get(src)
+            if io:
+                tab.add_row(f"  {src}: {key} GB/s over the step / bench-io raw",
+                            gbs(io[f"{key}_gbps_over_step"]), gbs(bio.get(f"raw_{key}_gbps")), "")  # fmt: skip
+    if bio:
+        sw = f"{gbs(bio['swap_write_gbps'])} / {gbs(bio['swap_read_gbps'])}"
+        tab.add_row("bench-io engine swap-out / swap-in", sw, "", "")
+    med = r["step_time_median_s"]
+    tab.add_row("step time (median of steps 2..)", f"{med:.2f} s" if med is not None else "-", "", "")
+    sp = r["step_time_split"]
+    for key, label in SPLIT if sp else ():
+        tab.add_row(f"  {label}", f"{sp[key]:.2f} s", "", "")
+    tab.add_row("loss per step", " ".join(f"{x['loss']:.3f}" for x in r["steps"]), "", "")
+    if r.get("val_loss") is not None:
+        tab.add_row("final val loss", f"{r['val_loss']:.3f}", "", "")
+    con.print(tab)

@@ -17,6 +17,7 @@ import hashlib
 import mmap
 import os
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,7 +59,12 @@ class SwapFile:
         if swap and fs in ("tmpfs", "ramfs"):
             print(f"zoff: warning: {path.parent} is on {fs}, in memory: the disk tier saves no RAM there")
         try:
-            os.posix_fallocate(self.fd, 0, self.nbytes)  # the space is claimed now: ENOSPC here, not mid-step
+            # A swap file's space is claimed now: ENOSPC here, not mid-step. Not a checkpoint copy's: where the
+            # filesystem has no fallocate (NFS and other network filesystems, common for checkpoints) glibc
+            # emulates it by writing every block, which would write the shard twice; a full disk fails the
+            # copy instead, naming the file, with the previous checkpoint untouched.
+            if swap:
+                os.posix_fallocate(self.fd, 0, self.nbytes)
         except OSError as e:
             os.close(self.fd)
             path.unlink(missing_ok=True)
@@ -152,17 +158,20 @@ def copy_file(src: SwapFile, dst: SwapFile, nbytes: int) -> str:
     digest = hashlib.sha256()
     writes: list[list[Future]] = [[] for _ in bufs]
     reads = src.read(bufs[0].bytes[: aligned(spans[0][1])], 0) if spans else []
-    for c, (off, n) in enumerate(spans):
-        b = c % len(bufs)
-        src.wait(reads, reads=True)
-        if c + 1 < len(spans):
-            nb = (c + 1) % len(bufs)
-            dst.wait(writes[nb])
-            reads = src.read(bufs[nb].bytes[: aligned(spans[c + 1][1])], spans[c + 1][0])
-        digest.update(memoryview(bufs[b].bytes[:n].numpy()))
-        writes[b] = dst.write(bufs[b].bytes[: aligned(n)], off)
-    for w in writes:
-        dst.wait(w)
+    try:
+        for c, (off, n) in enumerate(spans):
+            b = c % len(bufs)
+            src.wait(reads, reads=True)
+            if c + 1 < len(spans):
+                nb = (c + 1) % len(bufs)
+                dst.wait(writes[nb])
+                reads = src.read(bufs[nb].bytes[: aligned(spans[c + 1][1])], spans[c + 1][0])
+            digest.update(memoryview(bufs[b].bytes[:n].numpy()))
+            writes[b] = dst.write(bufs[b].bytes[: aligned(n)], off)
+        for w in writes:
+            dst.wait(w)
+    finally:  # a failed request (a full disk): nothing of this copy stays in flight on either file
+        futures.wait([f for f in reads + [f for w in writes for f in w] if not f.done()])
     return digest.hexdigest()
 
 
@@ -196,10 +205,10 @@ def _full(op, fd: int, mv: memoryview, offset: int, path: Path) -> None:
             n = op(fd, [mv[done:]], offset + done)
         except OSError as e:
             raise _os_error(
-                e, f"zoff: swap I/O failed on {path} at byte {offset + done:,}: {e.strerror}"
+                e, f"zoff: I/O failed on {path} at byte {offset + done:,}: {e.strerror}"
             ) from None
         if n <= 0:
-            raise OSError(f"zoff: swap file {path} ended at byte {offset + done:,}")
+            raise OSError(f"zoff: {path} ended at byte {offset + done:,}")
         done += n
 
 

@@ -91,7 +91,8 @@ class _Writes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))  # torch.nn.init passes tensor=
+        # torch.nn.init's functions pass their tensor as tensor=, Tensor methods as the first argument
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
         if getattr(func, "__name__", "").endswith("_") and isinstance(target, torch.Tensor):
             self.ids.add(id(target))
         return func(*args, **kwargs)

@@ -147,15 +147,20 @@ def write_streaming(
     """Write (key, tensor) pairs in `layout` order; the header comes from `layout` before any data is read.
     With `align`, as file_layout lays it out (the padding is left as holes, which read as zeros)."""
     where = file_layout(layout, align)
-    with open(path, "wb") as f:
-        f.write(where.header)
-        for key, t in tensors:
-            f.seek(where.offsets[key])
-            if t.numel():
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
-        f.truncate(where.nbytes)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(where.header)
+            for key, t in tensors:
+                f.seek(where.offsets[key])
+                if t.numel():
+                    f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no extra copy
+            f.truncate(where.nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full disk: say which file (the caller turns it into its one-line error)
+        err = OSError(f"zoff: cannot write {path}: {e.strerror or e}")
+        err.errno = e.errno
+        raise err from None
 
 
 def _numel(shape) -> int:

@@ -133,3 +133,66 @@ def test_one_gigabyte_model_initialises_within_its_shard_on_two_ranks() -> None:
     results = spawn(_big_rank, 2)
     assert all(r is None or r["finite"] for r in results)
     assert_built_within_shard(results, "initialising the model")
+
+
+TINY = {
+    "GPT2": dict(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16),
+    "Mamba": dict(hidden_size=16, num_hidden_layers=2, vocab_size=32),
+    "GptOss": dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                   head_dim=8, intermediate_size=32, vocab_size=32),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_parents_init_weights_are_drawn_alike_whole_and_by_shard(family: str) -> None:
+    """GPT-2 scales its residual projections from the model's _init_weights; Mamba and GPT-OSS set
+    parameters of a module from its parent's: the whole build draws each value with the model on meta, as
+    the engine's init_parameter does, so the two agree and every parameter is set."""
+    from zoff.models.hf_init import build_random_hf
+
+    config = getattr(transformers, f"{family}Config")(**TINY[family])
+    cls = getattr(transformers, "GPT2LMHeadModel" if family == "GPT2" else f"{family}ForCausalLM")
+    torch.manual_seed(SEED)
+    whole = build_random_hf(cls, config, whole=True)
+    torch.manual_seed(SEED)
+    deferred = build_random_hf(cls, config, whole=False)
+    assert whole is not None and deferred is not None
+    for name, p in whole.named_parameters():
+        out = torch.empty(p.shape)
+        deferred.init_parameter(name, out)
+        assert not out.isnan().any() and torch.equal(out, p.detach()), name
+
+
+class _ToyConfig(transformers.PretrainedConfig):
+    model_type = "zoff-toy"
+
+    def __init__(self, data: bool = False, **kw):
+        self.data = data
+        super().__init__(pad_token_id=0, **kw)
+
+
+class _Toy(transformers.PreTrainedModel):
+    """An embedding that _init_weights sets through .data (whole), or of which it sets only the padding row."""
+
+    config_class = _ToyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.emb = nn.Embedding(8, 4, padding_idx=0)
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Embedding):
+            if self.config.data:
+                module.weight.data.normal_(0.0, 0.02)
+            module.weight[module.padding_idx].zero_()
+
+
+def test_a_parameter_set_only_in_part_is_not_taken_for_drawn() -> None:
+    from zoff.models.hf_init import build_random_hf, initialisable
+
+    assert not initialisable(_Toy, _ToyConfig())  # one row of eight: built whole by transformers instead
+    assert build_random_hf(_Toy, _ToyConfig(), whole=True) is None
+    assert initialisable(_Toy, _ToyConfig(data=True))  # weight.data.normal_ sets it whole
+    model = build_random_hf(_Toy, _ToyConfig(data=True), whole=True)
+    assert not model.emb.weight.isnan().any() and torch.equal(model.emb.weight[0], torch.zeros(4))

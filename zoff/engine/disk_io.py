@@ -54,7 +54,8 @@ class SwapFile:
         self.path, self.nbytes = path, aligned(nbytes)
         self.request = max(ALIGN, aligned(request_bytes))
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC, warn=swap)
+        # a swap file is private to the run; a checkpoint file is as readable as the others beside it (umask)
+        self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC, warn=swap, mode=0o600 if swap else 0o666)
         fs = filesystem_type(path.parent)
         if swap and fs in ("tmpfs", "ramfs"):
             print(f"zoff: warning: {path.parent} is on {fs}, in memory: the disk tier saves no RAM there")
@@ -85,13 +86,13 @@ class SwapFile:
         self._start(threads)
         return self
 
-    def _open(self, flags: int, warn: bool) -> None:
+    def _open(self, flags: int, warn: bool, mode: int = 0o600) -> None:
         self.direct = hasattr(os, "O_DIRECT")
         try:
-            self.fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+            self.fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), mode)
         except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
             self.direct = False
-            self.fd = os.open(self.path, flags, 0o600)
+            self.fd = os.open(self.path, flags, mode)
             if warn:
                 print(
                     f"zoff: warning: {self.path.parent} does not support O_DIRECT; swapping through the page cache"

@@ -63,7 +63,8 @@ class RandomInit:
             for k, t in fresh.items():
                 module._parameters[k] = nn.Parameter(t, requires_grad=saved[k].requires_grad)
             with torch.random.fork_rng(devices=[]):  # the trainer's own generator state is left as it was
-                torch.manual_seed((self.seed + zlib.crc32(owner.encode())) % 2**63)
+                # the host generator only (torch.manual_seed would reseed the GPUs' too, not restored here)
+                torch.random.default_generator.manual_seed((self.seed + zlib.crc32(owner.encode())) % 2**63)
                 for m in modules:
                     self.model._init_weights(m)
             return {k: module._parameters[k] for k in fresh}  # the fresh Parameters (undrawn() tracks them)
@@ -71,31 +72,60 @@ class RandomInit:
             module._parameters.update(saved)
 
     def undrawn(self) -> str | None:
-        """The first parameter `_init_weights` leaves untouched this way: every parameter's draw is replayed
-        on the meta device (no memory, no arithmetic), noting which tensors an in-place op wrote."""
+        """The first parameter `_init_weights` leaves unset this way: every parameter's draw is replayed on
+        the meta device (no memory, no arithmetic), noting which tensors a filling in-place op wrote whole."""
         for name in dict.fromkeys(self.canonical.values()):
             owner, _, kind = name.rpartition(".")
             with _Writes() as writes:
                 fresh = self.draw(owner, device="meta")
-            if id(fresh[kind]) not in writes.ids and fresh[kind].numel():
+                drawn = writes.whole(fresh[kind])
+            if not drawn and fresh[kind].numel():
                 return name
         return None
 
 
+# In-place ops that change values without setting them: alone, they leave a parameter undrawn (NaN * 2).
+_ARITHMETIC = frozenset(
+    "add_ sub_ mul_ div_ pow_ neg_ abs_ sqrt_ exp_ log_ clamp_ clamp_min_ clamp_max_ addcmul_ addcdiv_ lerp_".split()
+)
+
+
 class _Writes(TorchFunctionMode):
-    """The tensors that in-place functions (normal_, fill_, zero_, copy_, ...) were called on."""
+    """The tensors that filling in-place functions (normal_, fill_, zero_, copy_, torch.nn.init's ...) were
+    called on whole: on the tensor itself or on its `.data`, not on a slice of it (`weight[0].zero_()`
+    sets one row) and not through arithmetic alone."""
 
     def __init__(self):
         super().__init__()
         self.ids: set[int] = set()
+        self.data_of: dict[int, int] = {}  # id(t.data) -> id(t)
+        self.keep: list[torch.Tensor] = []  # the .data tensors, alive so their ids stay theirs
+
+    def whole(self, t: torch.Tensor) -> bool:
+        return id(t) in self.ids
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if (
+            name == "__get__"
+            and args
+            and isinstance(out, torch.Tensor)
+            and getattr(func, "__self__", None) is torch.Tensor.data
+        ):
+            self.data_of[id(out)] = self.data_of.get(id(args[0]), id(args[0]))
+            self.keep.append(out)
         # torch.nn.init's functions pass their tensor as tensor=, Tensor methods as the first argument
         target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))
-        if getattr(func, "__name__", "").endswith("_") and isinstance(target, torch.Tensor):
-            self.ids.add(id(target))
-        return func(*args, **kwargs)
+        if (
+            name.endswith("_")
+            and not name.startswith("__")
+            and name not in _ARITHMETIC
+            and isinstance(target, torch.Tensor)
+        ):
+            self.ids.add(self.data_of.get(id(target), id(target)))
+        return out
 
 
 def build_random_hf(cls: type, config: Any, whole: bool) -> nn.Module | None:
@@ -107,13 +137,18 @@ def build_random_hf(cls: type, config: Any, whole: bool) -> nn.Module | None:
     if init.undrawn() is not None:
         return None
     if whole:
+        # Every value drawn first, the model still all on meta, as each is drawn for the engine: a draw's calls
+        # on a parent's _init_weights would redraw, in place, any parameter already put back real.
         values: dict[int, nn.Parameter] = {}
+        places = []
         for name, p in model.named_parameters(remove_duplicate=False):
             owner, _, kind = init.canonical[name].rpartition(".")
             if id(p) not in values:
                 values[id(p)] = nn.Parameter(init.draw(owner)[kind].detach(), requires_grad=p.requires_grad)
-            parent, _, key = name.rpartition(".")
-            model.get_submodule(parent)._parameters[key] = values[id(p)]
+            places.append((name, id(p)))
+        for name, key in places:
+            parent, _, attr = name.rpartition(".")
+            model.get_submodule(parent)._parameters[attr] = values[key]
     else:
         model.init_parameter = init  # an instance attribute: the engine looks for it on the model
     return model

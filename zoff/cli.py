@@ -17,7 +17,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
-    help="Train PyTorch models with ZeRO partitioning and CPU offload, from a YAML config.",
+    help="Train PyTorch models with ZeRO partitioning and CPU or NVMe offload, from a YAML config.",
 )
 
 OVERRIDES = typer.Argument(None, help="Config overrides KEY.PATH=VALUE, e.g. train.max_steps=50 zero.stage=2")

@@ -6,11 +6,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from zoff.config import Config, dump_yaml, load_config
 from zoff.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 app = typer.Typer(
     add_completion=False,
@@ -48,7 +52,7 @@ def train(
         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
     )  # fmt: skip
     cfg = load_config(config, list(overrides or []) + extra)
-    _preflight(cfg)
+    model = _preflight(cfg)
     if cfg.zero.auto:
         from zoff.planning.estimate import choose_policy  # torch-free start for the other commands
 
@@ -57,7 +61,15 @@ def train(
     out_dir = Path(run_dir or cfg.log.run_dir) if (run_dir or cfg.log.run_dir) else None
     if resume is not None:
         _check_resume(resume, cfg, out_dir)
-    out = _make_run_dir(out_dir, config)
+    if out_dir is None:
+        out_dir = Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from zoff.planning.disk_room import check_checkpoint_room
+
+    # room for a checkpoint: a save that cannot fit would fail hours in, with nothing saved
+    check_checkpoint_room(
+        cfg, model, Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+    )
+    out = _make_run_dir(out_dir)
     (out / "config.yaml").write_text(dump_yaml(cfg))
     print(f"zoff: run directory {out}", flush=True)
     from zoff.launch import Preempted, WorkerFailed, launch
@@ -199,14 +211,15 @@ def bench_io(
         print(line, flush=True)
 
 
-def _preflight(cfg: Config) -> None:
-    """Catch what would otherwise fail inside every worker: the model factory and the data files."""
+def _preflight(cfg: Config) -> nn.Module:
+    """Catch what would otherwise fail inside every worker: the model factory, the data files, the swap
+    folders. Returns the model as built on the meta device (structure only)."""
     import torch
 
     from zoff.data import preflight as preflight_data
     from zoff.engine.policy import Policy
     from zoff.models import build_model, enable_activation_checkpointing
-    from zoff.planning.memory import check_swap_path
+    from zoff.planning.disk_room import check_swap_path
 
     # an impossible stage/offload combination, named here rather than by every rank's engine
     invalid = None if cfg.zero.auto else Policy.of(cfg.zero).invalid()
@@ -225,6 +238,7 @@ def _preflight(cfg: Config) -> None:
             raise UserError(
                 "log.tensorboard: needs the tensorboard package (pip install zoff[tensorboard])"
             ) from None
+    return model
 
 
 def _resume_command(run_dir: Path) -> str:
@@ -264,9 +278,7 @@ def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> None:
     read_manifest(path, verify=True)
 
 
-def _make_run_dir(run_dir: str | Path | None, config: Path) -> Path:
-    if run_dir is None:
-        run_dir = Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+def _make_run_dir(run_dir: Path) -> Path:
     out = Path(run_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -350,19 +350,19 @@ def test_too_little_space_names_the_path_and_both_sizes(swap: Path, monkeypatch)
         tiny_cfg(zero={"stage": 2, "offload_optimizer": _offload("nvme", swap)}, launch={"nproc_per_node": 2})
     )
     from zoff.models import meta_model
-    from zoff.planning import memory
+    from zoff.planning import disk_room
 
     model = meta_model(cfg.model)
-    memory.check_swap_path(cfg, model)  # a real disk has the room
-    monkeypatch.setattr(memory.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 4096))
+    disk_room.check_swap_path(cfg, model)  # a real disk has the room
+    monkeypatch.setattr(disk_room.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 4096))
     with pytest.raises(
         UserError, match=rf"nvme_path: {swap} has 4.0 KiB free; this node's swap files need .*B"
     ):
-        memory.check_swap_path(cfg, model)
+        disk_room.check_swap_path(cfg, model)
     (swap / "f").touch()
     a_file = config_from_dict(tiny_cfg(zero={"stage": 2, "offload_optimizer": _offload("nvme", swap / "f")}))
     with pytest.raises(UserError, match="is not a folder"):
-        memory.check_swap_path(a_file, model)
+        disk_room.check_swap_path(a_file, model)
 
 
 def test_the_estimates_nvme_row_is_what_a_run_measures(swap: Path) -> None:

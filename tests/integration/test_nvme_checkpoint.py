@@ -5,6 +5,7 @@ sizes go through the checkpoint's pieces (tests/integration/test_nvme.py holds t
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,62 @@ eng.close()
     assert not (ckpt / "step_00000002").exists()
     assert (ckpt / "latest").read_text().strip() == "step_00000003"
     read_manifest(ckpt / "step_00000003", verify=True)
+
+
+def test_a_checkpoint_folder_without_room_for_one_save_is_refused_before_training(
+    swap: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`zoff train` checks the checkpoint folder as it checks the swap folders: room for one checkpoint (and
+    the swap files when they share its disk), else one line and exit 2 before any rank starts; a warning when
+    keep_last + 1 do not fit. The size is the real one: the shard files of a save match checkpoint_bytes."""
+    import shutil as sh
+
+    from tests.harness import tiny_cfg
+    from zoff.config import config_from_dict
+    from zoff.models import meta_model
+    from zoff.planning import disk_room
+
+    raw = tiny_cfg(
+        zero={"stage": 2, "reduce_bucket_size": 1500, "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)}},
+        checkpoint={"dir": str(swap / "ckpt" / "new"), "keep_last": 2},
+        model={"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "vocab_size": 64, "seq_len": 16},
+        launch={"nproc_per_node": 1},  # _engine_run's model and partitioning
+    )  # fmt: skip
+    cfg = config_from_dict(raw)
+    model = meta_model(cfg.model)
+    one = disk_room.checkpoint_bytes(cfg, model)
+    _, _, eng = _engine_run(2, "fp32", "nvme", swap / "run", steps=1)  # the same model and plan
+    saved = save_checkpoint(eng, swap / "saved", 1, {"step": 1}, "{}")
+    eng.close()
+    files = sum(f.stat().st_size for f in saved.iterdir())
+    assert files <= one <= files + (1 << 20)  # the shard exactly, and a MiB for the small files
+
+    swaps = disk_room._swap_needs(cfg, model)[swap][1]  # one rank's swap file, on the same disk
+    free = lambda n: lambda p: sh._ntuple_diskusage(n, 0, n)  # noqa: E731
+    monkeypatch.setattr(disk_room.shutil, "disk_usage", free(one + swaps - 1))
+    with pytest.raises(UserError, match=rf"^checkpoint.dir: {swap} has .* free; one checkpoint of this run needs .*"
+                                        r"\(and this node's swap files on the same disk .*\)"):  # fmt: skip
+        disk_room.check_checkpoint_room(cfg, model, Path(cfg.checkpoint.dir))
+    monkeypatch.setattr(disk_room.shutil, "disk_usage", free(2 * one + swaps))
+    disk_room.check_checkpoint_room(cfg, model, Path(cfg.checkpoint.dir))
+    assert "warning" in capsys.readouterr().out  # two fit, keep_last 2 needs three while a save runs
+    monkeypatch.setattr(disk_room.shutil, "disk_usage", free(3 * one + swaps))
+    disk_room.check_checkpoint_room(cfg, model, Path(cfg.checkpoint.dir))
+    assert capsys.readouterr().out == ""
+    off = config_from_dict({**raw, "checkpoint": {"enabled": False}})
+    monkeypatch.setattr(disk_room.shutil, "disk_usage", free(0))
+    disk_room.check_checkpoint_room(off, model, tmp_path)  # no saves, nothing to check
+
+
+def test_train_refuses_a_checkpoint_dir_that_is_a_file(tmp_path: Path) -> None:
+    from tests.harness import tiny_cfg
+
+    (tmp_path / "f").write_text("")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps(tiny_cfg(checkpoint={"dir": str(tmp_path / "f" / "ckpt")})))
+    p = subprocess.run([sys.executable, "-m", "zoff", "train", str(cfg), "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"zoff: error: checkpoint.dir: {tmp_path / 'f'} is not a folder"
+    ], p.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made

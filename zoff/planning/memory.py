@@ -10,14 +10,13 @@ from a saved-tensor probe forward on the meta device. No process group, no real 
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import nn
 
-from zoff.config import Config, DataConfig, ModelConfig, TrainConfig, ZeroConfig
+from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (  # the policy table and its memory terms, which the engine reads as well
     POLICIES,
@@ -28,9 +27,6 @@ from zoff.engine.policy import (  # the policy table and its memory terms, which
     frozen_param_bytes,
     host_staging,
     model_states,
-    optimizer_disk_bytes,
-    param_disk_bytes,
-    param_swap_path,
     pinned_host_bytes,
     subgroup_of,
 )
@@ -328,36 +324,3 @@ def _budget_text(b: Budget) -> str:
     if b.shared:
         return f"{human(b.cpu)} of host memory shared by the ranks{disk}"
     return f"{human(b.gpu)} per GPU and {human(b.cpu)} CPU per node{disk}"
-
-
-def check_swap_path(cfg: Config, model: nn.Module) -> None:
-    """Before any rank starts: each swap folder of the disk tier (the optimizer's nvme_path, and parameter
-    offload's, which may be the same one) exists, is a writable folder and has room for this node's swap files
-    (every local rank's); a UserError naming the key, the path and the bytes otherwise."""
-    zero = cfg.zero
-    policy = Policy.of(zero)
-    world = cfg.launch.nproc_per_node * int(cfg.launch.nnodes.split(":")[0])
-    plan = engine_plan(model, zero.stage, world, zero)
-    needs: dict[Path, list] = {}  # folder -> [config key, bytes per rank]
-    wanted = [  # (key, folder, bytes per rank, whether the policy swaps there at all)
-        ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
-         optimizer_disk_bytes(plan, policy), policy.offload_optimizer == "nvme"),
-        ("zero.offload_param.nvme_path" if zero.offload_param.nvme_path else "zero.offload_optimizer.nvme_path",
-         param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision), policy.params_on_disk),
-    ]  # fmt: skip
-    for key, where, nbytes, used in wanted:
-        if used:  # (even with nothing to swap: the engine still opens its file there)
-            entry = needs.setdefault(Path(where).expanduser(), [key, 0])
-            entry[1] += nbytes
-    for path, (key, per_rank) in needs.items():
-        if not path.is_dir():
-            raise UserError(
-                f"{key}: {path} {'is not a folder' if path.exists() else 'does not exist'} (create it on a local disk)"
-            )
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UserError(f"{key}: {path} is not writable")
-        need, free = cfg.launch.nproc_per_node * per_rank, shutil.disk_usage(path).free
-        if need > free:
-            raise UserError(
-                f"{key}: {path} has {human(free)} free; this node's swap files need {human(need)}"
-            )

@@ -32,7 +32,6 @@ from safetensors.torch import load_file
 from tests.processes import (
     REPO,
     RESTART_ENV,
-    TINY,
     Agent,
     _env,
     alive,
@@ -346,7 +345,7 @@ def test_agents_starting_together_can_share_a_run_directory(tmp_path, monkeypatc
     real_write = Path.write_text
     other = (
         "import sys; from pathlib import Path; from zoff.cli import _make_run_dir; "
-        "_make_run_dir(Path(sys.argv[1]), Path('tiny.yaml'))"
+        "_make_run_dir(Path(sys.argv[1]))"
     )
 
     def write_text(self, *args, **kwargs):
@@ -357,4 +356,4 @@ def test_agents_starting_together_can_share_a_run_directory(tmp_path, monkeypatc
         return out
 
     monkeypatch.setattr(Path, "write_text", write_text)
-    assert cli._make_run_dir(run_dir, TINY) == run_dir
+    assert cli._make_run_dir(run_dir) == run_dir

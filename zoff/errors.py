@@ -11,3 +11,11 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config key is unknown, mistyped or out of range."""
+
+
+def os_error(cause: OSError, message: str) -> OSError:
+    """An OSError that reads as its one-line message (no "[Errno N]" prefix) and keeps the cause's errno:
+    what an I/O path raises so that the caller's one-line error can quote it."""
+    err = OSError(message)
+    err.errno = cause.errno
+    return err

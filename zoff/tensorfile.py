@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.errors import UserError
+from zoff.errors import UserError, os_error
 
 ST_NAMES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -158,9 +158,7 @@ def write_streaming(
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:  # a full disk: say which file (the caller turns it into its one-line error)
-        err = OSError(f"zoff: cannot write {path}: {e.strerror or e}")
-        err.errno = e.errno
-        raise err from None
+        raise os_error(e, f"zoff: cannot write {path}: {e.strerror or e}") from None
 
 
 def _numel(shape) -> int:

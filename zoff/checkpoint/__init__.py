@@ -42,6 +42,7 @@ from zoff.config import CheckpointConfig
 from zoff.engine import ZeroEngine
 from zoff.engine.disk_io import ALIGN
 from zoff.engine.partition import PartitionPlan
+from zoff.engine.state_swap import partition_entries
 from zoff.errors import UserError
 from zoff.tensorfile import write_streaming
 
@@ -63,7 +64,7 @@ def save_checkpoint(
     files: dict[str, dict] = {}
     state = engine.state_dict()
     if engine.rank == rank:  # this rank owns a partition (stage 0: only rank 0 writes the single partition)
-        files.update(_write_partition(tmp / f"shard_{engine.rank:05d}.safetensors", engine, state))
+        files.update(_write_partition(tmp / _shard_file(engine.rank), engine, state))
     files.update(write_tensors(tmp / f"rng_{rank:05d}.safetensors", rng_states(engine.device)))
     if rank == 0:
         files.update(write_tensors(tmp / "extra.safetensors", _extra_tensors(engine)))
@@ -103,10 +104,10 @@ def _write_partition(path: Path, engine: ZeroEngine, state: dict) -> dict[str, d
     if digest is not None:
         files[path.name] = {"bytes": path.stat().st_size, "sha256": digest}
     else:
-        layout = [(f"u{u}.{kind}", [units[u].shard], torch.float32) for u in range(n) for kind in KINDS]
+        layout = partition_entries([units[u].shard for u in range(n)])
         sources = {"master": state["masters"], **state["optimizer"]}
         tensors = ((f"u{u}.{k}", sources[k][u].detach().float().cpu()) for u in range(n) for k in KINDS)
-        write_streaming(path, layout, tensors, align=ALIGN)  # the order of `layout`
+        write_streaming(path, layout, tensors, align=ALIGN)  # in the order of `layout`: the swap file's
         files.update(file_entry(path))
     if len(units) > n:
         frozen = path.with_name(_frozen_file(rank))
@@ -115,6 +116,10 @@ def _write_partition(path: Path, engine: ZeroEngine, state: dict) -> dict[str, d
         write_streaming(frozen, layout, shards)
         files.update(file_entry(frozen))
     return files
+
+
+def _shard_file(rank: int) -> str:
+    return f"shard_{rank:05d}.safetensors"
 
 
 def _frozen_file(rank: int) -> str:
@@ -175,7 +180,7 @@ def _pieces(plan: PartitionPlan, i: int) -> list[dict]:
     s = plan.all_slots[i]
     return [
         {
-            "file": f"shard_{r:05d}.safetensors" if i < len(plan.slots) else _frozen_file(r),
+            "file": _shard_file(r) if i < len(plan.slots) else _frozen_file(r),
             "unit": s.unit,
             "start": s.offset + p_start - r * plan.all_units[s.unit].shard,
             "length": length,
@@ -249,7 +254,7 @@ def _copy_partition_file(engine: ZeroEngine, path: Path, manifest: dict, by_name
     its swap file as it is (file to file, checked against the manifest's checksum on the way). False, with
     nothing done, for another partitioning, another tier's layout or a checkpoint from before this layout:
     those are re-assembled piece by piece."""
-    plan, name = engine.plan, f"shard_{engine.rank:05d}.safetensors"
+    plan, name = engine.plan, _shard_file(engine.rank)
     if manifest["partitions"] != plan.world_size or name not in manifest["files"]:
         return False
     if any(by_name[s.names[0]]["pieces"] != _pieces(plan, i) for i, s in enumerate(plan.slots)):

@@ -153,6 +153,15 @@ class LaunchConfig:
     timeout_s: float = field(default=600.0, metadata=_rng(1.0))  # a collective waiting longer is an error
     shutdown_timeout_s: int = field(default=300, metadata=_rng(1))  # preempted ranks' time to checkpoint
 
+    @property
+    def min_nodes(self) -> int:
+        """The fewest nodes (MIN of MIN:MAX): the fewest ranks, which need the most memory and disk each."""
+        return int(self.nnodes.split(":")[0])
+
+    @property
+    def min_world(self) -> int:
+        return self.nproc_per_node * self.min_nodes
+
 
 @dataclass(frozen=True)
 class LogConfig:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from zoff.errors import os_error
+
 ALIGN = 4096
 
 
@@ -69,9 +71,7 @@ class SwapFile:
         except OSError as e:
             os.close(self.fd)
             path.unlink(missing_ok=True)
-            raise _os_error(
-                e, f"zoff: cannot reserve {self.nbytes:,} bytes in {path}: {e.strerror}"
-            ) from None
+            raise os_error(e, f"zoff: cannot reserve {self.nbytes:,} bytes in {path}: {e.strerror}") from None
         self.owned = True  # close() may remove it
         self._start(threads)
 
@@ -191,13 +191,6 @@ def filesystem_type(path: Path) -> str:
     return best[1]
 
 
-def _os_error(cause: OSError, message: str) -> OSError:
-    """An OSError that reads as its one-line message (no "[Errno N]" prefix) and keeps the errno."""
-    err = OSError(message)
-    err.errno = cause.errno
-    return err
-
-
 def _full(op, fd: int, mv: memoryview, offset: int, path: Path) -> None:
     """One request, retried until every byte moved (preadv/pwritev may return short counts)."""
     done = 0
@@ -205,9 +198,7 @@ def _full(op, fd: int, mv: memoryview, offset: int, path: Path) -> None:
         try:
             n = op(fd, [mv[done:]], offset + done)
         except OSError as e:
-            raise _os_error(
-                e, f"zoff: I/O failed on {path} at byte {offset + done:,}: {e.strerror}"
-            ) from None
+            raise os_error(e, f"zoff: I/O failed on {path} at byte {offset + done:,}: {e.strerror}") from None
         if n <= 0:
             raise OSError(f"zoff: {path} ended at byte {offset + done:,}")
         done += n

@@ -28,11 +28,14 @@ from zoff.tensorfile import FileLayout, file_layout
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
+def partition_entries(shard_numels: list[int]) -> list[tuple[str, list[int], torch.dtype]]:
+    """One rank's optimizer states as tensors of a file: per unit, its three fp32 states, in unit order."""
+    return [(f"u{u}.{kind}", [n], torch.float32) for u, n in enumerate(shard_numels) for kind in KINDS]
+
+
 def partition_layout(shard_numels: list[int]) -> FileLayout:
-    """One rank's optimizer states as a file (the swap file and the checkpoint shard): per unit, its three
-    fp32 states, in unit order, each 4096-aligned."""
-    entries = [(f"u{u}.{kind}", [n], torch.float32) for u, n in enumerate(shard_numels) for kind in KINDS]
-    return file_layout(entries, align=ALIGN)
+    """Where partition_entries lie in the swap file and the checkpoint shard: each 4096-aligned."""
+    return file_layout(partition_entries(shard_numels), align=ALIGN)
 
 
 def ring_size(units: int) -> int:

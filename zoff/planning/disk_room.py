@@ -15,14 +15,11 @@ from pathlib import Path
 from torch import nn
 
 from zoff.config import Config
+from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import Policy, engine_plan, optimizer_disk_bytes, param_disk_bytes, param_swap_path
 from zoff.engine.state_swap import partition_layout
 from zoff.errors import UserError
 from zoff.units import human
-
-
-def _world(cfg: Config) -> int:
-    return cfg.launch.nproc_per_node * int(cfg.launch.nnodes.split(":")[0])
 
 
 def check_swap_path(cfg: Config, model: nn.Module) -> None:
@@ -43,11 +40,16 @@ def check_swap_path(cfg: Config, model: nn.Module) -> None:
             )
 
 
-def _swap_needs(cfg: Config, model: nn.Module) -> dict[Path, list]:
+def _plan(cfg: Config, model: nn.Module) -> PartitionPlan:
+    """The partition plan of the fewest ranks the run starts with (the most bytes per rank)."""
+    return engine_plan(model, cfg.zero.stage, cfg.launch.min_world, cfg.zero)
+
+
+def _swap_needs(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None) -> dict[Path, list]:
     """Swap folder -> [its config key, bytes per rank] for the disk tier's files (none without one)."""
     zero = cfg.zero
     policy = Policy.of(zero)
-    plan = engine_plan(model, zero.stage, _world(cfg), zero)
+    plan = plan or _plan(cfg, model)
     needs: dict[Path, list] = {}  # folder -> [config key, bytes per rank]
     wanted = [  # (key, folder, bytes per rank, whether the policy swaps there at all)
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
@@ -62,12 +64,11 @@ def _swap_needs(cfg: Config, model: nn.Module) -> dict[Path, list]:
     return needs
 
 
-def checkpoint_bytes(cfg: Config, model: nn.Module) -> int:
+def checkpoint_bytes(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None) -> int:
     """One checkpoint of this run, all partitions: the shard files (partition_layout: every unit's fp32
     master and moments), stage 3's frozen shards and extra.safetensors (the rest of the state dict, counted in
     fp32: at least what it takes), and a MiB for the small files (rng states, manifest, config, headers)."""
-    zero = cfg.zero
-    plan = engine_plan(model, zero.stage, _world(cfg), zero)
+    plan = plan or _plan(cfg, model)
     shards = plan.world_size * partition_layout([u.shard for u in plan.units]).nbytes
     frozen = plan.world_size * sum(4 * u.shard for u in plan.all_units[len(plan.units) :])
     trainable = {n for s in plan.all_slots for n in s.names}
@@ -89,9 +90,10 @@ def check_checkpoint_room(cfg: Config, model: nn.Module, folder: Path) -> None:
         if key == "--run-dir":  # the run directory is made next, and says why it cannot be
             return
         raise UserError(f"{key}: {where} is {'not writable' if where.is_dir() else 'not a folder'}")
-    one = checkpoint_bytes(cfg, model)
+    plan = _plan(cfg, model)
+    one = checkpoint_bytes(cfg, model, plan)
     swaps = 0
-    for path, (_, per_rank) in _swap_needs(cfg, model).items():
+    for path, (_, per_rank) in _swap_needs(cfg, model, plan).items():
         if path.is_dir() and os.stat(path).st_dev == os.stat(where).st_dev:
             swaps += cfg.launch.nproc_per_node * per_rank
     free = shutil.disk_usage(where).free

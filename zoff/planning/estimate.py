@@ -215,7 +215,7 @@ def run_cli(
         budget, disk=swap_free_bytes(cfg.zero)
     )  # nvme rows fit where the disk has room
     gpn = gpn or cfg.launch.nproc_per_node
-    n = n or int(cfg.launch.nnodes.split(":")[0])  # elastic MIN:MAX: the fewest ranks need the most memory
+    n = n or cfg.launch.min_nodes
     est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type)
     sug = suggest_policy(est, budget) if suggest else None
     if as_json:
@@ -229,7 +229,7 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
     `zoff estimate`), and the line that says what was chosen and why."""
     budget, device_type = detect_budget(None, None)
     local = cfg.launch.nproc_per_node
-    world = local * int(cfg.launch.nnodes.split(":")[0])
+    world = cfg.launch.min_world
     stage, opt_dev, param_dev, ckpt, reason = resolve_auto(
         cfg.model, cfg.data, cfg.train, cfg.zero, world, budget.gpu, budget.cpu,
         local_ranks=local, shared=budget.shared, device_type=device_type,

@@ -40,6 +40,10 @@ def builds_sharded(cfg: ModelConfig) -> bool:
 def build_for_engine(cfg: ModelConfig) -> nn.Module:
     """The model as the trainer hands it to the engine: deferred (parameters on meta, materialised by the
     engine from init_parameter) where builds_sharded says so, else built whole."""
+    if cfg.name.startswith("hf:") and cfg.path is None:  # random init: whether it can be drawn by shard is
+        from zoff.models.hf import build_hf_model  # found while building (hf_init), once
+
+        return build_hf_model(cfg, shard_only=True)
     if not builds_sharded(cfg):
         return build_model(cfg)
     if cfg.name.startswith("hf:"):

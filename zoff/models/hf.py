@@ -144,20 +144,20 @@ def loads_shards(cfg: ModelConfig) -> bool:
     from zoff.models.hf_shards import shard_loadable
     from zoff.models.safetensors_reader import has_safetensors
 
-    config = hf_config(cfg)
-    if cfg.path is None:
-        return initialisable(concrete_class(cfg, config), config)
-    if not has_safetensors(cfg.path):
+    if cfg.path is not None and not has_safetensors(cfg.path):
         return False
-    return shard_loadable(concrete_class(cfg, config), config)
+    config = hf_config(cfg)
+    cls = concrete_class(cfg, config)
+    return initialisable(cls, config) if cfg.path is None else shard_loadable(cls, config)
 
 
 def build_hf_model(cfg: ModelConfig, shard_only: bool = False) -> nn.Module:
     """Random init from the config, or the weights of model.path; on a meta device only the structure.
 
-    `shard_only` (loads_shards(cfg) must hold): parameters stay on the meta device and the engine reads each
-    rank's share of them from model.path's safetensors files (hf_shards.py), or draws it (no path:
-    hf_init.py). A random init without shard_only draws the same values whole, where hf_init can."""
+    `shard_only`: parameters stay on the meta device and the engine reads each rank's share of them from
+    model.path's safetensors files (hf_shards.py; loads_shards(cfg) must hold), or draws it (no path:
+    hf_init.py, where it can; else transformers builds the model whole). A random init without shard_only
+    draws the same values whole."""
     from zoff.models.hf_init import build_random_hf
 
     config = hf_config(cfg)
@@ -172,10 +172,6 @@ def build_hf_model(cfg: ModelConfig, shard_only: bool = False) -> nn.Module:
     elif cfg.path is None:
         model = build_random_hf(cls, config, whole=not shard_only)
         if model is None:  # a model hf_init cannot draw module by module: transformers' own init, whole
-            if shard_only:
-                raise ValueError(
-                    f"{cls.__name__} cannot be initialised shard by shard (loads_shards said no)"
-                )
             model = cls._from_config(config, dtype=torch.get_default_dtype())
     else:
         try:

@@ -140,11 +140,13 @@ def build_random_hf(cls: type, config: Any, whole: bool) -> nn.Module | None:
         # Every value drawn first, the model still all on meta, as each is drawn for the engine: a draw's calls
         # on a parent's _init_weights would redraw, in place, any parameter already put back real.
         values: dict[int, nn.Parameter] = {}
+        draws: dict[str, dict[str, torch.Tensor]] = {}  # a module's parameters are drawn together, once
         places = []
         for name, p in model.named_parameters(remove_duplicate=False):
             owner, _, kind = init.canonical[name].rpartition(".")
             if id(p) not in values:
-                values[id(p)] = nn.Parameter(init.draw(owner)[kind].detach(), requires_grad=p.requires_grad)
+                drawn = draws[owner] if owner in draws else draws.setdefault(owner, init.draw(owner))
+                values[id(p)] = nn.Parameter(drawn[kind].detach(), requires_grad=p.requires_grad)
             places.append((name, id(p)))
         for name, key in places:
             parent, _, attr = name.rpartition(".")

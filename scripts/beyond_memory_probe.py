@@ -118,15 +118,18 @@ def diskstats(dev: str | None) -> dict[str, int] | None:
 
 
 def tree_bytes(paths: list[Path]) -> int:
-    """Allocated bytes of every file under `paths` (the swap files)."""
+    """Data bytes allocated to every file under `paths` (the swap files): the blocks a file holds, but no more
+    than its size. ext4 counts an extent-tree block in st_blocks when a file lies in many pieces (a busy disk
+    fragments it), which is the filesystem's metadata, not the file's data the estimate plans."""
     total = 0
     for root in paths:
         for dirpath, _, files in os.walk(root):
             for name in files:
                 try:
-                    total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+                    st = os.stat(os.path.join(dirpath, name))
                 except OSError:
-                    pass
+                    continue
+                total += min(st.st_blocks * 512, -(-st.st_size // 4096) * 4096)
     return total
 
 

@@ -68,6 +68,8 @@ for r in zero0 zero1 zero2 zero3 zero2-offload zero3-offload; do
 done
 # The disk tier on a GPU machine: states swapped from local disk, gradients down and parameters up via staging.
 steps+=("train-zero2-nvme|zoff train zero2-nvme (world $world)|mkdir -p $(q "$out/nvme") && $(q "$py") -m zoff train configs/quickstart.yaml zero=zero2-nvme zero.offload_optimizer.nvme_path=$(q "$out/nvme") launch.nproc_per_node=$world train.max_steps=30 log.progress=false --run-dir $(q "$out/train-zero2-nvme")")
+# Offload keeps the gradient partition off the device: the GPU's allocated bytes against the estimate.
+steps+=("offload-device-bytes|offload: device bytes vs the estimate|$pytest -s -m cuda tests/gpu/test_cuda_paths.py -k test_offload_keeps_no_gradient_shard_on_the_device")
 steps+=("bench-adam|CPU Adam benchmark (host)|$(q "$py") scripts/bench_adam.py --sizes 16M,64M --rounds 5 --out $(q "$out/bench_adam.json")")
 
 commit=$(git rev-parse --short HEAD 2>/dev/null) || commit=unknown

@@ -25,6 +25,7 @@ from zoff.engine.policy import Policy, pinned_host_bytes
 from zoff.engine.staging import Staging
 from zoff.engine.tiers import DeviceTier
 from zoff.models.gpt import GPT
+from zoff.planning.memory import pending_gradients
 from zoff.trainer.metrics import GPU_PEAK_TFLOPS, MetricsWriter, peak_flops
 
 pytestmark = [
@@ -136,6 +137,49 @@ def test_offload_on_cuda_equals_the_device_optimizer(stage: int) -> None:
     policy = Policy(stage, "cpu", off.offload_param.device)
     assert eng.pinned_bytes() == pinned_host_bytes(eng.plan, policy, off, "fp32", "cuda")
     assert not any(t.is_pinned() for t in eng.optimizer.exp_avg + eng.optimizer.exp_avg_sq)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_keeps_no_gradient_shard_on_the_device(stage: int, tmp_path) -> None:
+    """Under offload the device holds no gradient partition: what the engine allocated on the GPU for its
+    model states is memory_report()'s params (the policy table's, as `zoff estimate` prints them), and the
+    reduction buffers in flight stay within the estimate's bound (no Psi/N term). Printed for gpu_check.sh."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(dev)
+    zero = ZeroConfig(
+        stage=stage,
+        offload_optimizer=OffloadOptimizerConfig(
+            device="nvme" if stage == 2 else "cpu", nvme_path=str(tmp_path)
+        ),
+        offload_param=OffloadParamConfig(device="cpu" if stage == 3 else "none"),
+        param_persistence_threshold=64,
+    )
+    torch.manual_seed(0)
+    eng = build_engine(
+        GPT(4, 2, 256, 512, 64), zero, OptimConfig(), precision="bf16", grad_accum=4, device=dev
+    )
+    torch.cuda.synchronize()
+    built = torch.cuda.memory_allocated(dev) - base
+    mem, planned = eng.memory_report(), eng.planned_memory()
+    assert mem["grads"] == planned["grads"] == 0
+    states = planned["params"] + planned["optimizer_states"]
+    buffers = sum(b.numel() * b.element_size() for b in eng.model.buffers())  # the model's own (a mask)
+    assert states <= built <= states + buffers + (1 << 20), (built, planned)  # + the allocator's rounding
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        eng.zero_grad()
+        for mb in range(4):
+            x = torch.randint(0, 512, (2, 64), generator=gen).to(dev)
+            eng.backward(eng.model(x).float().logsumexp(-1).mean(), sync=mb == 3)
+        eng.step(1e-3)
+    bound = pending_gradients(eng.plan, eng.policy, "bf16", True, zero.overlap_comm, "cuda")
+    print(f"gpu_check: stage {stage} offload: model states on the GPU {built:,} B (planned "
+          f"{planned['params'] + planned['optimizer_states']:,}); gradient buffers peak "
+          f"{eng.reducer.peak_bucket_bytes:,} B (bound {bound:,}); host gradient shard {mem['cpu_grads']:,} B")  # fmt: skip
+    assert eng.reducer.peak_bucket_bytes <= bound
+    assert torch.cuda.memory_allocated(dev) - base <= built + bound + (64 << 20)  # + the allocator's slack
+    eng.close()
 
 
 def test_delayed_update_with_parameter_offload_runs_on_cuda() -> None:

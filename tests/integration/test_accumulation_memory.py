@@ -63,9 +63,9 @@ def test_accumulation_holds_the_shard_and_what_is_in_flight(
     peak = got["memory"]["grads"] + got["stats"]["peak_bucket_bytes"]
     want = model_states(plan, Policy(stage), precision, device_type="cpu", accumulating=True)[0]["grads"]
     assert want == 4 * sum(u.shard for u in plan.units)  # fp32 accumulator whatever the compute dtype
-    want += pending_gradients(plan, stage, precision, accumulating=True, overlap=overlap)
+    want += pending_gradients(plan, Policy(stage), precision, accumulating=True, overlap=overlap)
     assert got["grads_left"] == 0, "no full-size p.grad may survive a micro-batch"
-    assert got["memory"]["grads"] == want - pending_gradients(plan, stage, precision, True, overlap)
+    assert got["memory"]["grads"] == want - pending_gradients(plan, Policy(stage), precision, True, overlap)
     # Before: the full p.grad (psi) lived between micro-batches, beside the shard.
     assert peak < psi_bytes, f"peak gradient bytes {peak:,} vs a full gradient of {psi_bytes:,}"
     if overlap:  # reductions that finish early hold less than the bound: the estimate is an upper bound

@@ -379,7 +379,10 @@ def test_the_estimates_nvme_row_is_what_a_run_measures(swap: Path) -> None:
         memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=cfg.train.grad_clip, grad_accum=2
     )
     mem = eng.memory_report()
-    assert row.disk == mem["disk_optimizer_states"] == eng.optimizer.states.file.nbytes
+    assert row.disk == mem["disk_optimizer_states"] + mem["disk_grads"]
+    assert mem["disk_optimizer_states"] == eng.optimizer.states.file.nbytes
+    assert row.disk_grads == mem["disk_grads"] == eng.grads.file.nbytes  # the gradient shard, on disk too
+    assert row.cpu["grads"] == mem["cpu_grads"] == sum(b.nbytes for b in eng.grads.buffers)
     assert (
         row.cpu["optimizer_states"]
         == mem["cpu_optimizer_states"]
@@ -402,7 +405,7 @@ def test_the_estimates_disk_traffic_is_what_a_step_reads_and_writes(micro: int, 
     )
     torch.manual_seed(0)
     eng = build_engine(memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=0.5, grad_accum=micro)
-    files = (eng.optimizer.states.file, eng.param_disk.file)
+    files = (eng.optimizer.states.file, eng.param_disk.file, eng.grads.file)  # the gradient swap file too
     assert row.disk == sum(f.nbytes for f in files)
     x = torch.randint(0, 256, (2, 16))
     for _step in range(2):  # the second step is the steady state (the first records the gather order)
@@ -416,8 +419,8 @@ def test_the_estimates_disk_traffic_is_what_a_step_reads_and_writes(micro: int, 
     assert written == row.disk_written
     # the step reports the same bytes (metrics.jsonl carries last_step_times), and its time blocked on them
     t = eng.last_step_times
-    assert t["disk_optimizer_read_bytes"] + t["disk_params_read_bytes"] == read
-    assert t["disk_optimizer_written_bytes"] + t["disk_params_written_bytes"] == written
+    assert t["disk_optimizer_read_bytes"] + t["disk_params_read_bytes"] + t["disk_grads_read_bytes"] == read
+    assert t["disk_optimizer_written_bytes"] + t["disk_params_written_bytes"] + t["disk_grads_written_bytes"] == written
     assert t["disk_params_wait_s"] >= t["disk_params_read_wait_s"] >= 0 and t["disk_optimizer_wait_s"] >= 0
     eng.close()
 

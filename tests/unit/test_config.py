@@ -445,6 +445,7 @@ def test_dump_has_every_section_fully_resolved():
             "io": {"threads": 4, "request_mb": 8, "subgroup_mb": 96},
             "pin_memory": True,
             "staging_mb": 64,
+            "grad_device": "auto",
             "delay_update": False,
             "delay_update_warmup": 0,
         },

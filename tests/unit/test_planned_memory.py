@@ -35,8 +35,11 @@ def _engine(pol, precision: str, accum: int, clip: float, delay: bool, swap: str
     zero = ZeroConfig(
         stage=pol.stage,
         offload_optimizer=OffloadOptimizerConfig(
-            device=pol.offload_optimizer, delay_update=delay, nvme_path=swap
-        ),
+            device=pol.offload_optimizer,
+            delay_update=delay,
+            nvme_path=swap,
+            grad_device="cpu" if delay and pol.offload_optimizer == "nvme" else "auto",
+        ),  # fmt: skip
         offload_param=OffloadParamConfig(device=pol.offload_param),
         param_persistence_threshold=64,
     )
@@ -64,11 +67,11 @@ DISK_POLICIES = [Policy(1, "nvme"), Policy(2, "nvme"), Policy(3, "nvme"), Policy
 
 
 @pytest.mark.parametrize("pol", DISK_POLICIES, ids=str)
-@pytest.mark.parametrize(("precision", "delay"), [("fp32", False), ("bf16", True)])
+@pytest.mark.parametrize(("precision", "delay"), [("fp32", False), ("bf16", False), ("bf16", True)])
 def test_the_disk_tier_allocates_what_the_table_plans(pol, precision: str, delay: bool, tmp_path) -> None:
     eng = _engine(pol, precision, 2, 1.0, delay, str(tmp_path))
     mem, planned = eng.memory_report(), eng.planned_memory()
-    keys = (*KEYS, "disk_optimizer_states", "disk_params")
+    keys = (*KEYS, "disk_optimizer_states", "disk_params", "disk_grads")
     got = {k: mem[k] for k in keys} | {"params": mem["params"] + mem["frozen_params"]}
     assert got == {k: planned[k] for k in keys}
     assert (planned["disk_params"] > 0) == (pol.offload_param == "nvme")

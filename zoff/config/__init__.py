@@ -188,6 +188,18 @@ def _check_path_exists(keys: list[str], item: str) -> Any:
 # ------------------------------------------------------------------------------------------- validation
 
 
+def check_grad_device(zero: ZeroConfig) -> None:
+    """offload_optimizer.grad_device against the rest of the section (config load and build_engine)."""
+    oo = zero.offload_optimizer
+    if oo.grad_device == "nvme" and oo.device != "nvme":
+        raise ConfigError("zero.offload_optimizer.grad_device: nvme needs zero.offload_optimizer.device nvme")
+    if oo.delay_update and oo.grads_on_disk:
+        raise ConfigError(
+            "zero.offload_optimizer.grad_device: delay_update needs the gradient shard in memory (cpu): the "
+            "delayed step reads it while the next backward writes the next one"
+        )
+
+
 def _check_cross_section(cfg: Config) -> None:
     m, d, t = cfg.model, cfg.data, cfg.train
     if m.name == "gpt":
@@ -208,6 +220,7 @@ def _check_cross_section(cfg: Config) -> None:
     oo = cfg.zero.offload_optimizer
     if oo.device == "nvme" and not oo.nvme_path:
         raise ConfigError("zero.offload_optimizer.nvme_path: device nvme needs a directory on a local disk")
+    check_grad_device(cfg.zero)
     op = cfg.zero.offload_param
     if op.device == "nvme" and not (op.nvme_path or oo.nvme_path):
         raise ConfigError("zero.offload_param.nvme_path: device nvme needs a directory on a local disk")

@@ -68,8 +68,18 @@ class OffloadOptimizerConfig:
     # Gradient shards go down and parameter shards up through this many MiB of staging buffers per rank; the
     # fp32 master and moments stay pageable (pinning them would lock 12 B/param/N of host memory).
     staging_mb: int = field(default=64, metadata=_rng(1))
+    # Where the reduced gradient shard lives (it leaves the device as each reduction finishes): auto is the
+    # optimizer's own tier (cpu: host memory; nvme: a gradient swap file, so RAM stays bounded by buffers,
+    # at 2 B/param/N more disk traffic each way per micro-batch, 4 when accumulating); cpu keeps it in host
+    # memory beside disk-tier states (less disk traffic, RAM grows with the model).
+    grad_device: Literal["auto", "cpu", "nvme"] = "auto"
     delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
     delay_update_warmup: int = field(default=0, metadata=_rng(0))
+
+    @property
+    def grads_on_disk(self) -> bool:
+        """The disk tier keeps the gradient shard in its own swap file (grad_device auto or nvme)."""
+        return self.device == "nvme" and self.grad_device != "cpu"
 
 
 @dataclass(frozen=True)

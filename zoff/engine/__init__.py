@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from zoff.config import OptimConfig, ZeroConfig
+from zoff.config import OptimConfig, ZeroConfig, check_grad_device
 from zoff.engine.collectives import Comm
 from zoff.engine.policy import Policy
 from zoff.engine.pool import mmap_large_allocations
@@ -34,4 +34,5 @@ def build_engine(model: nn.Module, zero: ZeroConfig, optim: OptimConfig, **optio
     bad = Policy.of(zero).invalid()
     if bad is not None:
         raise ConfigError(f"{bad[0]}: {bad[1]}")
+    check_grad_device(zero)
     return ZeroEngine(model, zero, optim, **options)

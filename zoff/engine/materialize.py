@@ -37,7 +37,7 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 @dataclass
 class FlatBuffers:
     """Per unit (trainable ones, then stage 3's frozen ones): the full buffer, this rank's shard of it, and,
-    for trainable units, the full gradient buffer (stages 0-1) and the gradient shard."""
+    for trainable units where full gradients are kept, the full gradient buffer and its shard (a view)."""
 
     params: list[nn.Parameter]  # the distinct trainable parameters, in slot order
     full: list[torch.Tensor] = field(default_factory=list)
@@ -48,7 +48,7 @@ class FlatBuffers:
     @classmethod
     def build(
         cls, model: nn.Module, plan: PartitionPlan, comm: Comm, *, stage: int, rank: int, dtype: torch.dtype,
-        accum_dtype: torch.dtype, device: torch.device, deferred: bool, keep_full_grads: bool, host_shards: bool,
+        device: torch.device, deferred: bool, keep_full_grads: bool, host_shards: bool,
         pin_host_shards: bool, disk: SwappedShards | None = None,
     ) -> FlatBuffers:  # fmt: skip
         """`disk`: parameter offload to nvme; each sharded unit's shard is written there as soon as it is made,
@@ -101,18 +101,17 @@ class FlatBuffers:
             if u.index < len(
                 plan.units
             ):  # trainable: gradients (frozen units have none, nor optimizer state)
-                out._add_grads(u, lo, hi, keep_full_grads, dtype, accum_dtype, device)
+                out._add_grads(u, lo, hi, keep_full_grads, dtype, device)
         if disk is not None:
             disk.flush()
         return out
 
-    def _add_grads(self, u, lo: int, hi: int, keep_full: bool, dtype, accum_dtype, device) -> None:
+    def _add_grads(self, u, lo: int, hi: int, keep_full: bool, dtype, device) -> None:
         if keep_full:  # stages 0-1: whole gradients accumulate in persistent flat buffers
             g = torch.zeros(u.padded, dtype=dtype, device=device)
             self.gfull.append(g)
             self.gshard.append(g[lo:hi])
-        else:
-            self.gshard.append(torch.zeros(u.shard, dtype=accum_dtype, device=device))
+        # stages 2-3 (and 1 under offload): the shard lives in the optimizer's tier (grad_store.py)
 
 
 def init_owned(

@@ -18,6 +18,7 @@ from torch import nn
 
 from zoff.config import ZeroConfig
 from zoff.engine.disk_io import ALIGN, aligned
+from zoff.engine.grad_store import GRAD_BUFFERS
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.staging import chunk_bytes, needs_staging
@@ -72,8 +73,12 @@ class Policy:
 
     @property
     def keeps_full_grads(self) -> bool:
-        """Stages 0-1 accumulate whole gradients in persistent flat buffers; 2-3 keep only the reduced shard."""
-        return self.stage <= 1
+        """Stages 0-1 accumulate whole gradients in persistent flat buffers; 2-3 keep only the reduced shard.
+
+        Under optimizer offload stage 1 reduces like stage 2: every micro-batch's gradient leaves the device
+        for the tier's shard as soon as it is reduced, so the device keeps no Psi-sized gradient (zero1- and
+        zero2-offload then hold and compute the same; their difference is the device's, and it is gone)."""
+        return self.stage == 0 or (self.stage == 1 and not self.offloads_optimizer)
 
     @property
     def all_reduces(self) -> bool:
@@ -124,10 +129,10 @@ class Policy:
 
     def receive_slices(self, world: int) -> int:
         """gloo reduce-scatter scratch slices per reduction in flight (collectives.py): N-1 when the output is
-        this rank's own slice of the input (stage 1), N-2 otherwise; stage 0 all-reduces in place."""
+        this rank's own slice of the input (stage 1's full buffers), N-2 otherwise; stage 0 all-reduces in place."""
         if self.stage == 0:
             return 0
-        return max(0, world - (1 if self.stage == 1 else 2))
+        return max(0, world - (1 if self.keeps_full_grads else 2))
 
 
 def _valid(ac: bool) -> list[Policy]:
@@ -160,15 +165,18 @@ def model_states(
     delay_update: bool = False,
     accumulating: bool = False,
     subgroup: int | None = None,
+    grads_on_disk: bool = True,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(device bytes, host bytes) of one rank's params, grads and optimizer states, as ZeroEngine allocates them.
 
     The device numbers equal memory_report()'s params (+ frozen_params), grads and optimizer_states; the host
     numbers its cpu_params, cpu_grads and cpu_optimizer_states. Stage 3 reports persistent units whole and
-    the other units' shards. With optimizer offload the fp32 master + m + v live on the host and the reduced
-    gradient shard is copied there (pageable; engine/tiers.py), in fp32 when clipping or fp16 loss scaling rescales it
-    (`fp32_grad_staging`), else in the compute dtype; the device keeps its gradient shard. With parameter
-    offload the non-persistent parameter shards live on the host too.
+    the other units' shards. The gradient shard lives with the optimizer's states (grad_store.py), in fp32
+    when micro-batches accumulate at stages 2-3: on the device without offload; in host memory under CPU
+    offload; under the disk tier in its own swap file (RAM: its three unit buffers; `grads_on_disk`, from
+    offload_optimizer.grad_device) or in host memory. DPU adds a snapshot the delayed step reads, in fp32
+    when clipping or fp16 loss scaling rescales it (`fp32_grad_staging`). With parameter offload the
+    non-persistent parameter shards live on the host too.
     """
     c = DTYPES[precision].itemsize
     padded = sum(u.padded for u in plan.units)
@@ -186,19 +194,46 @@ def model_states(
         # offloaded shards live in host memory (cpu) or in the swap file (nvme), not on the device
         gpu["params"] += c * (persistent + (0 if policy.offload_param != "none" else shard_np))
         cpu["params"] = c * shard_np if par_off else 0
-    # Stages 0-1 keep the full gradient in flat buffers; 2-3 keep only their reduced shard, which accumulates
-    # micro-batches in fp32.
     fp32_shard = policy.shard_accum_fp32(accumulating)
-    gpu["grads"] = c * padded if policy.keeps_full_grads else (4 if fp32_shard else c) * shard
+    grad_shard = (4 if fp32_shard else c) * shard  # the reduced shard, in its accumulator's dtype
+    if policy.keeps_full_grads:  # stages 0-1 without offload: whole gradients in flat buffers
+        gpu["grads"] = c * padded
+    elif not opt_off:
+        gpu["grads"] = grad_shard
+    elif policy.offload_optimizer == "nvme" and grads_on_disk:
+        cpu["grads"] = grad_buffer_bytes(plan, 4 if fp32_shard else c)
+    else:
+        cpu["grads"] = grad_shard
+    if opt_off and delay_update:  # the snapshot DPU's background step reads (tiers.HostTier.to_kernel)
+        cpu["grads"] += (4 if fp32_grad_staging or fp32_shard else c) * shard
     if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
         gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
-    elif policy.offload_optimizer == "nvme":  # states on disk: RAM holds three unit buffers and the grads
+    elif policy.offload_optimizer == "nvme":  # states on disk: RAM holds three unit buffers
         cpu["optimizer_states"] = swap_buffer_bytes(plan, subgroup)
-        cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or fp32_shard else c) * shard
     else:
         cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
-        cpu["grads"] = 0 if host_is_device else (4 if fp32_grad_staging or fp32_shard else c) * shard
     return gpu, cpu
+
+
+def grad_buffer_bytes(plan: PartitionPlan, itemsize: int) -> int:
+    """RAM of the gradient swap file's buffers (grad_store.DiskGrads): GRAD_BUFFERS of the largest unit shard."""
+    return GRAD_BUFFERS * aligned(max((itemsize * u.shard for u in plan.units), default=1))
+
+
+def grad_disk_bytes(
+    plan: PartitionPlan, policy: Policy, zero: ZeroConfig, accumulating: bool, precision: str
+) -> int:
+    """The gradient swap file per rank (grad_store.DiskGrads): an aligned region per unit, in fp32 when
+    micro-batches accumulate; 0 unless the disk tier keeps its gradients on disk."""
+    if not grads_on_disk(policy, zero):
+        return 0
+    size = 4 if policy.shard_accum_fp32(accumulating) else DTYPES[precision].itemsize
+    return aligned(max(ALIGN, sum(aligned(size * u.shard) for u in plan.units)))
+
+
+def grads_on_disk(policy: Policy, zero: ZeroConfig) -> bool:
+    """Whether this policy, with this config's offload_optimizer.grad_device, keeps its gradients on disk."""
+    return policy.offload_optimizer == "nvme" and zero.offload_optimizer.grad_device != "cpu"
 
 
 def param_swap_path(zero: ZeroConfig) -> str | None:
@@ -223,10 +258,11 @@ def swap_buffer_bytes(plan: PartitionPlan, subgroup: int | None = None) -> int:
     return ring_size(len(pieces)) * 3 * max((aligned(4 * n) for n in pieces), default=ALIGN)
 
 
-def disk_bytes(plan: PartitionPlan, policy: Policy, precision: str = "fp32") -> int:
-    """The disk tier's swap files per rank: every unit's fp32 master and moments as a checkpoint shard, and
-    under parameter offload to nvme every non-persistent parameter shard in the compute dtype."""
-    return optimizer_disk_bytes(plan, policy) + param_disk_bytes(plan, policy, precision)
+def disk_bytes(plan: PartitionPlan, policy: Policy, precision: str = "fp32", grads: int = 0) -> int:
+    """The disk tier's swap files per rank: every unit's fp32 master and moments as a checkpoint shard, under
+    parameter offload to nvme every non-persistent parameter shard in the compute dtype, and `grads`, the
+    gradient swap file (grad_disk_bytes)."""
+    return optimizer_disk_bytes(plan, policy) + param_disk_bytes(plan, policy, precision) + grads
 
 
 def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
@@ -246,23 +282,26 @@ def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str) -> int
 
 
 def disk_traffic(
-    plan: PartitionPlan, policy: Policy, subgroup: int | None, precision: str, micro_batches: int
-) -> tuple[int, int]:
+    plan: PartitionPlan, policy: Policy, subgroup: int | None, precision: str, micro_batches: int,
+    grads: int = 0,
+) -> tuple[int, int]:  # fmt: skip
     """(bytes read, bytes written) per rank per step by the disk tier: every optimizer piece once each way;
-    under parameter offload to nvme each micro-batch reads a block's shard for its forward and again for its
-    backward (the root unit once, held from forward to backward), and the step writes back the trainable
-    shards."""
+    the gradient swap file (`grads` bytes, grad_disk_bytes) written by every micro-batch, read back by every
+    one after the first (they accumulate on disk) and by the step; under parameter offload to nvme each
+    micro-batch reads a block's shard for its forward and again for its backward (the root unit once, held
+    from forward to backward), and the step writes back the trainable shards."""
     # every piece's three states, each read and written whole pages (not the file's header)
     opt = (
         sum(3 * aligned(4 * n) for n in _pieces(plan, subgroup)) if policy.offload_optimizer == "nvme" else 0
     )
+    opt_r, opt_w = opt + micro_batches * grads, opt + micro_batches * grads
     if not policy.params_on_disk:
-        return opt, opt
+        return opt_r, opt_w
     c = DTYPES[precision].itemsize
     sharded = [u for u in plan.all_units if not u.persistent]
     reads = sum(aligned(c * u.shard) * (1 if u.modules == ("",) else 2) for u in sharded)
     written = sum(aligned(c * u.shard) for u in sharded if u.index < len(plan.units))
-    return opt + micro_batches * reads, opt + written
+    return opt_r + micro_batches * reads, opt_w + written
 
 
 def data_parallel_bytes(trainable_params: int) -> int:

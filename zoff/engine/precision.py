@@ -40,32 +40,37 @@ class LossScaler:
 
 
 class RescaledGrads:
-    """The step's gradient shards times `coef` (unscaling and clipping), unit by unit.
+    """The step's gradient shards times `coef` (unscaling and clipping), unit by unit, from their store.
 
-    fp32 shards are scaled in place at once; a 16-bit shard becomes an fp32 copy only when the optimizer
-    reaches its unit, and one such copy exists at a time. A list of them all would be a whole fp32 copy of
-    the gradient shard (4 B/param/N: 13 GB for a 3.3B model on one rank), which the disk tier exists to avoid.
+    Resident fp32 shards are scaled in place at once; a 16-bit shard becomes an fp32 copy only when the
+    optimizer reaches its unit, and one such copy exists at a time. A list of them all would be a whole fp32
+    copy of the gradient shard (4 B/param/N: 13 GB for a 3.3B model on one rank), which the disk tier exists
+    to avoid. Shards on disk (grad_store.DiskGrads) are read unit by unit and scaled in their read buffer.
     x * 1.0 is exact, so with nothing to rescale the shards go as they are (bit-identical results).
     """
 
-    def __init__(self, shards: list[torch.Tensor], coef: float):
-        self.shards, self.coef = shards, coef
+    def __init__(self, store, coef: float):
+        self.store, self.coef = store, coef  # a grad_store.GradShards
         self._last: tuple[int, torch.Tensor] | None = None
-        if coef != 1.0:
-            for g in shards:
+        if coef != 1.0 and store.resident:
+            for g in store.shards:
                 if g.dtype == torch.float32:
                     g.mul_(coef)
 
     def __len__(self) -> int:
-        return len(self.shards)
+        return len(self.store.numels) if not self.store.resident else len(self.store.shards)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        g = self.shards[i]
-        if self.coef == 1.0 or g.dtype == torch.float32:
-            return g
-        if self._last is None or self._last[0] != i:
-            self._last = (i, g.float().mul_(self.coef))
-        return self._last[1]
+        if self._last is not None and self._last[0] == i:
+            return self._last[1]
+        g = self.store.get(i)
+        if self.coef != 1.0:
+            if g.dtype != torch.float32:
+                g = g.float().mul_(self.coef)
+            elif not self.store.resident:  # a read buffer of its own: scaled where it lies
+                g.mul_(self.coef)
+        self._last = (i, g)
+        return g
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))

@@ -13,8 +13,10 @@ module called twice) is not lost: the late gradient is kept and, at the end of b
 all-reduce tells every rank which units need a correcting reduction, which all ranks then issue in order.
 Each rank learns how many times each hook fires per backward, so the correction is paid once.
 
-Stages 0-1 accumulate every micro-batch into persistent flat buffers and reduce on the last one. Stages 2-3
-reduce every micro-batch into the sharded accumulator (`gshard`) and drop the full gradients at once (what
+Stages 0-1 accumulate every micro-batch into persistent flat buffers and reduce on the last one (stage 1
+under optimizer offload reduces as stage 2 does: no full gradient stays on the device). Stages 2-3 reduce
+every micro-batch into the sharded accumulator (grad_store.py: on the device, or under offload in the
+optimizer's tier, host memory or disk, as soon as each reduction finishes) and drop the full gradients at once (what
 the ZeRO paper counts): on gloo each parameter's gradient is sent piecewise to the ranks that own it
 (Comm.reduce_scatter_chunks) and dropped once sent; NCCL's reduce-scatter wants one flat input, so there
 gradients are copied into a pooled bucket that lives until its unit is reduced. Autograd's gradients are
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from zoff.engine.collectives import Comm, Handle
+from zoff.engine.grad_store import GradShards
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import Policy
 from zoff.engine.pool import BufferPool
@@ -47,9 +50,9 @@ class GradReducer:
         self,
         plan: PartitionPlan,
         comm: Comm,
-        stage: int,
+        policy: Policy,
         gfull: list[torch.Tensor],
-        gshard: list[torch.Tensor],
+        grads: GradShards,
         *,
         dtype: torch.dtype,
         device: torch.device,
@@ -57,9 +60,8 @@ class GradReducer:
         on_slot_done: Callable[[int], None] | None = None,
         slot_blocks: list[str] | None = None,
     ):
-        self.plan, self.comm, self.stage, self.gfull, self.gshard = plan, comm, stage, gfull, gshard
+        self.plan, self.comm, self.policy, self.gfull, self.grads = plan, comm, policy, gfull, grads
         self.dtype, self.device, self.overlap, self.on_slot_done = dtype, device, overlap, on_slot_done
-        policy = self.policy = Policy(stage)
         self.keep_full_grads = policy.keeps_full_grads  # full gradients accumulate in persistent flat buffers
         # Stage 2/3 on gloo: no bucket; autograd's gradients wait in _held until their unit is sent.
         self.direct = not self.keep_full_grads and comm.backend not in FLAT_INPUT_BACKENDS
@@ -223,13 +225,16 @@ class GradReducer:
             if self.policy.all_reduces:
                 self._track(self.comm.all_reduce(full, async_op=self.overlap), u, None)
             else:
-                self._track(self.comm.reduce_scatter(full, self.gshard[u], async_op=self.overlap), u, None)
+                self._track(
+                    self.comm.reduce_scatter(full, self.grads.target(u), async_op=self.overlap), u, None
+                )
             return
         # Stages 2-3: into the shard on the window's first micro-batch, else into a buffer added to it; always
-        # into a buffer when the accumulator is fp32 under 16-bit compute (the sum travels in 16 bits).
-        out = self.gshard[u]
+        # into a buffer when the accumulator is fp32 under 16-bit compute (the sum travels in 16 bits) or lies
+        # off the device (offload: the buffer lands in the tier as soon as it is reduced).
+        out = self.grads.target(u)
         if (
-            not self._fresh[u] or out.dtype != self.dtype
+            out is None or not self._fresh[u] or out.dtype != self.dtype
         ):  # one size: the pool reuses MAX_IN_FLIGHT + 1 buffers
             out = self._pool.take(self._max_shard, self.dtype)[: unit.shard]
         self._note_peak()
@@ -254,7 +259,7 @@ class GradReducer:
             handle = self.comm.reduce_scatter(full, out, async_op=self.overlap)
             # The bucket goes back to the pool once reduced: stage 2/3 hold at most the in-flight buckets.
             handle = Handle(then=lambda: self._pool.give(self._buckets.pop(u)), after=handle)
-        self._track(handle, u, None if out is self.gshard[u] else out, copy=self._fresh[u])
+        self._track(handle, u, None if out is self.grads.target(u) else out, copy=self._fresh[u])
 
     def _chunks(self, u: int, grads: dict[int, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
         """(offset, gradient) per slot of unit u, zeros where this rank has none."""
@@ -268,8 +273,8 @@ class GradReducer:
         return out
 
     def _track(self, handle: Handle, u: int, addend: torch.Tensor | None, copy: bool = False) -> None:
-        """Finish a reduction of unit u: add (or `copy`) a buffer into the accumulator, and average on the last
-        micro-batch.
+        """Finish a reduction of unit u: land it in the gradient store (grad_store.py), which adds (or `copy`s)
+        a buffer into the accumulator and averages on the last micro-batch.
 
         Sum, then average what this rank keeps (1/N of the elements for stages 1-3). Averaging before the sum
         (as DDP does) would need a pass over the full gradient, and on gloo a copy of it: the gradient
@@ -277,18 +282,16 @@ class GradReducer:
         would not; dynamic loss scaling then skips the step and lowers the scale (DeepSpeed's default
         post-division has the same trade).
         """
-        out = self.gfull[u] if self.policy.all_reduces else self.gshard[u]
-        average = self._sync and self.comm.world > 1
+        # (stage 0's shard is its whole full buffer: the store's view of it)
+        divide = self.comm.world if self._sync else 1
+        final = self._sync
 
         def finish() -> None:
+            self.grads.land(u, addend, copy=copy, divide=divide, final=final)
             if addend is not None:
-                out.copy_(addend) if copy else out.add_(addend)
                 self._pool.give(addend._base if addend._base is not None else addend)
-            if average:
-                out.div_(self.comm.world)
 
-        if addend is not None or average:
-            handle = Handle(then=finish, after=handle)
+        handle = Handle(then=finish, after=handle)
         if not self.overlap:
             handle.wait()
             return
@@ -314,7 +317,6 @@ class GradReducer:
         self.corrections += len(units)
         for u in units:
             unit, late = self.plan.units[u], self._late.pop(u, {})
-            out = self.gfull[u] if self.policy.all_reduces else self.gshard[u]
             if self.direct:
                 tmp = torch.zeros(unit.shard, dtype=self.dtype, device=self.device)
                 self.comm.reduce_scatter_chunks(self._chunks(u, late), tmp).wait()
@@ -329,4 +331,4 @@ class GradReducer:
                 else:
                     tmp = torch.zeros(unit.shard, dtype=self.dtype, device=self.device)
                     self.comm.reduce_scatter(full, tmp).wait()
-            out.add_(tmp, alpha=scale)
+            self.grads.correct(u, tmp, scale, final=self._sync)

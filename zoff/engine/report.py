@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from zoff.engine.policy import (
     frozen_param_bytes,
+    grad_disk_bytes,
     model_states,
     optimizer_disk_bytes,
     param_disk_bytes,
@@ -18,6 +19,7 @@ class EngineReports:
         """This rank's swap-file I/O so far, per file: bytes read and written, seconds blocked waiting."""
         files = {"optimizer": getattr(self.optimizer.states, "file", None)}
         files["params"] = self.param_disk.file if self.param_disk is not None else None
+        files["grads"] = getattr(self.grads, "file", None)  # the gradient swap file (grad_store.DiskGrads)
         out: dict[str, float] = {}
         for name, f in files.items():
             if f is not None:
@@ -41,13 +43,14 @@ class EngineReports:
             params = nbytes(persistent) + nbytes(shards) - nbytes(offloaded)
         else:
             params, offloaded = nbytes(self.full), []
-        grads = nbytes(self.gfull) if self.keep_full_grads else nbytes(self.gshard)
+        # the gradient shards in the optimizer's tier (grad_store.py): the device only without offload
+        grads = nbytes(self.gfull) if self.keep_full_grads else self.grads.device_bytes()
         opt = self.optimizer.resident_bytes()
         gathered = self.gatherer.peak_gathered if self.gatherer else 0
         whole = set(self.plan.frozen)
         frozen = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n in whole)
         frozen += nbytes(self.shard_params[len(self.plan.units) :])  # stage 3's frozen shards
-        host_grads = self.optimizer.tier.buffer_bytes()
+        host_grads = self.optimizer.tier.buffer_bytes() + self.grads.host_bytes()  # (+ DPU's snapshot)
         on_device = self.optimizer.tier.kind == "device"
         on_disk = self.optimizer.states.disk_bytes()
         return {
@@ -62,6 +65,7 @@ class EngineReports:
             "cpu_staging": self.staging.nbytes if self.staging is not None else 0,
             "disk_optimizer_states": on_disk,
             "disk_params": self.param_disk.disk_bytes() if self.param_disk is not None else 0,
+            "disk_grads": self.grads.disk_bytes(),
         }
 
     def planned_memory(self) -> dict[str, int]:
@@ -72,11 +76,14 @@ class EngineReports:
             self.plan, self.policy, self.precision, frozen_bytes=frozen, device_type=self.device.type,
             fp32_grad_staging=self.grad_clip > 0 or self.precision == "fp16",
             delay_update=self.zero.offload_optimizer.delay_update, accumulating=self.grad_accum > 1,
-            subgroup=subgroup_of(self.zero),
+            subgroup=subgroup_of(self.zero), grads_on_disk=self.zero.offload_optimizer.grads_on_disk,
         )  # fmt: skip
         disk = {
             "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy),
             "disk_params": param_disk_bytes(self.plan, self.policy, self.precision),
+            "disk_grads": grad_disk_bytes(
+                self.plan, self.policy, self.zero, self.grad_accum > 1, self.precision
+            ),
         }
         return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}, **disk}
 

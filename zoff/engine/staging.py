@@ -76,8 +76,9 @@ class Staging:
         step = self.chunk_bytes // elem_bytes
         return [(a, min(a + step, t.numel())) for a in range(0, t.numel(), step)]
 
-    def download(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """dst (host, any float dtype) <- src (device); returns with dst complete.
+    def download(self, src: torch.Tensor, dst: torch.Tensor, add: bool = False) -> None:
+        """dst (host, any float dtype) <- src (device), or dst += src with `add` (a gradient accumulating
+        in its host tier: the same arithmetic as adding on the device); returns with dst complete.
 
         Chunk k+1's DMA is in flight while the host copies chunk k out of the other buffer."""
         src, dst = src.reshape(-1), dst.reshape(-1)
@@ -91,15 +92,15 @@ class Staging:
                 event.record(self.stream)
             pending.append((buf, event, a, b))
             if len(pending) == 2:
-                self._drain(pending.pop(0), dst)
+                self._drain(pending.pop(0), dst, add)
         for item in pending:
-            self._drain(item, dst)
+            self._drain(item, dst, add)
 
     @staticmethod
-    def _drain(item: tuple[torch.Tensor, object, int, int], dst: torch.Tensor) -> None:
+    def _drain(item: tuple[torch.Tensor, object, int, int], dst: torch.Tensor, add: bool) -> None:
         buf, event, a, b = item
         event.synchronize()
-        dst[a:b].copy_(buf)
+        dst[a:b].add_(buf) if add else dst[a:b].copy_(buf)
 
     def upload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """dst (device) <- src (host), converted to dst's dtype on the host; returns before the DMA lands."""

@@ -4,6 +4,9 @@ A tier answers four questions for the one optimizer class (optimizer.py): alloca
 fp32 master of a live shard, hand the step's gradient shards to the kernel, and publish an updated master into
 its live (compute-dtype) shard; plus the bytes of its own transfer buffers. The engine never looks inside one.
 
+Each tier also holds the rank's reduced gradient shard (grad_store.py): the device's on the device, the host
+tier's in host memory, the disk tier's in a swap file of its own (or in host memory: offload_optimizer.grad_device).
+
 - DeviceTier: states beside the shards, on the accelerator (or, on a host-only machine, in host memory);
   stepped by torch's fused AdamW.
 - HostTier: ZeRO-Offload. States in pageable host memory, stepped by zoff's fused CPU Adam. Per step and rank
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from zoff.engine.grad_store import DiskGrads, GradShards, ResidentGrads
 from zoff.engine.param_swap import SwappedShards
 from zoff.engine.staging import Staging
 from zoff.engine.state_swap import KINDS, SwappedStates
@@ -64,6 +68,10 @@ class DeviceTier:
     def make_states(self, shards: list[torch.Tensor]) -> ResidentStates:
         return ResidentStates([self.master(s) for s in shards], self.zeros)
 
+    def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
+        """The reduced gradient shards beside the states: on the device."""
+        return ResidentGrads([torch.zeros(n, dtype=dtype, device=device) for n in numels], on_device=True)
+
 
 class HostTier:
     """Optimizer states in host memory (ZeRO-Offload); `staging` moves data where the device is not the host."""
@@ -75,9 +83,9 @@ class HostTier:
     ):
         self.staging, self.grad_dtype = staging, grad_dtype
         self.alias_masters = alias_masters  # fp32 on a host-only machine without DPU: the shard is the master
-        # Gradients: the reduced shard is read where it lies when it already is in host memory and nothing will
-        # overwrite it while the step runs (DPU's next backward would).
-        self.copy_grads = copy_grads or staging is not None
+        # Gradients: the reduced shard lives in host memory (grad_store.py) and the step reads it where it lies,
+        # unless the next backward overwrites it while the step runs (DPU): then the step reads a snapshot.
+        self.copy_grads = copy_grads
         self.direct = staging is None  # shards live in host memory: the kernel may write them itself
         self.host_grads: list[torch.Tensor] = []
 
@@ -97,7 +105,7 @@ class HostTier:
         if not self.copy_grads:
             return grads
         for g, host in zip(grads, self.host_grads, strict=True):
-            self._download(g, host)  # complete on return: staging waits on its copies' CUDA events
+            host.copy_(g)  # host to host: the shards already came down as they were reduced
         return self.host_grads
 
     def publish(self, master: torch.Tensor, shard: torch.Tensor) -> None:
@@ -112,6 +120,11 @@ class HostTier:
 
     def make_states(self, shards: list[torch.Tensor]) -> ResidentStates:
         return ResidentStates([self.master(s) for s in shards], self.zeros)
+
+    def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
+        """The reduced gradient shards in (pageable) host memory; reductions come down through the staging."""
+        shards = [host_buffer(torch.empty(n, device="meta"), dtype, pin=False) for n in numels]
+        return ResidentGrads(shards, on_device=False, staging=self.staging)
 
     def _download(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self.staging is not None:
@@ -129,11 +142,20 @@ class DiskTier(HostTier):
 
     def __init__(
         self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
-        request_mb: int, piece: int | None = None, params: SwappedShards | None = None,
+        request_mb: int, piece: int | None = None, params: SwappedShards | None = None, grads_on_disk: bool = True,
     ):  # fmt: skip
         super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
         self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece
         self.params = params  # parameter offload to nvme: where the shards that are not in memory are
+        self.grads_on_disk = grads_on_disk  # zero.offload_optimizer.grad_device: the gradients' own swap file
+
+    def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
+        if not self.grads_on_disk:
+            return super().grad_store(numels, dtype, device)
+        return DiskGrads(
+            numels, dtype, self.swap_dir, threads=self.threads, request_bytes=self.request_mb << 20,
+            staging=self.staging,
+        )  # fmt: skip
 
     def make_states(self, shards: list[torch.Tensor]) -> SwappedStates:
         if self.copy_grads:  # as the host tier: only where the gradients are not already in host memory

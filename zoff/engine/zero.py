@@ -20,6 +20,7 @@ from zoff.config import OptimConfig, ZeroConfig
 from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
+from zoff.engine.grad_store import ResidentGrads
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.param_swap import SwappedShards
@@ -71,16 +72,27 @@ class ZeroEngine(EngineReports):
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
         self.param_disk = self._param_swap() if policy.params_on_disk else None
         flat = FlatBuffers.build(
-            model, self.plan, self.comm, stage=self.stage, rank=self.rank, dtype=self.dtype,
-            accum_dtype=self.accum_dtype, device=self.device, deferred=self.deferred, keep_full_grads=self.keep_full_grads,
-            host_shards=self.offload_params, pin_host_shards=zero.offload_param.pin_memory, disk=self.param_disk,
+            model, self.plan, self.comm, stage=self.stage, rank=self.rank, dtype=self.dtype, device=self.device,
+            deferred=self.deferred, keep_full_grads=self.keep_full_grads, host_shards=self.offload_params, pin_host_shards=zero.offload_param.pin_memory, disk=self.param_disk,
         )  # fmt: skip
-        self._params, self.full, self.shard_params, self.gfull, self.gshard = (
-            flat.params, flat.full, flat.shards, flat.gfull, flat.gshard,
-        )  # fmt: skip
+        self._params, self.full, self.shard_params, self.gfull = (
+            flat.params,
+            flat.full,
+            flat.shards,
+            flat.gfull,
+        )
         self.cpu_threads = torch.get_num_threads()
         self.optimizer = self._build_optimizer(optim, grad_clip > 0 or precision == "fp16")
         self.staging = self.optimizer.tier.staging  # offload on a GPU: bounded pinned buffers (staging.py)
+        # The reduced gradient shards, in the tier that holds the optimizer's states (grad_store.py); stages 0-1
+        # without offload keep them as views of the full gradient buffers.
+        self.grads = (
+            ResidentGrads(flat.gshard, on_device=True)
+            if self.keep_full_grads
+            else self.optimizer.tier.grad_store(
+                [u.shard for u in self.plan.units], self.accum_dtype, self.device
+            )
+        )
         self.blocks = BlockTracker(model)
         self.gatherer = None
         if policy.shards_params:
@@ -95,7 +107,7 @@ class ZeroEngine(EngineReports):
                 disk=self.param_disk,
             )
         self.reducer = GradReducer(
-            self.plan, self.comm, self.stage, self.gfull, self.gshard, dtype=self.dtype, device=self.device,
+            self.plan, self.comm, policy, self.gfull, self.grads, dtype=self.dtype, device=self.device,
             overlap=zero.overlap_comm, on_slot_done=self.gatherer.slot_done if self.gatherer else None,
             slot_blocks=self.blocks.slot_blocks(self.plan),
         )  # fmt: skip
@@ -135,11 +147,11 @@ class ZeroEngine(EngineReports):
         on_host = self.device.type == "cpu"
         # what step() hands the optimizer: rescaled (clipped, unscaled) gradients are fp32, others as reduced
         grad_dtype = torch.float32 if rescales or self.accum_dtype == torch.float32 else self.dtype
-        copy_grads = not on_host or oz.delay_update
+        copy_grads = oz.delay_update  # DPU's step reads a snapshot: the next backward rewrites the shards
         if oz.device == "nvme":
             tier = DiskTier(
                 staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb,
-                piece=subgroup_of(self.zero), params=self.param_disk,
+                piece=subgroup_of(self.zero), params=self.param_disk, grads_on_disk=oz.grads_on_disk,
             )  # fmt: skip
         else:
             tier = HostTier(
@@ -193,7 +205,7 @@ class ZeroEngine(EngineReports):
         if self.grad_clip > 0:
             coef *= min(self.grad_clip / (norm + 1e-6), 1.0)
         # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
-        grads = RescaledGrads(self.gshard, coef)
+        grads = RescaledGrads(self.grads, coef)
         t0 = time.perf_counter()
         # The fused CPU kernel may have written the 16-bit shards in its own pass.
         copy = not self.optimizer.writes_live_shards
@@ -217,11 +229,11 @@ class ZeroEngine(EngineReports):
         return StepResult(norm, stepped=True)
 
     def _global_norm_sq(self) -> tuple[float, float, list[int]]:
-        """(the global squared gradient norm, overflow flags, slots no rank gave a gradient) in one all-reduce."""
+        """(the global squared gradient norm, overflow flags, slots no rank gave a gradient) in one all-reduce.
+
+        Each unit's norm was folded in as its shard landed (grad_store.py): no second pass over the shards."""
         local_sq, local_bad = 0.0, 0.0
-        for g in self.gshard:
-            # vector_norm accumulates in fp32 without a full-size temporary (3-6x faster than g.float().pow(2))
-            sq = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+        for sq in self.grads.norms_sq():
             local_sq += sq
             local_bad += 0.0 if math.isfinite(sq) else 1.0
         scalars = [local_sq, local_bad, *(1.0 if x else 0.0 for x in self.reducer.used)]
@@ -286,6 +298,11 @@ class ZeroEngine(EngineReports):
             self.optimizer.tier.publish(master, shard)
 
     @property
+    def gshard(self) -> list[torch.Tensor]:
+        """The resident gradient shards (empty when they live on disk)."""
+        return self.grads.shards if self.grads.resident else []
+
+    @property
     def masters(self) -> list[torch.Tensor] | None:
         """The resident fp32 masters (None on the disk tier: read them with optimizer.read)."""
         return self.optimizer.masters
@@ -301,12 +318,14 @@ class ZeroEngine(EngineReports):
         for p in self._params:
             p.grad = None  # the hooks move every gradient into the engine's buffers at once
         self.reducer.zero_grad()
+        self.grads.begin_window()
         self.comm.stats.reset()
         self._disk_at_start = self._disk_counters()
 
     def close(self) -> None:
         """Release what outlives the process's memory: the disk tier's swap files (removed at a clean exit)."""
         self.optimizer.close()
+        self.grads.close()
         if self.param_disk is not None:
             self.param_disk.close()
 

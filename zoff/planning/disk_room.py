@@ -16,7 +16,15 @@ from torch import nn
 
 from zoff.config import Config
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.policy import Policy, engine_plan, optimizer_disk_bytes, param_disk_bytes, param_swap_path
+from zoff.engine.policy import (
+    Policy,
+    engine_plan,
+    grad_disk_bytes,
+    grads_on_disk,
+    optimizer_disk_bytes,
+    param_disk_bytes,
+    param_swap_path,
+)
 from zoff.engine.state_swap import partition_layout
 from zoff.errors import UserError
 from zoff.units import human
@@ -54,6 +62,9 @@ def _swap_needs(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None
     wanted = [  # (key, folder, bytes per rank, whether the policy swaps there at all)
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
          optimizer_disk_bytes(plan, policy), policy.offload_optimizer == "nvme"),
+        ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
+         grad_disk_bytes(plan, policy, zero, _may_accumulate(cfg), cfg.train.precision),
+         grads_on_disk(policy, zero)),
         ("zero.offload_param.nvme_path" if zero.offload_param.nvme_path else "zero.offload_optimizer.nvme_path",
          param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision), policy.params_on_disk),
     ]  # fmt: skip
@@ -62,6 +73,11 @@ def _swap_needs(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None
             entry = needs.setdefault(Path(where).expanduser(), [key, 0])
             entry[1] += nbytes
     return needs
+
+
+def _may_accumulate(cfg: Config) -> bool:
+    """Whether the gradient shard may accumulate in fp32 (the larger file): global_batch_size may derive it."""
+    return cfg.train.grad_accum > 1 or cfg.train.global_batch_size is not None
 
 
 def checkpoint_bytes(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None) -> int:

@@ -25,6 +25,8 @@ from zoff.engine.policy import (  # the policy table and its memory terms, which
     disk_traffic,
     engine_plan,
     frozen_param_bytes,
+    grad_disk_bytes,
+    grads_on_disk,
     host_staging,
     model_states,
     pinned_host_bytes,
@@ -80,6 +82,7 @@ class PolicyEstimate:
     disk: int = 0  # the disk tier's swap files per rank (nvme policies)
     disk_read: int = 0  # bytes each rank reads from them per step (optimizer states, parameter gathers)
     disk_written: int = 0  # ... and writes back per step
+    disk_grads: int = 0  # the part of `disk` that is the gradient shard (offload_optimizer.grad_device)
 
     @property
     def gpu_bytes(self) -> int:
@@ -146,7 +149,7 @@ def device_buffers(
     """
     c = DTYPES[precision].itemsize
     shards = sorted((u.shard for u in plan.units), reverse=True)
-    out = pending_gradients(plan, policy.stage, precision, accumulating, zero.overlap_comm)
+    out = pending_gradients(plan, policy, precision, accumulating, zero.overlap_comm, device_type)
     if device_type == "cpu":  # gloo's receive slices
         out += c * policy.receive_slices(plan.world_size) * sum(shards[: MAX_IN_FLIGHT + 1])
     if policy.stage == 3:
@@ -155,18 +158,23 @@ def device_buffers(
 
 
 def pending_gradients(
-    plan: PartitionPlan, stage: int, precision: str, accumulating: bool, overlap: bool
-) -> int:
-    """Stage 2/3 gradient bytes waiting for their reduction (engine/reduce.py), beside the sharded accumulator.
+    plan: PartitionPlan, policy: Policy, precision: str, accumulating: bool, overlap: bool,
+    device_type: str = "cuda",
+) -> int:  # fmt: skip
+    """Stage 2/3 gradient bytes waiting for their reduction (engine/reduce.py), beside the sharded accumulator
+    (and stage 1's under optimizer offload, which reduces as stage 2 does).
 
     The unit filling plus MAX_IN_FLIGHT being reduced (one when overlap_comm is off): pooled buckets on NCCL,
-    autograd's own gradients on gloo; when accumulating, a reduced shard on its way into the accumulator per
-    reduction in flight; at stage 3 also most of the root unit. A unit held back by an earlier one in the
+    autograd's own gradients on gloo; a reduced shard on its way into the accumulator per reduction in flight
+    when accumulating, or when the accumulator is off the device (offload on a GPU: it lands in host memory
+    or on disk through the staging); at stage 3 also most of the root unit. A unit held back by an earlier one in the
     fixed reduction order (a parameter no data used yet) keeps its gradients until the end of backward:
     data-dependent models can exceed this.
     """
-    if stage < 2:
+    if policy.keeps_full_grads:
         return 0
+    stage = policy.stage
+    off_device = policy.offloads_optimizer and device_type != "cpu"
     c = DTYPES[precision].itemsize
     n = MAX_IN_FLIGHT + 1 if overlap else 1
     # Stage 3's root unit is reduced last, when its embeddings' gradients arrive, but an untied head's and the
@@ -180,7 +188,7 @@ def pending_gradients(
     early += sum(u.padded for u in plan.units if stage == 3 and u.persistent)
     held = max(early + sum(sizes[:n]), sum(u.padded for u in root))
     shards = sorted((u.shard for u in plan.units), reverse=True)
-    return c * (held + (n * shards[0] if accumulating else 0))
+    return c * (held + (n * shards[0] if accumulating or off_device else 0))
 
 
 def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig) -> int:
@@ -231,16 +239,17 @@ def estimate(
             plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision), device_type=device_type,
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
             delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
-            subgroup=subgroup_of(zero_cfg),
+            subgroup=subgroup_of(zero_cfg), grads_on_disk=grads_on_disk(pol, zero_cfg),
         )  # fmt: skip
         cpu["staging"] = host_staging(pol, zero_cfg, device_type)
         pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, device_type)
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
-        disk = disk_bytes(plan, pol, precision)
-        traffic = disk_traffic(plan, pol, subgroup_of(zero_cfg), precision, micro_batches)
-        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk, *traffic))
+        grads = grad_disk_bytes(plan, pol, zero_cfg, accumulating, precision)
+        disk = disk_bytes(plan, pol, precision, grads)
+        traffic = disk_traffic(plan, pol, subgroup_of(zero_cfg), precision, micro_batches, grads)
+        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk, *traffic, grads))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (

@@ -134,7 +134,11 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
 def _disk_text(mem: dict[str, int], fmt) -> str:
     parts = [
         f"{fmt(mem[k])} of {what}"
-        for k, what in (("disk_optimizer_states", "optimizer states"), ("disk_params", "parameter shards"))
+        for k, what in (
+            ("disk_optimizer_states", "optimizer states"),
+            ("disk_params", "parameter shards"),
+            ("disk_grads", "gradient shards"),
+        )  # fmt: skip
         if mem.get(k)
     ]
     return f"; disk {' and '.join(parts)}" if parts else ""

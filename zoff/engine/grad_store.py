@@ -1,0 +1,253 @@
+"""Where a rank's reduced gradient partition lives: with the optimizer's states, in the tier that holds them.
+
+Each unit's gradient shard is an accumulator that the reducer (reduce.py) lands every finished reduction in:
+copied on the window's first micro-batch, added on the others (in fp32 when micro-batches accumulate), divided
+by the world size on the last one, and, on that last landing, its squared norm and finiteness are folded in
+while the shard is hot, so the step needs no second pass over it.
+
+- ResidentGrads: the shards in memory. On the device without offload (stages 0-1 keep them as views of the
+  full gradient buffers); in host memory under optimizer offload (ZeRO-Offload, FSDP2's CPUOffloadPolicy,
+  DeepSpeed's fp32 host gradient partition). Where the host is not the device, a reduction finishes into a
+  pooled device buffer and lands through the bounded pinned staging (staging.py: a side stream, events
+  before the host reads); on a host-only machine the reduction writes the host shard in place, so every
+  result is the same bit for bit whichever tier holds it.
+- DiskGrads: the disk tier's shards in a swap file of their own (ZeRO-Infinity swaps gradients): each landing
+  is a write (a read-modify-write while accumulating), the step reads unit after unit with the next read
+  ahead. RAM: three unit-sized buffers, whatever the partition's size. Cost: 2 B/param/N (4 while
+  accumulating) written per micro-batch and read per step beside the optimizer's own traffic.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned
+from zoff.engine.staging import Staging
+
+GRAD_BUFFERS = 3  # disk: the unit being landed or stepped, the next one read ahead, one write in flight
+
+
+def unit_norm(g: torch.Tensor) -> torch.Tensor:
+    # vector_norm accumulates in fp32 without a full-size temporary (3-6x faster than g.float().pow(2))
+    return torch.linalg.vector_norm(g, dtype=torch.float32)
+
+
+class GradShards:
+    """What the reducer and the step ask of a gradient store; the subclasses say where the shards live."""
+
+    resident = True  # the shards are tensors the step can read where they lie
+
+    def __init__(self, n: int):
+        self._norms: list[torch.Tensor | None] = [None] * n
+
+    def target(self, u: int) -> torch.Tensor | None:
+        """Unit u's accumulator when a reduction may write straight into it (it lies on the compute device)."""
+        return None
+
+    def land(self, u: int, src: torch.Tensor | None, *, copy: bool, divide: int, final: bool) -> None:
+        """A finished reduction of unit u: `src` copied (`copy`) or added into the accumulator (None: it was
+        reduced into target(u) already), then divided by `divide` (> 1 on the window's last micro-batch);
+        `final`: the window's last landing, so the unit's norm is folded in now."""
+        raise NotImplementedError
+
+    def correct(self, u: int, delta: torch.Tensor, alpha: float, final: bool) -> None:
+        """Add a late gradient's reduction (reduce.py's correction) times alpha into unit u's accumulator."""
+        raise NotImplementedError
+
+    def get(self, u: int) -> torch.Tensor:
+        """Unit u's shard for the step (resident: the accumulator itself)."""
+        raise NotImplementedError
+
+    def begin_window(self) -> None:
+        """A new accumulation window: the folded norms belong to the last one."""
+        self._norms = [None] * len(self._norms)
+
+    def norms_sq(self) -> list[float]:
+        """Each unit's squared norm, as folded at its last landing (computed now where none was: a step with
+        no backward since zero_grad). inf or nan where the shard is not finite."""
+        out = []
+        for u, norm in enumerate(self._norms):
+            norm = unit_norm(self.get(u)) if norm is None else norm
+            out.append(float(norm) ** 2)
+        return out
+
+    def _fold(self, u: int, g: torch.Tensor) -> None:
+        self._norms[u] = unit_norm(g)
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class ResidentGrads(GradShards):
+    """The shards as tensors: on the device (`on_device`), or in host memory with `staging` (or None where
+    the host is the device) carrying reductions down."""
+
+    def __init__(self, shards: list[torch.Tensor], *, on_device: bool, staging: Staging | None = None):
+        super().__init__(len(shards))
+        self.shards, self.on_device, self.staging = shards, on_device, staging
+
+    def target(self, u: int) -> torch.Tensor | None:
+        return self.shards[u] if self.staging is None else None
+
+    def land(self, u: int, src: torch.Tensor | None, *, copy: bool, divide: int, final: bool) -> None:
+        out = self.shards[u]
+        if src is not None:
+            if self.staging is not None:  # device -> host; complete on return (events before the host reads)
+                self.staging.download(src, out, add=not copy)
+            else:
+                out.copy_(src) if copy else out.add_(src)
+        if divide > 1:
+            out.div_(divide)
+        if final:
+            self._fold(u, out)
+
+    def correct(self, u: int, delta: torch.Tensor, alpha: float, final: bool) -> None:
+        out = self.shards[u]
+        out.add_(delta.to(out.device), alpha=alpha)
+        if final:
+            self._fold(u, out)
+
+    def get(self, u: int) -> torch.Tensor:
+        return self.shards[u]
+
+    def _bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.shards)
+
+    def device_bytes(self) -> int:
+        return self._bytes() if self.on_device else 0
+
+    def host_bytes(self) -> int:
+        return 0 if self.on_device else self._bytes()
+
+
+class DiskGrads(GradShards):
+    """Every unit's gradient shard in one 4096-aligned region of a swap file, in `dtype`."""
+
+    resident = False
+
+    def __init__(
+        self, numels: list[int], dtype: torch.dtype, swap_dir: Path, *, threads: int, request_bytes: int,
+        staging: Staging | None = None,
+    ):  # fmt: skip
+        super().__init__(len(numels))
+        self.numels, self.dtype, self.staging = numels, dtype, staging
+        self.offset, end = [], 0
+        for n in numels:
+            self.offset.append(end)
+            end += aligned(n * dtype.itemsize)
+        rank = os.environ.get("RANK", "0")
+        self.file = SwapFile(swap_dir / f"rank{rank}" / "grads.swap", max(end, ALIGN), threads, request_bytes)
+        largest = max((n * dtype.itemsize for n in numels), default=1)
+        self.buffers = [AlignedBuffer(largest) for _ in range(GRAD_BUFFERS)]
+        self.pending: list[list[Future]] = [[] for _ in self.buffers]  # I/O in flight on each buffer
+        self.holds: dict[int, int] = {}  # unit -> the buffer its read went into (the step's read-ahead)
+        self._next = 0
+
+    def _view(self, b: int, u: int) -> torch.Tensor:
+        return self.buffers[b].view(self.dtype, 0, self.numels[u])
+
+    def _free(self, keep: tuple[int, ...] = ()) -> int:
+        """The next buffer in turn that no held read is in, once its I/O has finished."""
+        for _ in range(len(self.buffers)):
+            b, self._next = self._next, (self._next + 1) % len(self.buffers)
+            if b not in keep and b not in self.holds.values():
+                self.file.wait(self.pending[b])
+                self.pending[b] = []
+                return b
+        raise RuntimeError("zoff: no free gradient swap buffer (a bug: more reads held than buffers)")
+
+    def _read(self, u: int, keep: tuple[int, ...] = ()) -> int:
+        if u not in self.holds:
+            self._drain_writes()  # a read of a unit whose write is in flight must see that write
+            b = self._free(keep)
+            self.pending[b] = self.file.read(self.buffers[b].bytes[: self._nbytes(u)], self.offset[u])
+            self.holds[u] = b
+        return self.holds[u]
+
+    def _nbytes(self, u: int) -> int:
+        return aligned(self.numels[u] * self.dtype.itemsize)
+
+    def _wait(self, b: int) -> None:
+        self.file.wait(self.pending[b], reads=True)
+        self.pending[b] = []
+
+    def _drain_writes(self) -> None:
+        for b in range(len(self.buffers)):
+            if b not in self.holds.values():
+                self.file.wait(self.pending[b])
+                self.pending[b] = []
+
+    def _write(self, b: int, u: int) -> None:
+        tail = self.numels[u] * self.dtype.itemsize
+        region = self.buffers[b].bytes[: self._nbytes(u)]
+        region[tail:].zero_()  # the page's rest is padding: zeros, so the file is reproducible
+        self.pending[b] = self.file.write(region, self.offset[u])
+
+    def land(self, u: int, src: torch.Tensor | None, *, copy: bool, divide: int, final: bool) -> None:
+        if copy:
+            self.holds.clear()  # a new window: any read-ahead of the last step is stale
+            b = self._free()
+        else:  # read-modify-write: the micro-batches accumulate on disk
+            b = self._read(u)
+            self._wait(b)
+            del self.holds[u]
+        out = self._view(b, u)
+        if self.staging is not None:
+            self.staging.download(src, out, add=not copy)
+        else:
+            out.copy_(src) if copy else out.add_(src)
+        if divide > 1:
+            out.div_(divide)
+        if final:
+            self._fold(u, out)
+        self._write(b, u)
+
+    def correct(self, u: int, delta: torch.Tensor, alpha: float, final: bool) -> None:
+        b = self._read(u)
+        self._wait(b)
+        del self.holds[u]
+        out = self._view(b, u)
+        out.add_(delta.to("cpu"), alpha=alpha)
+        if final:
+            self._fold(u, out)
+        self._write(b, u)
+
+    def get(self, u: int) -> torch.Tensor:
+        """Unit u's shard, read (the step walks units in order: unit u+1 is read meanwhile). The view is
+        valid until get(u + 2)."""
+        for held in [k for k in self.holds if k < u]:
+            del self.holds[held]  # the step is past it
+        b = self._read(u)
+        if u + 1 < len(self.numels):
+            self._read(u + 1, keep=(b,))
+        self._wait(b)
+        return self._view(b, u)
+
+    def norms_sq(self) -> list[float]:
+        out = super().norms_sq()
+        self.holds.clear()
+        return out
+
+    def host_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def disk_bytes(self) -> int:
+        return self.file.nbytes
+
+    def close(self) -> None:
+        self.holds.clear()
+        self._drain_writes()
+        self.file.close()

@@ -111,12 +111,21 @@ def estimate(
     cpu_memory: str = typer.Option(None, "--cpu-memory", help="CPU memory per node (default: MemTotal)"),
     as_json: bool = typer.Option(False, "--json", help="Print the numbers as JSON"),
     suggest: bool = typer.Option(False, "--suggest", help="Name the fastest policy that fits, and why"),
+    max_model: bool = typer.Option(
+        False, "--max-model", help="Per policy, the largest of a ladder of GPT shapes (125M..405B) that fits"
+    ),
+    disk: str = typer.Option(
+        None, "--disk", help="Disk tier per node for swap files, e.g. 4TB (default: free space at nvme_path)"
+    ),
 ) -> None:
     """Memory needs per GPU and per CPU node for every ZeRO stage and offload choice, activations included."""
     from zoff.planning.estimate import run_cli
 
-    # Counts arrive as text so that bad values get zoff's one-line error rather than click's usage block.
-    run_cli(config, list(overrides or []), gpus_per_node, nodes, gpu_memory, cpu_memory, as_json, suggest)
+    # Counts and sizes arrive as text so that bad values get zoff's one-line error rather than click's usage block.
+    run_cli(
+        config, list(overrides or []), gpus_per_node, nodes, gpu_memory, cpu_memory, as_json, suggest,
+        max_model=max_model, disk=disk,
+    )  # fmt: skip
 
 
 @app.command()

@@ -32,6 +32,7 @@ from zoff.units import human
 from zoff.units import parse_size as _parse_size
 
 MIN_MEMORY, MAX_MEMORY = 2**26, 2**50  # 64 MiB .. 1 PiB: anything outside is a typo
+DISK_AT_PATH = "free at zero.offload_optimizer.nvme_path"  # where Budget.disk comes from without --disk
 
 
 def parse_size(text: str, flag: str) -> int:
@@ -80,7 +81,14 @@ def _is_configured(p: Policy, zero: ZeroConfig, train: TrainConfig) -> bool:
     )  # fmt: skip
 
 
-def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, suggestion=None) -> dict:
+def to_json(
+    est: Estimate,
+    budget: Budget,
+    zero: ZeroConfig,
+    train: TrainConfig,
+    suggestion=None,
+    disk_source: str = DISK_AT_PATH,
+) -> dict:
     bandwidth = disk_bandwidth(zero.offload_optimizer.nvme_path)
     out = {
         "params": est.params,
@@ -91,12 +99,16 @@ def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig,
         "precision": est.precision,
         "activations_method": est.activation_method,
         "memory": {"gpu_bytes": budget.gpu, "cpu_bytes": budget.cpu, "shared": budget.shared,
-                   "gpu_source": budget.gpu_source, "cpu_source": budget.cpu_source},
+                   "gpu_source": budget.gpu_source, "cpu_source": budget.cpu_source,
+                   "disk_bytes": budget.disk, "disk_source": disk_source},
         "startup": dict(est.startup),
         "notes": list(est.notes),
         "policies": [
             {**pe.policy.to_dict(), "name": pe.policy.name, "gpu_bytes": pe.gpu_bytes,
              "cpu_bytes_per_node": pe.cpu_bytes_per_node, "gpu": dict(pe.gpu), "cpu": dict(pe.cpu),
+             # the gradient shard where it lives: the GPU (no offload), host memory or the disk tier's file
+             "grads": {"gpu_bytes": pe.gpu["grads"], "cpu_bytes_per_node": pe.cpu["grads"],
+                       "disk_bytes_per_node": pe.disk_grads * pe.local_ranks},
              "pinned_bytes_per_node": pe.pinned * pe.local_ranks, "disk_bytes_per_node": pe.disk * pe.local_ranks,
              # optimizer states once each way; parameter shards per gather and after the step (disk_traffic)
              "disk_read_bytes_per_step_per_node": pe.disk_read * pe.local_ranks,
@@ -113,7 +125,14 @@ def to_json(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig,
     return out
 
 
-def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, suggestion=None) -> None:
+def render(
+    est: Estimate,
+    budget: Budget,
+    zero: ZeroConfig,
+    train: TrainConfig,
+    suggestion=None,
+    disk_source: str = DISK_AT_PATH,
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -124,7 +143,7 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
     )
     table = Table(title=title, title_justify="left")
     for col in ("policy", "act.ckpt", "params", "grads", "optim", "buffers", "activations", "GPU total",
-                "CPU/node", "pinned/node", "disk/node", "fits"):  # fmt: skip
+                "CPU/node", "grads host", "pinned/node", "disk/node", "grads disk", "fits"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("policy", "act.ckpt") else "right", no_wrap=True)
     for pe in est.policies:
         configured = _is_configured(pe.policy, zero, train)
@@ -134,7 +153,9 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
             ("▶ " if configured else "  ") + pe.policy.name,
             "on" if pe.policy.activation_checkpointing else "off",
             *(human(g[k]) for k in GPU_KEYS), human(pe.gpu_bytes), human(pe.cpu_bytes_per_node),
+            human(pe.cpu["grads"]) if pe.cpu["grads"] else "-",
             human(pe.pinned * pe.local_ranks), human(pe.disk * pe.local_ranks) if pe.disk else "-",
+            human(pe.disk_grads * pe.local_ranks) if pe.disk_grads else "-",
             "yes" if fits else "no",
             style="bold" if configured else (None if fits else "dim"),
         )  # fmt: skip
@@ -143,9 +164,14 @@ def render(est: Estimate, budget: Budget, zero: ZeroConfig, train: TrainConfig, 
         f"GPU memory: {human(budget.gpu)} ({budget.gpu_source}); CPU memory: {human(budget.cpu)} per node "
         f"({budget.cpu_source})",
         f"activations: {est.activation_method}, for the configured micro-batch; ▶ = the configured policy",
-        f"disk: {human(budget.disk)} free at zero.offload_optimizer.nvme_path"
+        "grads: the gradient shard per GPU where it lives: on the GPU without offload; under offload it leaves "
+        "the GPU as each reduction finishes, into host memory (grads host, part of CPU/node) or, on nvme rows, "
+        "a gradient swap file (grads disk, part of disk/node; zero.offload_optimizer.grad_device=cpu keeps it "
+        "in RAM instead: less disk traffic, more RAM)",
+        f"disk: {human(budget.disk)} ({disk_source})"
         if budget.disk
-        else "disk: no zero.offload_optimizer.nvme_path folder, so no nvme row fits",
+        else "disk: no disk tier (--disk SIZE or a zero.offload_optimizer.nvme_path folder offers one), so no "
+        "nvme row fits",
         _startup_text(est, budget),
         *(f"note: {note}" for note in est.notes),
         *_disk_note(est, disk_bandwidth(zero.offload_optimizer.nvme_path)),
@@ -203,25 +229,47 @@ def run_cli(
     cpu_memory: str | None,
     as_json: bool,
     suggest: bool,
+    max_model: bool = False,
+    disk: str | None = None,
 ) -> None:
-    """`zoff estimate`: flags are checked before the config is read so a typo fails fast."""
+    """`zoff estimate`: flags are checked before the config is read so a typo fails fast.
+
+    max_model: instead of the config's model, the largest of a ladder of GPT shapes each policy fits
+    (zoff.planning.capacity). disk: the disk tier's size per node (default: the free space at
+    zero.offload_optimizer.nvme_path when that folder exists, else none)."""
     from zoff.config import load_config
 
+    if max_model and suggest:
+        raise UserError(
+            "--max-model: cannot be combined with --suggest (the table names every policy's answer)"
+        )
     budget, device_type = detect_budget(gpu_memory, cpu_memory)
     gpn = parse_count(gpus_per_node, "--gpus-per-node", 1024)
     n = parse_count(nodes, "--nodes", 100_000)
+    disk_bytes = None if disk is None else _parse_size(disk, "--disk", 0, MAX_MEMORY)  # 0: no disk tier
     cfg = load_config(config, overrides)
-    budget = dataclasses.replace(
-        budget, disk=swap_free_bytes(cfg.zero)
-    )  # nvme rows fit where the disk has room
+    # nvme rows fit where the disk has room
+    disk_source = "--disk" if disk_bytes is not None else DISK_AT_PATH
+    budget = dataclasses.replace(budget, disk=swap_free_bytes(cfg.zero) if disk_bytes is None else disk_bytes)
     gpn = gpn or cfg.launch.nproc_per_node
     n = n or cfg.launch.min_nodes
+    if max_model:
+        from zoff.planning import capacity
+
+        cap = capacity.max_model(
+            cfg.model, cfg.data, cfg.train, cfg.zero, budget, gpn, n, device_type, disk_source=disk_source
+        )
+        if as_json:
+            print(json.dumps(capacity.to_json(cap), indent=2))
+        else:
+            capacity.render(cap)
+        return
     est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type)
     sug = suggest_policy(est, budget) if suggest else None
     if as_json:
-        print(json.dumps(to_json(est, budget, cfg.zero, cfg.train, sug), indent=2))
+        print(json.dumps(to_json(est, budget, cfg.zero, cfg.train, sug, disk_source), indent=2))
     else:
-        render(est, budget, cfg.zero, cfg.train, sug)
+        render(est, budget, cfg.zero, cfg.train, sug, disk_source)
 
 
 def choose_policy(cfg: Config) -> tuple[Config, str]:

@@ -1,0 +1,142 @@
+"""`zoff estimate --max-model`: per policy, the largest rung of a GPT ladder that fits, checked against estimate()."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zoff import cli
+from zoff.config import load_config
+from zoff.engine.policy import Policy
+from zoff.planning import capacity as C
+from zoff.planning import estimate as E
+from zoff.planning import memory as M
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = REPO / "configs" / "gpt-7b.yaml"
+GIB, TB = 2**30, 10**12
+BOX = M.Budget(24 * GIB, 128 * GIB, disk=4 * TB)  # one 24 GiB GPU, 128 GiB of RAM, a 4 TB disk
+
+
+@pytest.fixture(scope="module")
+def ladder() -> dict[str, M.Estimate]:
+    """estimate() called directly for every rung of the ladder: 1 GPU, the base config's data and train."""
+    cfg = load_config(BASE)
+    return {
+        r.label: M.estimate(C.rung_model(cfg.model, r), cfg.data, cfg.train, cfg.zero, 1, 1, "cuda")
+        for r in C.LADDER
+    }
+
+
+def _max_model(budget: M.Budget, ladder: dict[str, M.Estimate]) -> C.Capacity:
+    cfg = load_config(BASE)
+    # the memo holds the test's own estimates: only the walk and fits() are under test here
+    return C.max_model(cfg.model, cfg.data, cfg.train, cfg.zero, budget, 1, memo=dict(ladder))
+
+
+def _index(a: C.Answer) -> int:
+    return -1 if a.largest is None else C.LADDER.index(a.largest.rung)
+
+
+def test_answer_fits_and_every_larger_rung_does_not(ladder) -> None:
+    cap = _max_model(BOX, ladder)
+    assert len(cap.answers) == len(M.POLICIES) and {a.policy for a in cap.answers} == set(M.POLICIES)
+    for a in cap.answers:
+        i = _index(a)
+        if i >= 0:
+            pe = ladder[C.LADDER[i].label].get(a.policy)
+            assert (
+                pe.fits(BOX) and a.largest.pe == pe and a.largest.params == ladder[C.LADDER[i].label].params
+            )
+        for r in C.LADDER[i + 1 :]:
+            assert not ladder[r.label].get(a.policy).fits(BOX), (a.policy, r.label)
+        if i + 1 < len(C.LADDER):
+            assert a.next.rung == C.LADDER[i + 1] and C.limited_by(a.next.pe, BOX)
+        else:
+            assert a.next is None
+    # this box is far from both ends of the ladder: some policy fits 6.7B, none fits 405B
+    assert max(map(_index, cap.answers)) >= C.LADDER.index(next(r for r in C.LADDER if r.label == "6.7B"))
+    assert all(a.next is not None for a in cap.answers)
+
+
+def test_more_gpu_memory_never_gives_a_smaller_answer(ladder) -> None:
+    previous = None
+    for gib in (4, 8, 16, 24, 40, 48, 80, 141, 1024):
+        cap = _max_model(dataclasses.replace(BOX, gpu=gib * GIB), ladder)
+        now = {a.policy: _index(a) for a in cap.answers}
+        if previous is not None:
+            assert all(now[p] >= previous[p] for p in now), gib
+        previous = now
+
+
+def test_nvme_policies_need_room_for_their_swap_files(ladder) -> None:
+    no_disk = _max_model(dataclasses.replace(BOX, disk=0), ladder)
+    for a in no_disk.answers:
+        if a.policy.offload_optimizer == "nvme":
+            assert a.largest is None and "disk" in C.limited_by(a.next.pe, no_disk.budget)
+    pol = Policy(3, "nvme", "nvme", True)
+    best = _max_model(BOX, ladder).answers[C.row_order().index(pol)].largest
+    need = best.pe.disk * best.pe.local_ranks
+    just = _max_model(dataclasses.replace(BOX, disk=need), ladder).answers[C.row_order().index(pol)]
+    short = _max_model(dataclasses.replace(BOX, disk=need - 1), ladder).answers[C.row_order().index(pol)]
+    assert just.largest.rung == best.rung
+    assert _index(short) < C.LADDER.index(best.rung) and short.next.rung == best.rung
+
+
+def test_table_top_of_the_ladder_and_says_estimates(capsys) -> None:
+    # enough of everything: every policy fits the largest rung (one estimate: the walk stops there)
+    E.run_cli(BASE, [], "8", None, "1PiB", "1PiB", False, False, max_model=True, disk="1PiB")
+    out = capsys.readouterr().out
+    assert "estimates, not GPU runs" in out
+    for p in C.row_order():
+        assert C.row_label(p) + " " in out
+    assert out.count("405B (126 x 16384)") == len(M.POLICIES) and "ladder top" in out
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--disk", "lots"], "--disk"),
+        (["--disk", "-1TB"], "--disk"),
+        (["--disk", "2PiB"], "--disk"),
+        (["--gpu-memory", "12KB"], "--gpu-memory"),
+        (["--gpu-memory", "24 gigs"], "--gpu-memory"),
+        (["--suggest"], "--max-model"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(args: list[str], flag: str, monkeypatch, capsys) -> None:
+    """zoff.cli.main in-process (the flags fail before any estimate): one stderr line naming the flag, exit 2."""
+    monkeypatch.setattr(sys, "argv", ["zoff", "estimate", str(BASE), "--max-model", *args])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr()
+    assert e.value.code == 2 and not err.out
+    assert len(err.err.splitlines()) == 1 and err.err.startswith(f"zoff: error: {flag}: "), err.err
+    assert "Traceback" not in err.err
+
+
+def test_json_through_the_real_cli(ladder) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    flags = ["--gpus-per-node", "1", "--gpu-memory", "24GiB", "--cpu-memory", "128GiB", "--disk", "4TB"]
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "estimate", str(BASE), "--max-model", "--json", *flags],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert "estimates, not GPU runs" in out["note"] and out["memory"]["disk_bytes"] == 4 * TB
+    expected = {C.row_label(a.policy): a for a in _max_model(BOX, ladder).answers}
+    assert [row["label"] for row in out["policies"]] == list(expected)
+    for row in out["policies"]:
+        a = expected[row["label"]]
+        assert (row["largest"] or {}).get("model") == (a.largest.rung.label if a.largest else None)
+        if a.largest:
+            assert row["largest"]["params"] == a.largest.params
+            assert row["largest"]["gpu_bytes"] == a.largest.pe.gpu_bytes <= BOX.gpu

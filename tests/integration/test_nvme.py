@@ -420,7 +420,10 @@ def test_the_estimates_disk_traffic_is_what_a_step_reads_and_writes(micro: int, 
     # the step reports the same bytes (metrics.jsonl carries last_step_times), and its time blocked on them
     t = eng.last_step_times
     assert t["disk_optimizer_read_bytes"] + t["disk_params_read_bytes"] + t["disk_grads_read_bytes"] == read
-    assert t["disk_optimizer_written_bytes"] + t["disk_params_written_bytes"] + t["disk_grads_written_bytes"] == written
+    assert (
+        t["disk_optimizer_written_bytes"] + t["disk_params_written_bytes"] + t["disk_grads_written_bytes"]
+        == written
+    )
     assert t["disk_params_wait_s"] >= t["disk_params_read_wait_s"] >= 0 and t["disk_optimizer_wait_s"] >= 0
     eng.close()
 

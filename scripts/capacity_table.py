@@ -1,0 +1,103 @@
+"""The README's capacity table: the largest model each offload policy trains on three boxes.
+
+    python scripts/capacity_table.py            # compute, write docs/results/capacity.json, print the table
+    python scripts/capacity_table.py --render   # print the markdown table from the JSON (what the README embeds)
+
+Each box is `zoff estimate configs/gpt-7b.yaml --max-model` (zoff/planning/capacity.py) with that box's GPUs,
+GPU memory, host memory and disk: estimates from the functions tests hold equal to the engine's allocations on
+CPU, not GPU runs. tests/unit/test_capacity_table.py re-renders the table from the JSON and fails when the
+README's copy differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JSON = REPO / "docs" / "results" / "capacity.json"
+BASE = "configs/gpt-7b.yaml"  # context 4096, micro-batch 1, grad_accum 4, bf16
+GIB = 2**30
+BOXES = [  # (label, GPUs per node, GiB per GPU, GiB of host memory per node, disk bytes)
+    ("1 x 24 GiB GPU, 128 GiB RAM, 4 TB NVMe", 1, 24, 128, 4 * 10**12),
+    ("1 x 80 GiB GPU, 1 TiB RAM", 1, 80, 1024, 0),
+    ("8 x 80 GiB GPUs, 2 TiB RAM", 8, 80, 2048, 0),
+]
+# The rows: the offload policies with activation checkpointing (what a large model runs with), and plain
+# ZeRO-3 as the anchor without offload.
+ROWS = ("zero3", "zero2-offload", "zero3-offload-opt", "zero3-offload", "zero2-nvme", "zero3-nvme")
+
+
+def compute() -> dict:
+    sys.path.insert(0, str(REPO))
+    from zoff.config import load_config
+    from zoff.planning.capacity import max_model, to_json
+    from zoff.planning.memory import Budget
+
+    cfg = load_config(REPO / BASE)
+    boxes = []
+    for label, gpus, gpu_gib, cpu_gib, disk in BOXES:
+        budget = Budget(gpu_gib * GIB, cpu_gib * GIB, disk=disk)
+        cap = max_model(cfg.model, cfg.data, cfg.train, cfg.zero, budget, gpus)
+        boxes.append({"label": label, **to_json(cap)})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit.stdout.strip() or "unknown",
+        "machine": f"{platform.machine()}, {platform.system()} (estimates: no GPU involved)",
+        "base_config": BASE,
+        "boxes": boxes,
+    }
+
+
+def _cell(policy: dict | None) -> str:
+    fit = policy["largest"] if policy else None
+    if fit is None:
+        return "none"
+    size = fit["model"]
+    parts = [f"{fit['gpu_bytes'] / GIB:.1f} GiB GPU", f"{fit['cpu_bytes_per_node'] / GIB:,.0f} GiB RAM"]
+    if fit["disk_bytes_per_node"]:
+        parts.append(f"{fit['disk_bytes_per_node'] / 10**12:.1f} TB disk")
+    return f"**{size}** ({', '.join(parts)})"
+
+
+def render(data: dict) -> str:
+    boxes = data["boxes"]
+    lines = [
+        "| policy (with activation checkpointing) | " + " | ".join(b["label"] for b in boxes) + " |",
+        "|---" * (len(boxes) + 1) + "|",
+    ]
+    for name in ROWS:
+        cells = []
+        for b in boxes:
+            row = next(p for p in b["policies"] if p["name"] == name and p["activation_checkpointing"])
+            no_disk = "nvme" in name and not b["memory"]["disk_bytes"]
+            cells.append("- (no disk)" if no_disk else _cell(row))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(
+        f"Estimated {data['date']} at commit {data['commit']} from `{data['base_config']}`'s context, batch "
+        "and precision (`python scripts/capacity_table.py`; docs/results/capacity.json). Estimates held equal "
+        "to the engine's allocations by tests on CPU, not GPU runs."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--render", action="store_true", help="only render the table from the JSON")
+    a = ap.parse_args(argv)
+    if not a.render:
+        JSON.parent.mkdir(parents=True, exist_ok=True)
+        JSON.write_text(json.dumps(compute(), indent=1) + "\n")
+    sys.stdout.write(render(json.loads(JSON.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

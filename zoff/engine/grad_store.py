@@ -40,6 +40,7 @@ class GradShards:
     """What the reducer and the step ask of a gradient store; the subclasses say where the shards live."""
 
     resident = True  # the shards are tensors the step can read where they lie
+    staging: Staging | None = None  # where the host is not the device: reductions come down through it
 
     def __init__(self, n: int):
         self._norms: list[torch.Tensor | None] = [None] * n
@@ -78,6 +79,21 @@ class GradShards:
     def _fold(self, u: int, g: torch.Tensor) -> None:
         self._norms[u] = unit_norm(g)
 
+    def _accumulate(
+        self, u: int, out: torch.Tensor, src: torch.Tensor | None, copy: bool, divide: int, final: bool
+    ) -> None:
+        """land()'s arithmetic on the accumulator `out`, wherever it lies; the same ops in the same order as
+        on the device, so every tier gives the same bits."""
+        if src is not None:
+            if self.staging is not None:  # device -> host; complete on return (events before the host reads)
+                self.staging.download(src, out, add=not copy)
+            else:
+                out.copy_(src) if copy else out.add_(src)
+        if divide > 1:
+            out.div_(divide)
+        if final:
+            self._fold(u, out)
+
     def host_bytes(self) -> int:
         return 0
 
@@ -103,16 +119,7 @@ class ResidentGrads(GradShards):
         return self.shards[u] if self.staging is None else None
 
     def land(self, u: int, src: torch.Tensor | None, *, copy: bool, divide: int, final: bool) -> None:
-        out = self.shards[u]
-        if src is not None:
-            if self.staging is not None:  # device -> host; complete on return (events before the host reads)
-                self.staging.download(src, out, add=not copy)
-            else:
-                out.copy_(src) if copy else out.add_(src)
-        if divide > 1:
-            out.div_(divide)
-        if final:
-            self._fold(u, out)
+        self._accumulate(u, self.shards[u], src, copy, divide, final)
 
     def correct(self, u: int, delta: torch.Tensor, alpha: float, final: bool) -> None:
         out = self.shards[u]
@@ -204,15 +211,7 @@ class DiskGrads(GradShards):
             b = self._read(u)
             self._wait(b)
             del self.holds[u]
-        out = self._view(b, u)
-        if self.staging is not None:
-            self.staging.download(src, out, add=not copy)
-        else:
-            out.copy_(src) if copy else out.add_(src)
-        if divide > 1:
-            out.div_(divide)
-        if final:
-            self._fold(u, out)
+        self._accumulate(u, self._view(b, u), src, copy, divide, final)
         self._write(b, u)
 
     def correct(self, u: int, delta: torch.Tensor, alpha: float, final: bool) -> None:

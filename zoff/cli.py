@@ -16,6 +16,9 @@ from zoff.errors import UserError
 if TYPE_CHECKING:
     from torch import nn
 
+    from zoff.checkpoint.status import OnDisk
+    from zoff.launch import Preempted
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -72,20 +75,20 @@ def train(
     out = _make_run_dir(out_dir)
     (out / "config.yaml").write_text(dump_yaml(cfg))
     print(f"zoff: run directory {out}", flush=True)
+    from zoff.checkpoint.status import latest_on_disk
     from zoff.launch import Preempted, WorkerFailed, launch
 
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    before = latest_on_disk(ckpt_dir)  # what a stop or failure is compared with: saved by this run or not
     try:
         launch(cfg, out, resume)
     except WorkerFailed as e:
         print(f"zoff: training failed: {e}\nzoff: per-rank logs are in {out / 'logs'}", file=sys.stderr)
+        print(_failure_line(ckpt_dir, before) + f"\n  {_resume_command(out)}", file=sys.stderr)
         raise typer.Exit(1) from None
     except Preempted as e:
-        again = _resume_command(out)
-        print(
-            f"zoff: stopped by signal {e.signal} after checkpointing; continue with:\n  {again}",
-            file=sys.stderr,
-        )
-        raise typer.Exit(128 + e.signal) from None
+        print(_stop_line(e, cfg, ckpt_dir, before) + f"\n  {_resume_command(out)}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None
 
 
 @app.command()
@@ -248,6 +251,56 @@ def _preflight(cfg: Config) -> nn.Module:
                 "log.tensorboard: needs the tensorboard package (pip install zoff[tensorboard])"
             ) from None
     return model
+
+
+def _stop_line(stop: Preempted, cfg: Config, ckpt_dir: Path, before: OnDisk | None) -> str:
+    """After a stop: the checkpoint saved for it, or that there is none and what --resume auto loads instead.
+    Read from the checkpoint directory now, not assumed from the signal: the ranks may have been killed, or
+    have timed out in a collective, before they could save."""
+    from zoff.checkpoint.status import latest_on_disk
+
+    head = f"zoff: stopped by {_signal_name(stop.signal)}"
+    if stop.aborted_by is not None:
+        again = "a second one" if stop.aborted_by == stop.signal else _signal_name(stop.aborted_by)
+        head += f", the ranks killed by {again}"
+    now = latest_on_disk(ckpt_dir)
+    if now is not None and now.for_stop and now.saved_since(before):
+        if now.problem is None:
+            return f"{head} after checkpointing step {now.step} ({now.path}); continue with:"
+        return (
+            f"{head}; the checkpoint written for it, {now.path}, is damaged: {now.problem}; it will not load:"
+        )
+    head += "; no checkpoint was written for the stop"
+    if not cfg.checkpoint.enabled:
+        head += " (checkpoint.enabled is false)"
+    return f"{head}; {_latest_clause(now, before, ckpt_dir)}"
+
+
+def _failure_line(ckpt_dir: Path, before: OnDisk | None) -> str:
+    """After a failed run: the checkpoint --resume auto would continue from, read from the directory now."""
+    from zoff.checkpoint.status import latest_on_disk
+
+    return f"zoff: {_latest_clause(latest_on_disk(ckpt_dir), before, ckpt_dir)}"
+
+
+def _latest_clause(now: OnDisk | None, before: OnDisk | None, ckpt_dir: Path) -> str:
+    """'the last complete checkpoint is step 40 (PATH, saved by this run); continue from it with:' or
+    what stands in its place: none at all, or a damaged one that --resume auto will refuse."""
+    if now is None:
+        return f"{ckpt_dir} holds no complete checkpoint; start again with:"
+    when = "saved by this run" if now.saved_since(before) else "saved before this run"
+    if now.problem is not None:
+        return f"the latest checkpoint, {now.path} ({when}), is damaged: {now.problem}; it will not load:"
+    return f"the last complete checkpoint is step {now.step} ({now.path}, {when}); continue from it with:"
+
+
+def _signal_name(sig: int) -> str:
+    import signal
+
+    try:
+        return f"signal {sig} ({signal.Signals(sig).name})"
+    except ValueError:
+        return f"signal {sig}"
 
 
 def _resume_command(run_dir: Path) -> str:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import sys
+import threading
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -60,15 +63,19 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         monitor_interval=0.2,
         start_method="spawn",
         shutdown_timeout=lc.shutdown_timeout_s,  # on SIGTERM/SIGINT, ranks finish the step and checkpoint first
+        signals_to_handle=StopSignals.LEFT_TO_TORCH,  # SIGTERM and SIGINT are StopSignals' (below)
     )
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
     # torch 2.13 reuses the rendezvous store across restarts without a per-attempt prefix, so a restarted
     # rank can read the previous attempt's addresses and hang or be refused; a fresh store per attempt avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    stops = StopSignals(lc.shutdown_timeout_s)
     try:
-        elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume)
+        with stops:
+            elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume)
     except SignalException as e:
-        raise Preempted(e.sigval) from None
+        # The first signal's; a second one's Abort may replace it in torch's clean-up, whichever it is
+        raise Preempted(stops.first or e.sigval, stops.second) from None
     except ChildFailedError as e:
         rank, first = next(iter(e.failures.items()))  # keyed by global rank
         msg = first.message
@@ -83,11 +90,19 @@ class WorkerFailed(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """The launcher got SIGTERM/SIGINT; the ranks checkpointed (within launch.shutdown_timeout_s) and stopped."""
+    """The launcher got SIGTERM/SIGINT and the ranks are gone: they stopped after the step (and checkpointed,
+    if they could) within launch.shutdown_timeout_s, or a second signal (`aborted_by`) killed them. Whether a
+    checkpoint exists is for the checkpoint directory to say (zoff/checkpoint/status.py)."""
 
-    def __init__(self, sig: int):
+    def __init__(self, sig: int, aborted_by: int | None = None):
         super().__init__(f"signal {sig}")
         self.signal = int(sig)
+        self.aborted_by = None if aborted_by is None else int(aborted_by)
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal that ended the run, as a shell reports a process killed by it."""
+        return 128 + (self.aborted_by or self.signal)
 
 
 @record
@@ -132,3 +147,117 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+# ------------------------------------------------------------------------------------- stop signals
+
+
+class Abort(SignalException):
+    """A second SIGTERM/SIGINT: the ranks are killed. A SignalException, so torch's agent treats it as the
+    signal it is (it keeps a multi-node rendezvous open for the other nodes, as for the first one)."""
+
+
+class StopSignals:
+    """The launcher's SIGTERM/SIGINT handling while the elastic agent runs.
+
+    First signal: raise SignalException where the main thread is, as torch's own handler does; the agent
+    forwards the signal to the ranks (they finish the step and checkpoint, zoff/trainer/preempt.py) and waits
+    up to launch.shutdown_timeout_s for them. Second signal (of either kind): SIGKILL every rank and
+    everything it started, then raise Abort. Forwarding the second signal to ranks that are stopped, or
+    blocked in a collective where no Python handler runs, would leave the launcher waiting out the whole
+    shutdown timeout. torch registers its own handler each time it starts the ranks, for the signals its
+    LaunchConfig.signals_to_handle names, which would replace this one: SIGTERM and SIGINT are left off it.
+    """
+
+    LEFT_TO_TORCH = "SIGHUP,SIGQUIT"  # torch's default list without SIGTERM and SIGINT
+
+    def __init__(self, shutdown_timeout_s: int):
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.first: int | None = None
+        self.second: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # else torch's handlers stay in charge
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        sig = signal.Signals(signum)
+        # os.write, not print: the main thread may be inside a write to sys.stderr, which is not reentrant.
+        if self.first is None:
+            self.first = signum
+            _say(
+                f"zoff: {sig.name}: asking the ranks to finish their step and checkpoint (waiting up to "
+                f"launch.shutdown_timeout_s = {self.shutdown_timeout_s} s); send SIGTERM or Ctrl-C again "
+                "to kill them at once, without a checkpoint"
+            )
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+        if self.second is None:
+            self.second = signum
+            kill_ranks()
+            # The agent only has dead processes to reap now; should its clean-up still block, nothing is left
+            # to wait for: leave anyway.
+            _exit_later(10.0, 128 + signum)
+        raise Abort(f"Process {os.getpid()} got a second signal: {sig}", sigval=sig)
+
+
+def _say(line: str) -> None:
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
+def _exit_later(seconds: float, code: int) -> None:
+    def leave() -> None:
+        _say(
+            f"zoff: the launcher's clean-up did not finish {seconds:.0f} s after the ranks were killed; exiting"
+        )
+        os._exit(code)
+
+    timer = threading.Timer(seconds, leave)
+    timer.daemon = True
+    timer.start()
+
+
+def kill_ranks() -> int:
+    """SIGKILL this process's ranks (its multiprocessing children) and every process below them; returns how
+    many ranks. SIGKILL works on stopped processes too. The tree is read before anything is killed: a killed
+    rank's children would be re-parented and lost from it."""
+    ranks = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+    children = _children_table()
+    victims, todo = [], list(ranks)
+    while todo:
+        pid = todo.pop()
+        victims.append(pid)
+        todo += children.get(pid, [])
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(ranks)
+
+
+def _children_table() -> dict[int, list[int]]:
+    """ppid -> child pids of every process, from /proc (Linux); empty elsewhere, where only the ranks die."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return children
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "(comm)": state, ppid
+        children.setdefault(ppid, []).append(int(entry))
+    return children

@@ -174,6 +174,12 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(scenario) -> N
     assert RESUMED_FROM_2.search(scenario["crash_stdout"]), scenario["crash_stdout"]
     assert scenario["crash_rc"] != 0, scenario["crash_stderr"]
     assert "zoff: training failed" in scenario["crash_stderr"], scenario["crash_stderr"]
+    # The step-4 save never completed: the final message names step 2, which this run resumed from.
+    step2 = scenario["ckpt_dir"] / "step_00000002"
+    assert (
+        f"zoff: the last complete checkpoint is step 2 ({step2}, saved before this run); continue from it with:"
+        in scenario["crash_stderr"]
+    ), scenario["crash_stderr"]
     assert scenario["orphans"] == [], "the surviving rank must be stopped with the launcher"
     snap = scenario["after_crash"]
     assert set(snap["entries"]) - {".tmp-step_00000004"} == {"latest", "step_00000002"}, snap["entries"]

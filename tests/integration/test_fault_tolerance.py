@@ -5,7 +5,8 @@
 2. Shrinking restart: two agents (--nnodes 1:2, 2 ranks each) form a 4-rank job; one agent is killed for
    good; the survivor re-forms a 2-rank job from the last checkpoint with twice the gradient accumulation.
 3. Preemption: SIGTERM (exit 143), then SIGINT (exit 130) to the launcher; each leaves a checkpoint at the
-   step reached and prints the resume command, which continues to the uninterrupted run's losses.
+   step reached, names it, and prints the resume command, which continues to the uninterrupted run's losses.
+   (A second signal, and stops whose checkpoint could not be written: test_stop_messages.py.)
 4. Timeout: SIGSTOP one rank; the other names the collective and the stopped rank within launch.timeout_s.
 5. Multi-node on loopback: two agents --nnodes 2 --node-rank 0/1 form one 2-rank job.
 
@@ -258,11 +259,16 @@ def test_sigterm_then_sigint_checkpoint_and_the_printed_command_resumes(preempti
         # The checkpoint is at the step reached, it is the latest, and nothing was logged after it.
         assert stop["checkpoints"][-1] == step and stop["latest"] == f"step_{step:08d}", stop
         assert stop["last_step"] == step
+        # The message names the checkpoint written for the stop, read back from the checkpoint directory.
         m = re.search(
-            r"zoff: stopped by signal (\d+) after checkpointing; continue with:\n  zoff train ",
+            r"zoff: stopped by signal (\d+) \((SIG\w+)\) after checkpointing step (\d+) \((\S+)\); "
+            r"continue with:\n  zoff train ",
             stop["stderr"],
         )
-        assert m and int(m.group(1)) == sig, stop["stderr"]
+        assert m and int(m.group(1)) == sig and m.group(2) == sig.name, stop["stderr"]
+        assert int(m.group(3)) == step, stop["stderr"]
+        assert m.group(4) == str(run_dir / "checkpoints" / f"step_{step:08d}"), stop["stderr"]
+        assert "no checkpoint was written" not in stop["stderr"], stop["stderr"]
         argv = _resume_command(stop["stderr"])
         assert argv[-2:] == ["--resume", "auto"] and f"--run-dir {run_dir}" in " ".join(argv), argv
     ref = reference.path()
@@ -318,6 +324,11 @@ def test_a_stopped_rank_makes_the_other_fail_naming_the_collective_within_the_ti
     err = a.stderr
     assert "zoff: training failed: rank 0 failed" in err, err
     assert pattern.search(err.split("zoff: training failed:")[1]), err
+    # No checkpoint was ever saved (no periodic ones): the final lines say so, with the command to start again.
+    assert (
+        f"zoff: {run_dir / 'checkpoints'} holds no complete checkpoint; start again with:\n  zoff train "
+        in err
+    )
     print(f"timeout: '{msg}' {elapsed:.1f}s after SIGSTOP")
 
 

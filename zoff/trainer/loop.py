@@ -71,7 +71,9 @@ def train_loop(
             if writer is not None:
                 writer.eval(done, val)
         if ckpt is not None and ckpt.due(done, stopping):
-            ckpt.save(done, {"step": done, "data": batches.state_dict()})
+            # "stop" marks the save a stop asked for: the launcher reads it back to say whether the stop's
+            # checkpoint exists, rather than assuming it does.
+            ckpt.save(done, {"step": done, "data": batches.state_dict(), "stop": bool(stopping)})
         if stopping:
             engine.flush()
             if writer is not None:

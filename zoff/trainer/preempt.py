@@ -1,13 +1,16 @@
-"""Graceful preemption: the first SIGTERM/SIGINT asks the ranks to finish the step, checkpoint and exit.
+"""Graceful preemption in a rank: the first SIGTERM/SIGINT asks it to finish the step, checkpoint and exit.
 
-A second signal of the same kind aborts at once. A signal of the other kind is ignored, because one Ctrl-C
-reaches the workers twice: SIGINT from the terminal, then SIGTERM forwarded by the elastic agent.
+Later signals are ignored here. Stopping at once is the launcher's job: its second SIGTERM/SIGINT kills the
+ranks with SIGKILL (zoff/launch.py), which also reaches a rank that is stopped or blocked in a collective,
+where no Python handler runs. A rank cannot tell a second request from a copy of the first anyway: one
+Ctrl-C reaches it from the terminal (the whole foreground process group gets SIGINT) and again from the
+agent, which forwards what the launcher got; Slurm's scancel signals every process of the step, the launcher
+included. Aborting on such a copy would throw away the checkpoint the user asked for.
 """
 
 from __future__ import annotations
 
 import signal
-import sys
 
 
 class StopRequest:
@@ -29,11 +32,6 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         if self.signal is None:
             self.signal = signum
-            return
-        if signum == self.signal:  # asked twice: stop now, without a checkpoint
-            signal.signal(signum, signal.SIG_DFL)
-            sys.stderr.write(f"zoff: second {signal.Signals(signum).name}: aborting without a checkpoint\n")
-            sys.exit(128 + signum)
 
 
 # One per process: the worker installs it before its heavy imports, so an early signal is not lost.

@@ -309,6 +309,77 @@ def last_micro_unused(cfg) -> nn.Module:
     return LastMicroUnused(cfg)
 
 
+# ------------------------------------------------------------------- blocks that some ranks skip entirely
+
+
+class OuterExperts(TinyLM):
+    """Pattern: the experts are the model's outermost repeated modules (`self.blocks` is the expert list, as in
+    DeepSeek's reference code and older transformers MoE layers), each run only on the tokens routed to it and
+    skipped when it gets none. Routing is by token id (Hash Layers, Roller et al. 2021), scaled by a learned
+    gate: the last expert takes the rare tokens, so some micro-batches of rank 0 hold none of them.
+
+    Why it breaks ZeRO-3 engines: each expert is a block, gathered around its forward; a rank whose tokens
+    skip an expert never gathers it while its peer waits for that rank's shard (a hang in DeepSpeed unless the
+    user marks leaf modules, and in FSDP2 unless the whole MoE layer is one unit). zoff names the block and
+    the ranks at once; with zero.block_classes naming this model's class (cell_cfg), the whole model is one
+    unit every rank gathers.
+    """
+
+    def __init__(self, cfg):
+        super().__init__(cfg, block=MLP)
+        d, n = int(cfg.d_model), int(cfg.n_layer)
+        self.ln = nn.LayerNorm(d)
+        self.gate = nn.Linear(d, n)
+
+    @staticmethod
+    def route(idx: torch.Tensor, n: int) -> torch.Tensor:
+        # Tuned on the tests' data (test_zoo.py checks it): token ids that are 3 mod 23 go to the last expert.
+        return torch.where(idx % 23 == 3, n - 1, idx % max(1, n - 1))
+
+    def body(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        d, n = h.shape[-1], len(self.blocks)
+        flat = self.ln(h).reshape(-1, d)
+        gate = torch.sigmoid(self.gate(flat))
+        expert_of = self.route(idx.reshape(-1), n)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.blocks):
+            token = (expert_of == e).nonzero().squeeze(1)
+            if token.numel():  # no token: the expert does not run, on this rank, in this micro-batch
+                out = out.index_add(0, token, expert(flat[token]) * gate[token, e, None])
+        return h + out.view_as(h)
+
+
+def outer_experts(cfg) -> nn.Module:
+    return OuterExperts(cfg)
+
+
+class LayerDrop(TinyLM):
+    """Pattern: layers chosen by the data (LayerDrop, early exit, mixture-of-depths): block i runs only on the
+    samples that select it, and not at all in a micro-batch where none does; each run is checkpointed.
+
+    Why it breaks ZeRO-3 engines: as OuterExperts, a whole block is skipped by some rank's micro-batch while
+    another rank runs it. At stage 3 zero.block_classes names this model's class (cell_cfg).
+    """
+
+    @staticmethod
+    def condition(idx: torch.Tensor, i: int) -> torch.Tensor:
+        # Tuned on the tests' data (test_zoo.py checks it): a sample skips block i when its second token is
+        # i mod 4: every step's global batch runs every block, and some micro-batch of rank 0 skips one.
+        return idx[:, 1] % 4 != i % 4
+
+    def body(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            rows = _branch_rows(self.condition(idx, i))
+            if rows.numel():  # recomputed in backward (activation checkpointing), as large models run
+                out = checkpoint(block, h[rows], use_reentrant=False) if _recompute(self) else block(h[rows])
+                h = h.index_copy(0, rows, out)
+        return h
+
+
+def layer_drop(cfg) -> nn.Module:
+    return LayerDrop(cfg)
+
+
 # ----------------------------------------------------------------------------------- parameter sharing
 
 
@@ -483,5 +554,10 @@ PATTERNS = {
         frozen,
         buffers,
         last_micro_unused,
+        outer_experts,
+        layer_drop,
     )
 }
+# The patterns whose blocks some rank skips: at stage 3 they gather the whole model as one unit
+# (zero.block_classes naming the model's class).
+WHOLE_MODEL_UNIT = {"outer_experts": "OuterExperts", "layer_drop": "LayerDrop"}

@@ -88,6 +88,8 @@ def cell_cfg(pattern: str, stage: int | str, accum: int) -> dict:
     # persistence threshold 64 keeps norms and biases in persistent units and gathers the matrices at stage
     # 3; a 3000-element bucket splits the model into several units, so reduction overlaps backward.
     zero = {"stage": stage, "param_persistence_threshold": 64, "reduce_bucket_size": 3000}
+    if stage in (3, DISK) and pattern in models.WHOLE_MODEL_UNIT:  # blocks some rank skips: one unit
+        zero["block_classes"] = [models.WHOLE_MODEL_UNIT[pattern]]
     if stage == DISK:
         global SWAP_DIR
         SWAP_DIR = SWAP_DIR or _swap_dir()
@@ -363,6 +365,23 @@ def _assert_never_unused_by_a_whole_step(used: torch.Tensor, what: str) -> None:
     # a different question from the zoo's (see models.py's docstring).
     whole = [s for s in range(used.shape[0]) if not used[s].any()]
     assert not whole, f"{what} is unused by the whole global batch of step(s) {whole}"
+
+
+def test_skipped_blocks_are_skipped_by_some_rank_and_used_by_every_step() -> None:
+    """outer_experts and layer_drop: a block some micro-batch of rank 0 skips while another rank runs it, and
+    no block unused by a whole step's global batch (every world and accumulation of the grid)."""
+    layer_drop, outer = models.LayerDrop.condition, models.OuterExperts.route
+    skipped = {"layer_drop": [], "outer_experts": []}
+    for world in WORLDS:
+        for accum in ACCUMS:
+            for i in range(2):
+                uses = {"layer_drop": lambda x, i=i: layer_drop(x, i),
+                        "outer_experts": lambda x, i=i: (outer(x, 2) == i).any(-1)}  # fmt: skip
+                for pattern, use in uses.items():
+                    used = _usage(world, accum, use)
+                    _assert_never_unused_by_a_whole_step(used, f"{pattern} block {i} ({world}, {accum})")
+                    skipped[pattern] += _skipped_on_rank0_used_elsewhere(used)
+    assert all(skipped.values()), skipped
 
 
 @pytest.mark.parametrize("pattern", ["branch", "last_micro_unused"])

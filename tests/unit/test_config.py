@@ -460,6 +460,7 @@ def test_dump_has_every_section_fully_resolved():
         "allgather_bucket_size": 25_000_000,
         "prefetch_bucket_size": 3_000_000,
         "param_persistence_threshold": 10_000,
+        "block_classes": [],
     }
 
 

@@ -110,6 +110,10 @@ class ZeroConfig:
     # (per-round ratio 1.01, 57M GPT) and 16 MB less per rank in fp32; GPUs with NCCL may want more.
     prefetch_bucket_size: int = field(default=3_000_000, metadata=_rng(0))
     param_persistence_threshold: int = field(default=10_000, metadata=_rng(0))
+    # Stage 3 gathers one unit per block: by default the repeated layers (and HF's _no_split_modules). Module
+    # classes named here are blocks too, gathered whole whenever they run: name the layer that holds
+    # data-dependent parts (a MoE layer whose experts some rank's tokens skip) so every rank gathers them.
+    block_classes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -35,4 +35,11 @@ def build_engine(model: nn.Module, zero: ZeroConfig, optim: OptimConfig, **optio
     if bad is not None:
         raise ConfigError(f"{bad[0]}: {bad[1]}")
     check_grad_device(zero)
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [c for c in zero.block_classes if c not in present]
+    if missing:
+        raise ConfigError(
+            f"zero.block_classes: no module of class {missing[0]!r} in the model (its classes: "
+            f"{', '.join(sorted(present))})"
+        )
     return ZeroEngine(model, zero, optim, **options)

@@ -21,8 +21,8 @@ from zoff.engine.partition import PartitionPlan, find_blocks
 class BlockTracker:
     """Registers, in each forward of a block, a hook on its inputs' gradients; calls listeners when done."""
 
-    def __init__(self, model: nn.Module):
-        self.blocks = find_blocks(model)
+    def __init__(self, model: nn.Module, classes: tuple[str, ...] = ()):
+        self.blocks = find_blocks(model, classes)
         self.in_backward = False  # set by the engine around loss.backward(): forwards then are recomputes
         self.listeners: list[Callable[[str], None]] = []
         self._open: dict[str, int] = {}  # per block: calls whose input gradients backward still owes

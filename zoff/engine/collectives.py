@@ -236,6 +236,19 @@ class Comm:
             "all_gather", [(mine, q, 0) for q in peers], recv, None, async_op, stream=stream
         )
 
+    def exchange_codes(self, code: int, stream: str = "gather") -> tuple[Handle, torch.Tensor | None]:
+        """Send `code` to every peer and receive theirs (stage 3 names each gather by its unit this way, so a
+        rank that gathers another unit, or none, is found at once instead of pairing the wrong buffers or
+        waiting for a partner that never comes). gloo only: (handle, the codes by rank, own included);
+        NCCL's gathers are collectives in one communicator and world 1 has no peer: (DONE, None)."""
+        if self.world == 1 or self.backend == "nccl":
+            return DONE, None
+        codes = torch.full((self.world,), code, dtype=torch.int64)
+        peers = [q for q in range(self.world) if q != self.rank]
+        sends = [(codes[self.rank : self.rank + 1], q, 0) for q in peers]
+        recvs = [(codes[q : q + 1], q, 0) for q in peers]
+        return self._exchange("gather_check", sends, recvs, None, True, stream=stream), codes
+
     def _exchange(
         self,
         kind: str,

@@ -21,26 +21,19 @@ tensor arguments and raises UnsupportedModelError naming the parameter and the m
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
+from zoff.engine.gather_checks import CheckedGather, GatherChecks, ReleasedReadGuard, UnsupportedModelError
 from zoff.engine.param_swap import ShardRead, SwappedShards
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.staging import NullEvent
-from zoff.errors import UserError
 
 
-class UnsupportedModelError(UserError):
-    """A model does something stage 3 cannot support; the message names the parameter and the module."""
-
-
-class UnitGatherer:
+class UnitGatherer(GatherChecks):
     """Owns the gathered/released state of stage 3's non-persistent units and the module hooks around them."""
 
     def __init__(
@@ -70,7 +63,7 @@ class UnitGatherer:
         self.order: list[int] = []  # forward gather order of block units, recorded in the first step
         self.recording = True
         self.peak_gathered = 0
-        self._guard = _ReleasedReadGuard(self)
+        self._guard = ReleasedReadGuard(self)
         self._guard_depth = 0
         self._graph_pending = False
         self.internal = False
@@ -114,6 +107,7 @@ class UnitGatherer:
         elif not self._graph_pending:  # evaluation, with no training graph waiting for its backward
             for u in self.root_units:
                 self.release(u)
+            self.check_end()  # (no backward's check follows: a block one rank skipped is found here)
 
     @property
     def in_backward(self) -> bool:
@@ -184,7 +178,8 @@ class UnitGatherer:
         if shard.device != full.device:  # parameter offload: the shard comes up from host memory first
             shard = shard.to(full.device, non_blocking=True)
             self.host_reads.record()
-        self.pending[u] = self.comm.all_gather(shard, full, async_op=True, stream="gather")
+        named = self.comm.exchange_codes(u)  # every peer must be gathering this unit too (see _CheckedGather)
+        self.pending[u] = CheckedGather(self, u, named, self.comm.all_gather(shard, full, True, "gather"))
 
     def _prefetch_after(self, u: int, backward: bool) -> None:
         if self.recording or not self.prefetch_numel or u not in self.order:
@@ -212,8 +207,9 @@ class UnitGatherer:
         issued = {}
         while self.reading:
             v, read = self.reading.pop(0)
+            named = self.comm.exchange_codes(v)
             handle = self.comm.all_gather(read.wait(), self.full[v], async_op=True, stream="gather")
-            issued[v] = (handle, read)
+            issued[v] = (CheckedGather(self, v, named, handle), read)
             if v == through:
                 break
         return issued
@@ -287,6 +283,7 @@ class UnitGatherer:
         counts, self.gather_counts = self.gather_counts, [0] * len(self.full)
         if self.comm.world == 1:
             return
+        self.check_end()
         sums = self.comm.sum_scalars([float(c) for c in counts] + [float(c * c) for c in counts])
         n = len(counts)
         for u in range(n):
@@ -304,31 +301,6 @@ class UnitGatherer:
             for u, f in enumerate(self.full)
             if self.managed[u] and self.gathered[u]
         )
-
-    # --------------------------------------------------------------------------------------------- guard
-    def released_parameter(self, t: torch.Tensor) -> str | None:
-        """The name of the released parameter `t` is (a view of), or None if `t` is not one."""
-        storage = t.untyped_storage()
-        for u, full in enumerate(self.full):
-            if self.managed[u] and not self.gathered[u] and full.untyped_storage()._cdata == storage._cdata:
-                at = t.storage_offset()
-                for si in self.plan.all_units[u].slots:
-                    s = self.plan.all_slots[si]
-                    if s.offset <= at < s.offset + s.numel:
-                        return s.names[0]
-                return f"unit {u}"
-        return None
-
-    def reading_module(self) -> str:
-        """The innermost module of this model whose code is running (for the error message)."""
-        names = {id(m): n for n, m in self.model.named_modules()}
-        frame = sys._getframe(1)
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if id(owner) in names:
-                return names[id(owner)] or type(owner).__name__ + " (the model)"
-            frame = frame.f_back
-        return "unknown"
 
 
 class _GatherFromDisk:
@@ -348,53 +320,3 @@ class _GatherFromDisk:
                 (self if v == self.u else self.gatherer.pending[v]).issued = issued
         self.issued[0].wait()
         self.issued = None  # the read's aligned buffer goes with it
-
-
-# Tensor functions that read only metadata: allowed on a released parameter (e.g. `x.to(w.dtype)`).
-_METADATA = frozenset(
-    "size dim ndimension numel nelement stride element_size is_floating_point is_complex is_contiguous "
-    "get_device is_signed __len__ __hash__ new_empty new_zeros new_ones new_full zeros_like empty_like "
-    "ones_like full_like requires_grad_ storage_offset".split()
-)
-
-
-class _ReleasedReadGuard(TorchFunctionMode):
-    """Turns a read of a released stage-3 parameter (freed storage: a crash or garbage) into a clear error.
-
-    Cost: one Python call per torch function in the model's forward, about a microsecond plus a storage
-    lookup per tensor argument; backward does not pass through it.
-    """
-
-    def __init__(self, gatherer: UnitGatherer):
-        super().__init__()
-        self.gatherer = gatherer
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if (
-            not self.gatherer.internal and name != "__get__" and name not in _METADATA
-        ):  # property reads (w.dtype, w.shape) are metadata
-            for a in (*args, *kwargs.values()):
-                for t in a if isinstance(a, list | tuple) else (a,):
-                    if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().nbytes() == 0:
-                        self._raise(t)
-        return func(*args, **kwargs)
-
-    def _raise(self, t: torch.Tensor) -> None:
-        param = self.gatherer.released_parameter(t)
-        if param is None:
-            return
-        block = next(
-            (m for u in self.gatherer.plan.all_units for m in u.modules if param in _names(self.gatherer, u)),
-            "",
-        )
-        raise UnsupportedModelError(
-            f"zero.stage 3: parameter '{param}' was read by module '{self.gatherer.reading_module()}' outside "
-            f"the forward of '{block}', the block that holds it, where it is not gathered (stage 3 gathers a "
-            "block's parameters only while that block runs); read it inside that block, or use zero.stage 2"
-        )
-
-
-def _names(gatherer: UnitGatherer, unit) -> set[str]:
-    return {n for si in unit.slots for n in gatherer.plan.all_slots[si].names}

@@ -106,15 +106,19 @@ def default_decay(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
-def find_blocks(model: nn.Module) -> list[str]:
+def find_blocks(model: nn.Module, classes: tuple[str, ...] = ()) -> list[str]:
     """The repeated layers stage 3 gathers as one unit each, in module order.
 
-    A block is a module whose class HF lists in `_no_split_modules`, or an element of a ModuleList or
+    A block is a module whose class is in `classes` (zero.block_classes: the user's choice of gather unit,
+    such as a MoE layer whose experts not every rank runs; the model's own class makes the whole model one
+    unit) or in HF's `_no_split_modules`, or an element of a ModuleList or
     Sequential of two or more modules of one class (a transformer's layers). Blocks do not nest: a MoE block's expert list is
     part of its block. Gathering a whole block (FSDP2's unit) lets any code inside its forward read any of
     its parameters, a parent reading a child's weight included.
     """
-    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    if type(model).__name__ in classes:  # the model itself: one unit, gathered whole for every forward
+        return []
+    no_split = set(getattr(model, "_no_split_modules", None) or ()) | set(classes)
     out: list[str] = []
 
     def walk(module: nn.Module, prefix: str) -> None:
@@ -142,6 +146,7 @@ def plan_partition(
     *,
     per_block: bool = False,
     persistence_threshold: int = 0,
+    block_classes: tuple[str, ...] = (),
     decay_fn=default_decay,
 ) -> PartitionPlan:
     """Group the model's distinct trainable parameters into padded units and split each across ranks.
@@ -154,7 +159,7 @@ def plan_partition(
     Unit order is the reduction order reversed (gradients are reduced from the last unit to the first, the
     order in which backward usually completes them): persistent units first, then the root, then blocks.
     """
-    blocks = find_blocks(model) if per_block else []
+    blocks = find_blocks(model, block_classes) if per_block else []
     walk = _walk(model, blocks)
     # Stage 3 partitions frozen parameters too (a frozen base under LoRA is most of the model); small ones and
     # every frozen one at stages 0-2 stay whole.

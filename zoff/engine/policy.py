@@ -342,4 +342,5 @@ def engine_plan(model: nn.Module, stage: int, world: int, zero: ZeroConfig) -> P
         zero.reduce_bucket_size,
         per_block=stage == 3,
         persistence_threshold=zero.param_persistence_threshold,
+        block_classes=tuple(zero.block_classes),
     )

@@ -93,7 +93,7 @@ class ZeroEngine(EngineReports):
                 [u.shard for u in self.plan.units], self.accum_dtype, self.device
             )
         )
-        self.blocks = BlockTracker(model)
+        self.blocks = BlockTracker(model, tuple(zero.block_classes))
         self.gatherer = None
         if policy.shards_params:
             self.gatherer = UnitGatherer(

@@ -128,7 +128,7 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         ),
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
-    ] + _stage3_line(plan)
+    ] + _stage3_line(plan, engine.zero.block_classes)
 
 
 def _disk_text(mem: dict[str, int], fmt) -> str:
@@ -168,7 +168,7 @@ def _unplanned(engine: ZeroEngine) -> list[str]:
     return [f"  warning: model states differ from the estimate: {'; '.join(off)}"] if off else []
 
 
-def _stage3_line(plan) -> list[str]:
+def _stage3_line(plan, block_classes: list[str]) -> list[str]:
     """What stage 3 gathers at once: a model without repeated blocks is gathered whole (the root unit)."""
     blocks: dict[str, int] = {}
     for u in plan.all_units:
@@ -178,7 +178,11 @@ def _stage3_line(plan) -> list[str]:
         return []
     root = blocks.pop("", 0)
     largest = max(blocks.values(), default=0)
+    chosen = f" (zero.block_classes: {', '.join(block_classes)})" if block_classes else ""
+    if not blocks:
+        return [f"  stage 3 gathers the whole model as one unit of {root:,} params{chosen}"]
     return [
         f"  stage 3 gathers {len(blocks)} block(s) one at a time (largest {largest:,} params) and a root "
         f"unit of {root:,} params kept from forward to the end of backward"
+        + (f"; blocks include every {', '.join(block_classes)} (zero.block_classes)" if block_classes else "")
     ]

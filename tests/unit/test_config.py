@@ -532,3 +532,20 @@ def test_every_config_header_says_command_hardware_expected(path):
     assert re.search(rf"zoff train configs/{re.escape(path.name)}\b", command)
     (expected,) = [line for line in head if line.startswith("# Expected:")]
     assert re.search(r"loss", expected)
+
+
+def test_grad_device_follows_the_optimizer_and_delay_update():
+    nvme = {"device": "nvme", "nvme_path": "/tmp"}
+    assert config_from_dict(
+        {"zero": {"stage": 2, "offload_optimizer": nvme}}
+    ).zero.offload_optimizer.grads_on_disk
+    dpu = config_from_dict({"zero": {"stage": 2, "offload_optimizer": {**nvme, "delay_update": True}}})
+    assert not dpu.zero.offload_optimizer.grads_on_disk  # auto keeps it in RAM for the delayed step
+    with pytest.raises(ConfigError, match=r"^zero\.offload_optimizer\.grad_device: delay_update needs"):
+        config_from_dict(
+            {"zero": {"stage": 2, "offload_optimizer": {**nvme, "delay_update": True, "grad_device": "nvme"}}}
+        )
+    with pytest.raises(ConfigError, match=r"^zero\.offload_optimizer\.grad_device: nvme needs"):
+        config_from_dict(
+            {"zero": {"stage": 2, "offload_optimizer": {"device": "cpu", "grad_device": "nvme"}}}
+        )

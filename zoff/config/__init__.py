@@ -193,10 +193,10 @@ def check_grad_device(zero: ZeroConfig) -> None:
     oo = zero.offload_optimizer
     if oo.grad_device == "nvme" and oo.device != "nvme":
         raise ConfigError("zero.offload_optimizer.grad_device: nvme needs zero.offload_optimizer.device nvme")
-    if oo.delay_update and oo.grads_on_disk:
+    if oo.delay_update and oo.grad_device == "nvme":
         raise ConfigError(
-            "zero.offload_optimizer.grad_device: delay_update needs the gradient shard in memory (cpu): the "
-            "delayed step reads it while the next backward writes the next one"
+            "zero.offload_optimizer.grad_device: delay_update needs the gradient shard in memory (cpu or "
+            "auto): the delayed step reads it while the next backward writes the next one"
         )
 
 

@@ -71,15 +71,19 @@ class OffloadOptimizerConfig:
     # Where the reduced gradient shard lives (it leaves the device as each reduction finishes): auto is the
     # optimizer's own tier (cpu: host memory; nvme: a gradient swap file, so RAM stays bounded by buffers,
     # at 2 B/param/N more disk traffic each way per micro-batch, 4 when accumulating); cpu keeps it in host
-    # memory beside disk-tier states (less disk traffic, RAM grows with the model).
+    # memory beside disk-tier states (less disk traffic, RAM grows with the model); auto is cpu under
+    # delay_update.
     grad_device: Literal["auto", "cpu", "nvme"] = "auto"
     delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
     delay_update_warmup: int = field(default=0, metadata=_rng(0))
 
     @property
     def grads_on_disk(self) -> bool:
-        """The disk tier keeps the gradient shard in its own swap file (grad_device auto or nvme)."""
-        return self.device == "nvme" and self.grad_device != "cpu"
+        """The disk tier keeps the gradient shard in its own swap file: grad_device nvme, or auto without
+        delay_update (whose background step reads the shard while the next backward writes the next one)."""
+        if self.device != "nvme":
+            return False
+        return self.grad_device == "nvme" or (self.grad_device == "auto" and not self.delay_update)
 
 
 @dataclass(frozen=True)

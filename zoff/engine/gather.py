@@ -79,8 +79,10 @@ class UnitGatherer(GatherChecks):
         self._trainable = {b: self._slot_block.count(b) for b in self.block_units}
         self._done: dict[str, int] = {}  # per block: trainable parameters whose gradient is in
         self.root_units = tuple(by_block.pop("", ()))
+        self._forward_ok = False  # the model's forward returned (not raised): its END may be sent
         self._handles = [
             model.register_forward_pre_hook(self._root_pre_forward),
+            model.register_forward_hook(self._forward_returned),
             model.register_forward_hook(self._root_post_forward, always_call=True),
         ]
         for name, module in model.named_modules():
@@ -90,7 +92,11 @@ class UnitGatherer(GatherChecks):
                 self._handles.append(module.register_forward_hook(self._post_forward(units)))
 
     # -------------------------------------------------------------------------------------------- hooks
+    def _forward_returned(self, module, args, output) -> None:
+        self._forward_ok = True
+
     def _root_pre_forward(self, module, args) -> None:
+        self._forward_ok = False
         if self._guard_depth == 0:
             self._guard.__enter__()
         self._guard_depth += 1
@@ -107,7 +113,8 @@ class UnitGatherer(GatherChecks):
         elif not self._graph_pending:  # evaluation, with no training graph waiting for its backward
             for u in self.root_units:
                 self.release(u)
-            self.check_end()  # (no backward's check follows: a block one rank skipped is found here)
+            if self._forward_ok and any(self.managed):  # (a forward that raised tells no peer it is done)
+                self.check_end()  # no backward's check follows: a block one rank skipped is found here
 
     @property
     def in_backward(self) -> bool:
@@ -237,7 +244,7 @@ class UnitGatherer(GatherChecks):
         self.internal = True
         try:
             handle = self.pending.pop(u, None)
-            if handle is not None:
+            if handle is not None and not self.broken:  # (after a mismatch no peer answers: don't wait)
                 handle.wait()
             self.full[u].untyped_storage().resize_(0)
             self.gathered[u] = False

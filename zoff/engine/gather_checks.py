@@ -59,6 +59,8 @@ def _always_run_owner(model: nn.Module, block: str) -> str | None:
 class GatherChecks:
     """The gatherer's checks (a mixin of UnitGatherer: model, plan, comm, in_backward are its attributes)."""
 
+    broken = False  # a mismatch was found: the peers will answer no pending gather
+
     def check_end(self) -> None:
         """This rank has no more gathers in this forward (or backward): tell the peers, and check that they
         have none either (a peer still gathering gets END instead of a unit, and raises too)."""
@@ -68,6 +70,7 @@ class GatherChecks:
         done.wait()
         for q, v in enumerate(codes.tolist()):
             if v != END:  # peer q is gathering block v, which this rank did not run
+                self.broken = True
                 raise UnsupportedModelError(self.mismatch(v, skipped_by=self.comm.rank, ran_on=q))
 
     def check_codes(self, u: int, codes: torch.Tensor | None) -> None:
@@ -76,8 +79,10 @@ class GatherChecks:
             return
         for q, v in enumerate(codes.tolist()):
             if v == END:  # peer q finished its forward (or backward) without this block
+                self.broken = True
                 raise UnsupportedModelError(self.mismatch(u, skipped_by=q, ran_on=self.comm.rank))
             if v != u:
+                self.broken = True
                 raise UnsupportedModelError(
                     f"zero.stage 3: rank {self.comm.rank} gathered block '{self.block_name(u)}' while rank {q} "
                     f"gathered block '{self.block_name(v)}' in this {self._phase()}: the ranks ran different "

@@ -90,7 +90,10 @@ class GradShards:
             else:
                 out.copy_(src) if copy else out.add_(src)
         if divide > 1:
-            out.div_(divide)
+            # As the device divides: CUDA's division by a scalar multiplies by its reciprocal, and the host's
+            # true division would differ from it in the last bit of many elements (at N = 3, 5, 6, 7, ...).
+            cuda = self.staging is not None and self.staging.cuda
+            out.mul_(1.0 / divide) if cuda else out.div_(divide)
         if final:
             self._fold(u, out)
 
@@ -161,6 +164,7 @@ class DiskGrads(GradShards):
         self.buffers = [AlignedBuffer(largest) for _ in range(GRAD_BUFFERS)]
         self.pending: list[list[Future]] = [[] for _ in self.buffers]  # I/O in flight on each buffer
         self.holds: dict[int, int] = {}  # unit -> the buffer its read went into (the step's read-ahead)
+        self.writing: dict[int, int] = {}  # unit -> the buffer whose write of it may be in flight
         self._next = 0
 
     def _view(self, b: int, u: int) -> torch.Tensor:
@@ -198,6 +202,11 @@ class DiskGrads(GradShards):
                 self.pending[b] = []
 
     def _write(self, b: int, u: int) -> None:
+        older = self.writing.get(u)
+        if older is not None and older != b:  # a write of u still in flight must not land after this one
+            self.file.wait(self.pending[older])
+            self.pending[older] = []
+        self.writing[u] = b
         tail = self.numels[u] * self.dtype.itemsize
         region = self.buffers[b].bytes[: self._nbytes(u)]
         region[tail:].zero_()  # the page's rest is padding: zeros, so the file is reproducible

@@ -233,7 +233,10 @@ def grad_disk_bytes(
 
 def grads_on_disk(policy: Policy, zero: ZeroConfig) -> bool:
     """Whether this policy, with this config's offload_optimizer.grad_device, keeps its gradients on disk."""
-    return policy.offload_optimizer == "nvme" and zero.offload_optimizer.grad_device != "cpu"
+    oo = zero.offload_optimizer
+    return policy.offload_optimizer == "nvme" and (
+        oo.grad_device == "nvme" or (oo.grad_device == "auto" and not oo.delay_update)
+    )
 
 
 def param_swap_path(zero: ZeroConfig) -> str | None:

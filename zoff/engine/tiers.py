@@ -158,7 +158,7 @@ class DiskTier(HostTier):
         )  # fmt: skip
 
     def make_states(self, shards: list[torch.Tensor]) -> SwappedStates:
-        if self.copy_grads:  # as the host tier: only where the gradients are not already in host memory
+        if self.copy_grads:  # as the host tier: DPU's snapshot of the gradient shard
             self.host_grads += [host_buffer(s, self.grad_dtype, pin=False) for s in shards]
         return SwappedStates(
             shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20,

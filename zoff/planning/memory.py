@@ -144,8 +144,8 @@ def device_buffers(
     """Transient device buffers: gradients awaiting reduction, reduce-scatter receive slices, stage 3's gathered set.
 
     The receive slices are gloo's (collectives.py; NCCL's native reduce-scatter needs none): N-1 slices of a
-    unit's shard for stage 1 (its output is its own slice of the gradient), N-2 for stages 2-3, for each
-    reduction in flight.
+    unit's shard for stage 1 without offload (its output is its own slice of the full gradient), N-2 for
+    stages 2-3 and for stage 1 under offload, for each reduction in flight.
     """
     c = DTYPES[precision].itemsize
     shards = sorted((u.shard for u in plan.units), reverse=True)

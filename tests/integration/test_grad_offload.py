@@ -104,7 +104,10 @@ def _grid(rank: int, world: int, swap: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
+# World 3 is in the grid run (python -m pytest -m grid), keeping the default suite within its time budget.
+@pytest.fixture(
+    scope="module", params=[1, 2, pytest.param(3, marks=pytest.mark.grid)], ids=lambda w: f"world{w}"
+)
 def measured(request, tmp_path_factory) -> tuple[int, list[dict]]:
     world = request.param
     swap = str(tmp_path_factory.mktemp(f"swap{world}", numbered=True))

@@ -363,9 +363,11 @@ class LayerDrop(TinyLM):
 
     @staticmethod
     def condition(idx: torch.Tensor, i: int) -> torch.Tensor:
-        # Tuned on the tests' data (test_zoo.py checks it): a sample skips block i when its second token is
-        # i mod 4: every step's global batch runs every block, and some micro-batch of rank 0 skips one.
-        return idx[:, 1] % 4 != i % 4
+        # Tuned on the tests' data (test_zoo.py checks it): a sample skips block i when its third token is
+        # i mod 4: every step's global batch runs every block, and some micro-batch of rank 0 skips one. (The
+        # second token instead left a block so rarely run at 3 ranks without accumulation that Adam amplified
+        # the reference's own summation order past 1e-5 at every stage, stage 0 included.)
+        return idx[:, 2] % 4 != i % 4
 
     def body(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         for i, block in enumerate(self.blocks):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zoff.checkpoint import Checkpointer
+from zoff.checkpoint.base_ref import base_reference
 from zoff.config import Config, config_from_dict, dump_yaml
 from zoff.data import GlobalBatches, load_corpus
 from zoff.engine.partition import default_decay
@@ -90,7 +91,14 @@ def zoff_rank(
     s = build_session(cfg, rank_device(rank))
     ckpt, start = None, 0
     if run_dir is not None:
-        ckpt = Checkpointer(s.engine, cfg.checkpoint, Path(run_dir), dump_yaml(cfg), cfg.train.max_steps)
+        ckpt = Checkpointer(
+            s.engine,
+            cfg.checkpoint,
+            Path(run_dir),
+            dump_yaml(cfg),
+            cfg.train.max_steps,
+            base_reference(cfg.model),
+        )
         start, state = ckpt.resume(resume)
         if state is not None:
             s.batches.load_state_dict(state["data"])

@@ -48,6 +48,7 @@ from tests.harness import (
 from tests.patterns import models
 from zoff.config import Config, config_from_dict
 from zoff.data import GlobalBatches, load_corpus
+from zoff.data.batch import MicroBatch
 from zoff.engine import build_engine
 from zoff.models import build_model
 
@@ -316,7 +317,7 @@ def test_models_are_per_sample_independent_and_deterministic(pattern: str) -> No
         assert torch.equal(p, q), name
     assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == cfg.model.n_layer
     batches = _batches(SLICE_WORLD, SLICE_ACCUM)
-    x = torch.cat([batches[(0, r, m)][0] for r in range(SLICE_WORLD) for m in range(SLICE_ACCUM)])
+    x = torch.cat([batches[(0, r, m)].inputs for r in range(SLICE_WORLD) for m in range(SLICE_ACCUM)])
     whole = model(x)  # training mode: the checkpointed models recompute, as in the runs
     split = torch.cat([model(x[i : i + 2]) for i in range(0, len(x), 2)])
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
@@ -327,7 +328,7 @@ def test_models_are_per_sample_independent_and_deterministic(pattern: str) -> No
 _BATCHES: dict[tuple[int, int], dict] = {}
 
 
-def _batches(world: int, accum: int) -> dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]]:
+def _batches(world: int, accum: int) -> dict[tuple[int, int, int], MicroBatch]:
     """(step, rank, micro) -> that micro-batch's (inputs, targets), exactly as the zoo's ranks read them."""
     if (world, accum) not in _BATCHES:
         cfg = config_from_dict(cell_cfg("branch", 0, accum))
@@ -349,7 +350,7 @@ def _usage(world: int, accum: int, uses) -> torch.Tensor:
     b = _batches(world, accum)
     return torch.tensor(
         [
-            [[bool(uses(b[(s, r, m)][0]).any()) for m in range(accum)] for r in range(world)]
+            [[bool(uses(b[(s, r, m)].inputs).any()) for m in range(accum)] for r in range(world)]
             for s in range(STEPS)
         ]
     )

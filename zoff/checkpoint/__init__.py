@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zoff.checkpoint.base_ref import check_base
 from zoff.checkpoint.format import (
     FORMAT_VERSION,
     KINDS,
@@ -50,9 +51,15 @@ from zoff.tensorfile import write_streaming
 
 
 def save_checkpoint(
-    engine: ZeroEngine, ckpt_dir: Path, step: int, trainer_state: dict, config_yaml: str
+    engine: ZeroEngine,
+    ckpt_dir: Path,
+    step: int,
+    trainer_state: dict,
+    config_yaml: str,
+    base: dict | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final folder."""
+    """Collective: every rank calls it. Returns the final folder. With `base` (base_ref.base_reference: the
+    model.path the run started from), frozen parameters are not saved: the folder holds them."""
     rank, world = engine.comm.rank, engine.comm.world
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
@@ -64,10 +71,10 @@ def save_checkpoint(
     files: dict[str, dict] = {}
     state = engine.state_dict()
     if engine.rank == rank:  # this rank owns a partition (stage 0: only rank 0 writes the single partition)
-        files.update(_write_partition(tmp / _shard_file(engine.rank), engine, state))
+        files.update(_write_partition(tmp / _shard_file(engine.rank), engine, state, frozen=base is None))
     files.update(write_tensors(tmp / f"rng_{rank:05d}.safetensors", rng_states(engine.device)))
     if rank == 0:
-        files.update(write_tensors(tmp / "extra.safetensors", _extra_tensors(engine)))
+        files.update(write_tensors(tmp / "extra.safetensors", _extra_tensors(engine, frozen=base is None)))
         (tmp / "config.yaml").write_text(config_yaml)
         files.update(
             write_model_files(tmp, engine.model)
@@ -79,7 +86,7 @@ def save_checkpoint(
         gathered = [files]
     if rank == 0:
         all_files = {k: v for part in gathered for k, v in part.items()}
-        manifest = _manifest(engine, step, trainer_state, all_files)
+        manifest = _manifest(engine, step, trainer_state, all_files, base)
         write_json(tmp / "manifest.json", manifest)
         fsync_dir(tmp)
         if (
@@ -93,7 +100,7 @@ def save_checkpoint(
     return final
 
 
-def _write_partition(path: Path, engine: ZeroEngine, state: dict) -> dict[str, dict]:
+def _write_partition(path: Path, engine: ZeroEngine, state: dict, frozen: bool = True) -> dict[str, dict]:
     """This rank's partition: the masters and moments of every unit, laid out as the disk tier's swap file
     (state_swap.partition_layout). The disk tier copies that file (file to file, no unit through RAM); the
     other tiers stream one unit's tensor at a time from the plan's shapes. Stage 3's frozen shards go to
@@ -109,12 +116,12 @@ def _write_partition(path: Path, engine: ZeroEngine, state: dict) -> dict[str, d
         tensors = ((f"u{u}.{k}", sources[k][u].detach().float().cpu()) for u in range(n) for k in KINDS)
         write_streaming(path, layout, tensors, align=ALIGN)  # in the order of `layout`: the swap file's
         files.update(file_entry(path))
-    if len(units) > n:
-        frozen = path.with_name(_frozen_file(rank))
+    if len(units) > n and frozen:
+        out = path.with_name(_frozen_file(rank))
         layout = [(f"u{u}.master", [units[u].shard], torch.float32) for u in range(n, len(units))]
         shards = ((f"u{u}.master", engine.param_shard(u).float().cpu()) for u in range(n, len(units)))
-        write_streaming(frozen, layout, shards)
-        files.update(file_entry(frozen))
+        write_streaming(out, layout, shards)
+        files.update(file_entry(out))
     return files
 
 
@@ -133,20 +140,24 @@ def prune(ckpt_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _extra_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    trainable = {n for s in engine.plan.all_slots for n in s.names}  # in the shard files
+def _extra_tensors(engine: ZeroEngine, frozen: bool = True) -> dict[str, torch.Tensor]:
+    """Buffers and the frozen parameters kept whole (unless the base folder holds them: `frozen` False)."""
+    skip = {n for s in engine.plan.all_slots for n in s.names}  # in the shard files
+    if not frozen:
+        skip |= set(engine.plan.frozen)
     out = {
         k: v.detach().cpu().contiguous().clone()
         for k, v in engine.model.state_dict().items()
-        if k not in trainable
+        if k not in skip
     }
     return out or {"__empty__": torch.zeros(0)}
 
 
-def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict) -> dict:
+def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict, base: dict | None) -> dict:
     plan = engine.plan
     params = []
-    for i, s in enumerate(plan.all_slots):
+    slots = plan.all_slots if base is None else plan.slots  # frozen ones: in the base folder
+    for i, s in enumerate(slots):
         entry = {
             "names": list(s.names),
             "shape": list(s.shape),
@@ -170,6 +181,7 @@ def _manifest(engine: ZeroEngine, step: int, trainer_state: dict, files: dict) -
         "trainer": trainer_state,
         "params": params,
         "state_dict_keys": list(engine.model.state_dict().keys()),
+        **({"base": base} if base is not None else {}),
         "files": files,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -193,9 +205,14 @@ def _pieces(plan: PartitionPlan, i: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ load
 
 
-def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict:
-    """Load into `engine` whatever its world size and stage; returns the trainer state. Every rank calls it."""
+def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True, base: dict | None = None) -> dict:
+    """Load into `engine` whatever its world size and stage; returns the trainer state. Every rank calls it.
+    A checkpoint that names its base (save_checkpoint) leaves the frozen parameters as the engine read them
+    from model.path (`base`: that folder's reference, checked against the saved one)."""
     manifest = read_manifest(path, verify=False)
+    from_base = "base" in manifest
+    if from_base:
+        check_base(manifest["base"], base, path)
     by_name = {n: p for p in manifest["params"] for n in p["names"]}
     plan = engine.plan
     for s in plan.slots:
@@ -209,7 +226,7 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
     # Every trainable parameter must be there; frozen ones may sit in the shard files (partitioned at stage
     # 3) or in extra.safetensors (whole), whichever way either run kept them.
     known = {n for s in plan.all_slots for n in s.names} | set(plan.frozen)
-    if {n for n, p in by_name.items() if not p.get("frozen")} - known or set(by_name) - known:
+    if set(by_name) - known:
         raise UserError(f"{path}: checkpoint of a different model (parameter sets differ)")
     # Each rank checks the size and checksum of exactly the files it opens, once: N ranks do not hash the
     # whole checkpoint N times over (the launcher already checked everything once before starting them).
@@ -238,7 +255,7 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True) -> dict
         model_state.update({n: read_whole(by_name[n], readers) for n in plan.frozen if n in by_name})
         if model_state:
             engine.model.load_state_dict(model_state, strict=False)
-        frozen = range(len(plan.units), len(plan.all_units))
+        frozen = range(len(plan.units), len(plan.all_units)) if not from_base else range(0)
         engine.load_frozen_shards(
             [assemble_shard(plan, engine.rank, u, "master", by_name, readers) for u in frozen]
         )
@@ -279,9 +296,16 @@ class Checkpointer:
     """The trainer's view of checkpoints: when to save, saving with pruning, and resuming."""
 
     def __init__(
-        self, engine: ZeroEngine, cfg: CheckpointConfig, run_dir: Path, config_yaml: str, max_steps: int
+        self,
+        engine: ZeroEngine,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        config_yaml: str,
+        max_steps: int,
+        base: dict | None = None,
     ):
         self.engine, self.cfg, self.max_steps, self.config_yaml = engine, cfg, max_steps, config_yaml
+        self.base = base  # base_ref.base_reference(model): frozen parameters stay in that folder
         self.dir = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
 
     def due(self, step: int, stopping: bool = False) -> bool:
@@ -296,7 +320,7 @@ class Checkpointer:
 
     def save(self, step: int, trainer_state: dict) -> Path:
         try:
-            path = save_checkpoint(self.engine, self.dir, step, trainer_state, self.config_yaml)
+            path = save_checkpoint(self.engine, self.dir, step, trainer_state, self.config_yaml, self.base)
         except OSError as e:  # a full disk, a quota: one line naming the file, not a traceback per rank
             raise UserError(
                 f"checkpoint of step {step} not saved: {str(e).removeprefix('zoff: ')} "
@@ -313,5 +337,5 @@ class Checkpointer:
         path = find_checkpoint(resume, self.dir)
         if path is None:
             return 0, None
-        state = load_checkpoint(self.engine, path)
+        state = load_checkpoint(self.engine, path, base=self.base)
         return int(state["step"]), state

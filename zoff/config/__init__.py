@@ -22,6 +22,7 @@ from zoff.config.sections import (  # noqa: F401  (re-exported: the sections are
     IoConfig,
     LaunchConfig,
     LogConfig,
+    LoraConfig,
     ModelConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,

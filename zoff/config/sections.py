@@ -12,6 +12,22 @@ _rng = range_meta
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters through peft (zoff/models/lora.py): r 0 is off. The base stays frozen (partitioned and
+    offloadable at stage 3 like any frozen weight); only the adapters train and get optimizer state."""
+
+    r: int = field(default=0, metadata=_rng(0))  # the adapters' rank; 0: no adapters
+    alpha: float = field(default=16.0, metadata=_rng(0.0, gt=True))  # scale alpha / r
+    dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))
+    # module names (suffixes) to adapt, as peft's target_modules; "all-linear": every Linear but the output head
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = "gpt"  # builtin name, or python:pkg.module:factory (the factory receives this section)
     n_layer: int = field(default=4, metadata=_rng(1))
@@ -24,6 +40,7 @@ class ModelConfig:
     args: dict = field(default_factory=dict)  # free-form keyword arguments for python: factories
     config: dict = field(default_factory=dict)  # hf: models: keyword arguments of the transformers config
     path: str | None = None  # hf: models: a local Hugging Face model directory to start from
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,18 @@ class DataConfig:
     tokenizer: str = "bytes"  # bytes, or a local Hugging Face tokenizer directory
     hf_dataset: dict = field(default_factory=dict)  # name hf: keyword arguments of datasets.load_dataset
     cache_dir: str | None = None  # tokenized corpora; default $ZOFF_CACHE_DIR or ~/.cache/zoff
+    # text: documents for pretraining (every token in the loss); chat: a list of {role, content} messages per
+    # record, rendered by the tokenizer's chat template; instruction: a prompt and a response field per record
+    format: Literal["text", "chat", "instruction"] = "text"
+    messages_field: str = "messages"  # chat: the field holding each record's messages
+    prompt_field: str = "prompt"  # instruction: the fields of each record
+    response_field: str = "response"
+    train_on_prompt: bool = False  # chat/instruction: false puts only the answers' tokens in the loss
+    overlong: Literal["truncate", "drop"] = "truncate"  # chat/instruction: examples longer than seq_len
+    # chat/instruction: several examples share one sequence, each attending only to itself (positions restart);
+    # auto packs where the model supports per-example attention (the builtin GPT, transformers models that
+    # mask by position_ids), always refuses a model that does not
+    packing: Literal["auto", "always", "never"] = "auto"
 
 
 @dataclass(frozen=True)

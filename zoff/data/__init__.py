@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from zoff.config import DataConfig
+from zoff.data.batch import MicroBatch
 from zoff.data.tokenize import cache_key, cache_root, cached_corpus, load_tokenizer
 from zoff.errors import UserError
 
@@ -266,7 +267,7 @@ class GlobalBatches:
         self.num_windows = (len(corpus.train) - 1) // seq_len  # non-overlapping windows make one epoch
         self._perm_epoch, self._perm = -1, torch.empty(0)
 
-    def micro_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_batch_at(self, step: int, micro: int) -> MicroBatch:
         """Inputs and targets of micro-batch `micro` of this rank at training step `step` (0-based)."""
         first = (
             step * self.global_batch
@@ -274,9 +275,9 @@ class GlobalBatches:
             + micro * self.micro_batch
         )
         windows = torch.stack([self._window(i) for i in range(first, first + self.micro_batch)])
-        return self._xy(self.corpus.train, windows)
+        return MicroBatch(*self._xy(self.corpus.train, windows))
 
-    def val_batches(self, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(self, n_batches: int) -> list[MicroBatch]:
         """The first n global batches of the val split (fixed, unshuffled): this rank's micro-batches of each.
 
         Defined on the global batch, like training, so val_loss does not depend on the number of ranks.
@@ -288,7 +289,7 @@ class GlobalBatches:
             first = b * self.global_batch + self.rank * per_rank
             for m in range(self.grad_accum):
                 idx = torch.arange(first + m * self.micro_batch, first + (m + 1) * self.micro_batch) % n_val
-                out.append(self._xy(self.corpus.val, idx * self.seq_len))
+                out.append(MicroBatch(*self._xy(self.corpus.val, idx * self.seq_len)))
         return out
 
     def _window(self, sample: int) -> torch.Tensor:

@@ -19,12 +19,8 @@ def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     """(the model on the device, whether it is deferred). A meta-device model is materialised unit by unit in
     FlatBuffers.build: no rank ever holds the whole model unless its stage keeps it whole anyway."""
     deferred = any(p.is_meta for p in model.parameters())
-    if deferred and (
-        not hasattr(model, "init_parameter")
-        or any(t.is_meta for t in model.buffers())
-        or any(p.is_meta and not p.requires_grad for p in model.parameters())
-    ):
-        raise ValueError("a meta-device model needs init_parameter() and no frozen params or buffers")
+    if deferred and (not hasattr(model, "init_parameter") or any(t.is_meta for t in model.buffers())):
+        raise ValueError("a meta-device model needs init_parameter() and no meta buffers")
     model = model if deferred else model.to(device)
     for p in model.parameters():
         if not p.requires_grad and p.is_floating_point():  # frozen params compute in the same dtype
@@ -66,7 +62,10 @@ class FlatBuffers:
                 s = plan.all_slots[si]
                 view = full[s.offset : s.offset + s.numel].view(s.shape)
                 if deferred:
-                    out.params[si] = replace_param(model, s.names, view)
+                    trainable = si < len(plan.slots)
+                    param = replace_param(model, s.names, view, requires_grad=trainable)
+                    if trainable:
+                        out.params[si] = param
                 else:
                     param = out.params[si] if si < len(plan.slots) else frozen[si - len(plan.slots)]
                     view.copy_(param.detach())
@@ -104,6 +103,8 @@ class FlatBuffers:
                 out._add_grads(u, lo, hi, keep_full_grads, dtype, device)
         if disk is not None:
             disk.flush()
+        if deferred:
+            materialize_whole(model, plan.frozen, dtype, device)
         return out
 
     def _add_grads(self, u, lo: int, hi: int, keep_full: bool, dtype, device) -> None:
@@ -125,8 +126,8 @@ def init_owned(
     initialised in place; one that crosses an edge is drawn whole into a temporary and its piece copied.
     """
     hi = lo + shard.numel()
-    for si in plan.units[u].slots:
-        s = plan.slots[si]
+    for si in plan.all_units[u].slots:  # a trainable unit, or one of stage 3's frozen units
+        s = plan.all_slots[si]
         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
         if a >= b:
             continue
@@ -140,12 +141,32 @@ def init_owned(
         shard[a - lo : b - lo].copy_(tmp.view(-1)[a - s.offset : b - s.offset])
 
 
-def replace_param(model: nn.Module, names: tuple[str, ...], value: torch.Tensor) -> nn.Parameter:
+def materialize_whole(
+    model: nn.Module, names: tuple[str, ...], dtype: torch.dtype, device: torch.device
+) -> None:
+    """The frozen parameters every rank keeps whole (stages 0-2, and stage 3's small ones: the plan's `frozen`),
+    drawn or read whole on every rank: a LoRA base at stages 0-2 is whole on every rank anyway."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    done: set[int] = set()
+    for name in names:
+        p = named[name]
+        if not p.is_meta or id(p) in done:
+            continue
+        done.add(id(p))
+        value = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device=device)
+        model.init_parameter(name, value)
+        aliases = tuple(n for n, q in named.items() if q is p)
+        replace_param(model, aliases, value, requires_grad=False)
+
+
+def replace_param(
+    model: nn.Module, names: tuple[str, ...], value: torch.Tensor, requires_grad: bool = True
+) -> nn.Parameter:
     """A materialised Parameter in place of a meta one, under every (tied) name."""
     # .data rather than Parameter(value): a Parameter made from a view shares the version counter of the
     # whole flat buffer, and every write into the buffer (a gather, the next unit's init) would then
     # invalidate what autograd saved of this parameter.
-    param = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device))
+    param = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=requires_grad)
     param.data = value
     for name in names:
         owner, _, attr = name.rpartition(".")

@@ -39,18 +39,42 @@ def builds_sharded(cfg: ModelConfig) -> bool:
 
 def build_for_engine(cfg: ModelConfig) -> nn.Module:
     """The model as the trainer hands it to the engine: deferred (parameters on meta, materialised by the
-    engine from init_parameter) where builds_sharded says so, else built whole."""
-    if cfg.name.startswith("hf:") and cfg.path is None:  # random init: whether it can be drawn by shard is
-        from zoff.models.hf import build_hf_model  # found while building (hf_init), once
-
-        return build_hf_model(cfg, shard_only=True)
-    if not builds_sharded(cfg):
-        return build_model(cfg)
-    if cfg.name.startswith("hf:"):
+    engine from init_parameter) where builds_sharded says so, else built whole; with model.lora, adapted
+    (the adapters are injected on the meta device too, and drawn by the engine like the rest)."""
+    hf = cfg.name.startswith("hf:")
+    # An hf: random init finds while building (hf_init) whether it can be drawn by shard; a model.path with
+    # safetensors gets real buffers and parameters read from the files.
+    if hf and (cfg.path is None or builds_sharded(cfg)):
         from zoff.models.hf import build_hf_model
 
-        return build_hf_model(cfg, shard_only=True)  # real buffers; parameters read from model.path
-    return meta_model(cfg)
+        return _adapted(build_hf_model(cfg, shard_only=True), cfg)
+    return meta_model(cfg) if builds_sharded(cfg) else build_model(cfg)
+
+
+def _adapted(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    if not cfg.lora.enabled:
+        return model
+    from zoff.models.lora import apply_lora  # peft is optional
+
+    return apply_lora(model, cfg.lora)
+
+
+def packs_examples(model: nn.Module) -> bool:
+    """Whether the model keeps packed examples apart given position_ids that restart at each: the builtin
+    GPT, and transformers models whose masks follow position_ids (masking_utils.create_causal_mask finds
+    packed sequences there when no attention_mask is given)."""
+    import inspect
+    import sys
+
+    if isinstance(model, GPT):
+        return True
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return False
+    source = sys.modules.get(type(model).__module__)
+    try:
+        return source is not None and "create_causal_mask(" in inspect.getsource(source)
+    except (OSError, TypeError):
+        return False
 
 
 def checks_vocab(cfg: ModelConfig) -> bool:
@@ -79,7 +103,12 @@ def model_flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> f
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """Build the model a config section names. Use `with torch.device("meta"):` to build without memory."""
+    """Build the model a config section names (with model.lora, adapted). Use `with torch.device("meta"):` to
+    build without memory."""
+    return _adapted(_build_base(cfg), cfg)
+
+
+def _build_base(cfg: ModelConfig) -> nn.Module:
     if cfg.name == "gpt":
         return GPT(
             cfg.n_layer, cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.tie_embeddings

@@ -19,12 +19,15 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:  # packed examples: causal within each example only
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -47,8 +50,8 @@ class Block(nn.Module):
         self.mlp = MLP(d_model)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -105,16 +108,30 @@ class GPT(nn.Module):
                 # same values as a CPU fp32 model's, whatever the dtype and device
                 out.copy_(torch.empty(out.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids`: packed examples, each token's position in its own example; an example starts
+        wherever the position does not follow the previous one (transformers' rule), and attends only to
+        itself."""
         t = idx.shape[1]
         if t > self.seq_len:
             raise ValueError(f"sequence of length {t} exceeds the model's context of {self.seq_len}")
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
+        mask = None if position_ids is None else example_mask(position_ids)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keeps only each block's input; the block's activations are recomputed in backward.
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, mask, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, mask)
         return self.lm_head(self.ln_f(x))
+
+
+def example_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) boolean attention mask: causal, and only within each packed example."""
+    first = position_ids[:, :1] - 1
+    example = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    same = example.unsqueeze(-1) == example.unsqueeze(-2)
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal).unsqueeze(1)

@@ -10,7 +10,7 @@ from zoff.checkpoint import Checkpointer
 from zoff.config import ScheduleConfig, TrainConfig
 from zoff.data import GlobalBatches
 from zoff.engine import Comm, ZeroEngine
-from zoff.models import lm_loss
+from zoff.trainer.loss import micro_batch_loss
 from zoff.trainer.metrics import MetricsWriter
 from zoff.trainer.preempt import StopRequest
 from zoff.trainer.schedule import lr_at
@@ -40,8 +40,9 @@ def train_loop(
         # Summed on the device, read once per step: a .item() per micro-batch would wait for the GPU each time.
         local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         for micro in range(accum):
-            x, y = batches.micro_batch_at(step, micro)
-            loss = lm_loss(engine.model(x.to(engine.device)), y.to(engine.device)) / accum
+            batch = batches.micro_batch_at(step, micro)
+            out = engine.model(batch.inputs.to(engine.device), **batch.model_kwargs(engine.device))
+            loss = micro_batch_loss(out, batch, accum)
             engine.backward(loss, sync=micro == accum - 1)
             local_loss += loss.detach()
         result = engine.step(lr)
@@ -87,8 +88,9 @@ def evaluate(engine: ZeroEngine, batches: GlobalBatches, n_batches: int, comm: C
     """Mean loss over the first n global batches of the val split (same batches every time)."""
     engine.model.eval()
     total, micro = 0.0, batches.val_batches(n_batches)
-    for x, y in micro:
-        total += lm_loss(engine.model(x.to(engine.device)), y.to(engine.device)).item()
+    for batch in micro:
+        out = engine.model(batch.inputs.to(engine.device), **batch.model_kwargs(engine.device))
+        total += micro_batch_loss(out, batch, 1).item()
     (mean,) = comm.sum_scalars([total / len(micro) / comm.world])
     engine.model.train()
     return mean

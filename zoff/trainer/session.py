@@ -11,15 +11,18 @@ from pathlib import Path
 import torch
 
 from zoff.checkpoint import Checkpointer
+from zoff.checkpoint.base_ref import base_reference
 from zoff.config import Config, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.engine.policy import data_parallel_bytes
+from zoff.errors import UserError
 from zoff.models import (
     build_for_engine,
     checks_vocab,
     enable_activation_checkpointing,
     model_flops_per_token,
+    packs_examples,
 )
 from zoff.trainer.loop import train_loop
 from zoff.trainer.metrics import MetricsWriter, rank_logger
@@ -56,14 +59,32 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         device=device,
         comm=comm,
     )
-    corpus = load_corpus(cfg.data, cfg.train.seed)
+    if cfg.data.format == "text":
+        corpus, stream = load_corpus(cfg.data, cfg.train.seed), GlobalBatches
+    else:  # fine-tuning examples, packed where the model attends within each example only
+        from zoff.data.sft import SFTBatches, load_sft_corpus
+
+        corpus, stream = load_sft_corpus(cfg.data, cfg.train.seed, pack=packs(cfg, model)), SFTBatches
     if checks_vocab(cfg.model):
         check_vocab(corpus, cfg.model.vocab_size)
-    batches = GlobalBatches(
+    batches = stream(
         corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
     )
     torch.manual_seed(cfg.train.seed + 1 + comm.rank)  # dropout differs per rank, reproducibly
     return Session(engine, batches, comm, corpus.description)
+
+
+def packs(cfg: Config, model: torch.nn.Module) -> bool:
+    """Whether fine-tuning examples share sequences: data.packing, where the model attends within each."""
+    if cfg.data.packing == "never":
+        return False
+    able = packs_examples(model)
+    if cfg.data.packing == "always" and not able:
+        raise UserError(
+            f"data.packing: always, but {type(model).__name__} cannot keep packed examples apart (it takes no "
+            "position_ids that restart per example); use data.packing: auto or never"
+        )
+    return able
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str | None = None) -> dict | None:
@@ -71,7 +92,9 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     stop = STOP.install()
     s = build_session(cfg, device)
     log = rank_logger(run_dir, s.comm.rank)
-    ckpt = Checkpointer(s.engine, cfg.checkpoint, run_dir, dump_yaml(cfg), cfg.train.max_steps)
+    ckpt = Checkpointer(
+        s.engine, cfg.checkpoint, run_dir, dump_yaml(cfg), cfg.train.max_steps, base_reference(cfg.model)
+    )
     start, state = ckpt.resume(resume)
     if state is not None:
         s.batches.load_state_dict(state["data"])

@@ -7,6 +7,7 @@ global batches (one forward over the whole global batch), grad clipping by torch
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 import os
 import socket
 import tempfile
@@ -143,7 +144,9 @@ def run_zoff(
     return spawn(zoff_rank, world, cfg, None if run_dir is None else str(run_dir), resume)
 
 
-def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> dict:
+def reference_run(
+    cfg: Config, world: int, delay_warmup: int | None = None, build: Callable | None = None
+) -> dict:
     """Plain single-process PyTorch over the same global batches zoff sees on `world` ranks.
 
     With `delay_warmup` (DPU), the optimizer updates a separate master copy, and the model the next forward
@@ -152,7 +155,7 @@ def reference_run(cfg: Config, world: int, delay_warmup: int | None = None) -> d
     """
     torch.manual_seed(cfg.train.seed)
     device = rank_device(0)
-    model = build_model(cfg.model).to(device)
+    model = (build or build_model)(cfg.model).to(device)  # `build`: e.g. a peft-wrapped reference
     live = model
     if delay_warmup is not None:
         model = copy.deepcopy(live)  # the masters; `live` is what forward/backward sees

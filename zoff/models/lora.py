@@ -63,6 +63,12 @@ def resolve_targets(model: nn.Module, targets: list[str]) -> list[str]:
     return sorted(linear) if clash else short
 
 
+def lora_seed() -> int:
+    """The adapters' seed: from the global generator's seed (train.seed), not its state, which building the
+    base consumes on real tensors but not on the meta device."""
+    return (torch.initial_seed() * 1_000_003 + 0x10FA) % 2**62
+
+
 class LoraInit:
     """init_parameter for an adapted model: adapters drawn by name, base parameters by the model's own."""
 
@@ -92,11 +98,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none"
     )
     base_init = getattr(model, "init_parameter", None)
+    seed = lora_seed()
     try:
         model = peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:
         raise UserError(f"model.lora.target_modules: {str(e).splitlines()[0]}") from None
-    seed = int(torch.randint(2**62, (), device="cpu"))
     init = LoraInit(base_init, seed)
     model.init_parameter = init  # an instance attribute: the engine looks for it on the model it is given
     model.zoff_lora_config = config  # what the adapter export writes as adapter_config.json

@@ -119,7 +119,10 @@ def test_only_adapters_get_optimizer_state(runs, kind: str, policy: str) -> None
     mem = got["memory"]
     states = mem["optimizer_states"] + mem["cpu_optimizer_states"]
     assert adapters <= states / 8 < adapters + 64 * 16  # padding: a few elements per unit
-    assert mem["frozen_params"] > 5 * mem["params"]  # the frozen base is most of the model (r 4 of 32)
+    # the frozen base is most of the model (r 4 of 32); parameter offload keeps its shards in host memory
+    assert mem["frozen_params"] + mem["cpu_params"] > 5 * mem["params"]
+    if "offload" in policy:  # only the small frozen ones (norms) stay whole on the device
+        assert mem["frozen_params"] < mem["cpu_params"] / 10
     planned = got["planned"]
     mem = {**mem, "params": mem["params"] + mem["frozen_params"]}
     assert {k: mem[k] for k in planned} == planned

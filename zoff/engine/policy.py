@@ -145,12 +145,16 @@ POLICIES = tuple(_valid(False) + _valid(True))  # every policy the engine accept
 
 
 # ------------------------------------------------------------------------------------------ memory terms
-def frozen_param_bytes(model: nn.Module, plan: PartitionPlan, precision: str, on_disk: bool = False) -> int:
-    """Frozen parameters one rank holds in memory, in the compute dtype: whole, or stage 3's shards of them
-    (which parameter offload to nvme puts on disk with the rest)."""
+def frozen_param_bytes(
+    model: nn.Module, plan: PartitionPlan, precision: str, policy: Policy | None = None
+) -> int:
+    """Frozen parameters one rank holds on its device, in the compute dtype: those kept whole, and stage 3's
+    shards of the others unless parameter offload keeps them with the trainable shards (host memory: counted
+    by model_states; disk). A LoRA base is most of the model: where its shards live is most of the memory."""
     whole = set(plan.frozen)
     numel = sum(p.numel() for n, p in model.named_parameters() if n in whole)
-    shards = 0 if on_disk else sum(u.shard for u in plan.frozen_units)
+    offloaded = policy is not None and policy.offload_param != "none"
+    shards = 0 if offloaded else sum(u.shard for u in plan.frozen_units)
     return DTYPES[precision].itemsize * (numel + shards)
 
 
@@ -193,7 +197,9 @@ def model_states(
     else:
         # offloaded shards live in host memory (cpu) or in the swap file (nvme), not on the device
         gpu["params"] += c * (persistent + (0 if policy.offload_param != "none" else shard_np))
-        cpu["params"] = c * shard_np if par_off else 0
+        # (stage 3's frozen shards follow the trainable ones: frozen_param_bytes counts them on the device)
+        frozen_shards = sum(u.shard for u in plan.frozen_units)
+        cpu["params"] = c * (shard_np + frozen_shards) if par_off else 0
     fp32_shard = policy.shard_accum_fp32(accumulating)
     grad_shard = (4 if fp32_shard else c) * shard  # the reduced shard, in its accumulator's dtype
     if policy.keeps_full_grads:  # stages 0-1 without offload: whole gradients in flat buffers

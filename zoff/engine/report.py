@@ -49,7 +49,11 @@ class EngineReports:
         gathered = self.gatherer.peak_gathered if self.gatherer else 0
         whole = set(self.plan.frozen)
         frozen = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n in whole)
-        frozen += nbytes(self.shard_params[len(self.plan.units) :])  # stage 3's frozen shards
+        frozen_shards = nbytes(self.shard_params[len(self.plan.units) :])  # stage 3's (none on disk: meta)
+        if self.offload_params:  # with the trainable shards in host memory
+            offloaded = [*offloaded, *self.shard_params[len(self.plan.units) :]]
+        else:
+            frozen += frozen_shards
         host_grads = self.optimizer.tier.buffer_bytes() + self.grads.host_bytes()  # (+ DPU's snapshot)
         on_device = self.optimizer.tier.kind == "device"
         on_disk = self.optimizer.states.disk_bytes()
@@ -71,7 +75,7 @@ class EngineReports:
     def planned_memory(self) -> dict[str, int]:
         """memory_report()'s model-state keys as the policy table predicts them (policy.model_states, the very
         function `zoff estimate` calls): the start-up plan prints these beside what was allocated."""
-        frozen = frozen_param_bytes(self.model, self.plan, self.precision, on_disk=self.policy.params_on_disk)
+        frozen = frozen_param_bytes(self.model, self.plan, self.precision, self.policy)
         gpu, cpu = model_states(
             self.plan, self.policy, self.precision, frozen_bytes=frozen, device_type=self.device.type,
             fp32_grad_staging=self.grad_clip > 0 or self.precision == "fp16",

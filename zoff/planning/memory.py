@@ -236,7 +236,7 @@ def estimate(
     for pol in POLICIES:
         plan = plans[{2: 1}.get(pol.stage, pol.stage)]  # stages 1 and 2 share one plan
         gpu, cpu = model_states(
-            plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision), device_type=device_type,
+            plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision, pol), device_type=device_type,
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
             delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
             subgroup=subgroup_of(zero_cfg), grads_on_disk=grads_on_disk(pol, zero_cfg),

@@ -7,10 +7,10 @@ global batches (one forward over the whole global batch), grad clipping by torch
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 import os
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch

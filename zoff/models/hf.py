@@ -71,6 +71,10 @@ def hf_config(cfg: ModelConfig) -> Any:
         want = getattr(getattr(cls, "config_class", None), "model_type", None)
         if want and config.model_type != want:
             raise UserError(f"model.path: {path} holds a '{config.model_type}' model, not {cls.__name__}")
+        if "use_cache" not in user:
+            # Training never reuses keys and values; and with a cache, transformers ignores the position_ids
+            # that keep packed examples apart (masking_utils). Exports switch it back on (save_hf_config).
+            config.use_cache = False
         return config
     config_cls = getattr(cls, "config_class", None)
     if config_cls is None:  # an Auto* class: the model type comes from model.config

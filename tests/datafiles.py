@@ -46,3 +46,41 @@ def make_tokenizer(folder: Path, texts: list[str], vocab: int = 300) -> Path:
         tok.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return folder
+
+
+# ChatML, with {% generation %} around each answer and its end of turn so that transformers can compute the
+# reference mask; unknown roles are refused through raise_exception, as real templates do.
+CHATML = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\n' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = "the value of a function returns list name string number seven zero module json dumps".split()
+
+
+def conversation(i: int) -> list[dict]:
+    ask = f"What does {WORDS[i % len(WORDS)]} {i} do?"
+    say = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(2 + i % 5))
+    msgs = [{"role": "user", "content": ask}, {"role": "assistant", "content": say}]
+    if i % 3 == 0:
+        msgs = [{"role": "system", "content": "Answer briefly."}, *msgs]
+    if i % 4 == 1:
+        msgs += [{"role": "user", "content": "And then?"}, {"role": "assistant", "content": f"then {say}"}]
+    return msgs
+
+
+CONVERSATIONS = [conversation(i) for i in range(24)]
+
+
+def save_tokenizer(src: Path, dst: Path, template: str | None) -> Path:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    if template:
+        tok.chat_template = template
+    tok.save_pretrained(str(dst))
+    return dst

@@ -23,10 +23,9 @@ import bisect
 import fcntl
 import importlib
 import importlib.util
-import json
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,13 +33,13 @@ import numpy as np
 import torch
 
 from zoff.config import DataConfig
-from zoff.data import GlobalBatches, _expand, _source_files, _split, _stat
+from zoff.data import GlobalBatches, _source_files, _split, _stat
 from zoff.data.batch import IGNORE, MicroBatch
+from zoff.data.records import BadRecord, optional_module, read_records, record_fields
 from zoff.data.tokenize import Tokenizer, cache_key, cache_root, load_tokenizer
 from zoff.errors import UserError
 
 SFT_CACHE_VERSION = 1
-HF_BATCH = 1024  # rows per read from a datasets.Dataset
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def load_sft_corpus(cfg: DataConfig, seed: int, pack: bool) -> SFTCorpus:
     parts = {
         "kind": "sft", "sft_version": SFT_CACHE_VERSION, "source": cfg.name, "files": [_stat(f) for f in files],
         "hf_dataset": cfg.hf_dataset, "tokenizer": tok.fingerprint, "format": cfg.format,
-        "fields": _fields(cfg), "train_on_prompt": cfg.train_on_prompt, "overlong": cfg.overlong,
+        "fields": record_fields(cfg), "train_on_prompt": cfg.train_on_prompt, "overlong": cfg.overlong,
         "seq_len": cfg.seq_len, "pack": pack, "val_fraction": cfg.val_fraction, "pad_id": enc.pad_id,
     }  # fmt: skip
     root = cache_root(cfg.cache_dir) / "sft"
@@ -122,91 +121,6 @@ def _describe(
 # -------------------------------------------------------------------------------------------- records
 
 
-class _Bad(Exception):
-    """A record that makes no example: counted, skipped, and the first one named in the warning."""
-
-
-def _fields(cfg: DataConfig) -> dict[str, str]:
-    """The record fields the format reads -> the config key that names each."""
-    if cfg.format == "chat":
-        return {cfg.messages_field: "data.messages_field"}
-    return {cfg.prompt_field: "data.prompt_field", cfg.response_field: "data.response_field"}
-
-
-def _records(cfg: DataConfig, files: list[Path]) -> Iterator[tuple[str, object]]:
-    """(where, record) pairs; a record that is not even an object comes as a _Bad."""
-    if cfg.name == "jsonl":
-        for f in files:
-            yield from _jsonl_records(f)
-    elif cfg.name == "parquet":
-        for f in files:
-            yield from _parquet_records(f, _fields(cfg))
-    else:
-        yield from _hf_records(cfg, _fields(cfg))
-
-
-def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    yield f"{path}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{lineno}", _Bad(f"not valid JSON ({e.msg})")
-
-
-def _missing(have: list[str], fields: dict[str, str], where: object) -> None:
-    for name, key in fields.items():
-        if name not in have:
-            raise UserError(f"{where}: no column '{name}' ({key}); columns: {', '.join(have)}")
-
-
-def _need(module: str, why: str):
-    """An optional dependency, or one line saying which extra installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        extra = "hf" if module == "transformers" else "data"
-        raise UserError(f"{why}: pip install zoff[{extra}]") from None
-
-
-def _parquet_records(path: Path, fields: dict[str, str]) -> Iterator[tuple[str, object]]:
-    pq = _need("pyarrow.parquet", "data.name: parquet needs pyarrow")
-    try:
-        names = pq.read_schema(path).names
-    except Exception as e:  # pyarrow's ArrowInvalid/OSError family
-        raise UserError(f"{path}: not a Parquet file ({e})") from None
-    _missing(names, fields, path)
-    batches = pq.ParquetFile(path).iter_batches(columns=list(fields), batch_size=HF_BATCH)
-    for row, rec in enumerate(rec for batch in batches for rec in batch.to_pylist()):
-        yield f"{path}:row {row}", rec
-
-
-def _hf_records(cfg: DataConfig, fields: dict[str, str]) -> Iterator[tuple[str, object]]:
-    """A folder written by Dataset(Dict).save_to_disk, or any datasets.load_dataset spec."""
-    datasets = _need("datasets", "data.name: hf needs the datasets package")
-    spec = dict(cfg.hf_dataset)
-    folder = Path(str(spec["path"])).expanduser()
-    try:
-        if (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file():
-            ds = datasets.load_from_disk(str(folder))  # load_dataset refuses save_to_disk folders
-        else:
-            if "data_files" not in spec and cfg.paths:
-                spec["data_files"] = [str(f) for f in _expand(cfg.paths)]
-            ds = datasets.load_dataset(**spec)
-    except Exception as e:  # FileNotFoundError, ValueError, datasets' own errors
-        raise UserError(f"data.hf_dataset: cannot load {spec['path']}: {str(e).splitlines()[0]}") from None
-    if isinstance(ds, datasets.DatasetDict):
-        split = spec.get("split") or ("train" if "train" in ds else next(iter(ds)))
-        ds = ds[split]
-    _missing(ds.column_names, fields, f"data.hf_dataset {spec['path']}")
-    row = 0
-    for batch in ds.select_columns(list(fields)).iter(batch_size=HF_BATCH):
-        for values in zip(*(batch[f] for f in fields)):
-            yield f"{spec['path']}[{row}]", dict(zip(fields, values))
-            row += 1
-
-
 # ------------------------------------------------------------------------------------------- encoding
 
 
@@ -228,15 +142,15 @@ class _Encoder:
         self.vocab_size = max(tok.vocab_size, len(self.hf) if self.hf is not None else 0)
 
     def __call__(self, where: str, rec: object) -> tuple[list[int], list[bool]]:
-        if isinstance(rec, _Bad):
+        if isinstance(rec, BadRecord):
             raise rec
         if not isinstance(rec, dict):
-            raise _Bad(f"not an object but {type(rec).__name__}")
+            raise BadRecord(f"not an object but {type(rec).__name__}")
         if self.cfg.format == "chat":
             return self._chat(where, _messages(rec, self.cfg))
-        prompt, response = (_text(rec, f, k) for f, k in _fields(self.cfg).items())
+        prompt, response = (_text(rec, f, k) for f, k in record_fields(self.cfg).items())
         if not response.strip():
-            raise _Bad(f"empty {self.cfg.response_field!r}")
+            raise BadRecord(f"empty {self.cfg.response_field!r}")
         if self.templated:
             turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
             return self._chat(where, turns)
@@ -247,7 +161,7 @@ class _Encoder:
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
         except Exception as e:  # the template's raise_exception (a role it rejects), a missing key
-            raise _Bad(
+            raise BadRecord(
                 f"the chat template rejects it ({(str(e) or type(e).__name__).splitlines()[0]})"
             ) from e
 
@@ -277,7 +191,7 @@ class _Encoder:
         for k, (piece, trained) in enumerate(zip(ids, answer)):
             done = len(mask)
             if k and piece[:done] != ids[k - 1]:  # the text extends the last; its tokens must too
-                raise _Bad("its tokenization merges tokens across a turn boundary")
+                raise BadRecord("its tokenization merges tokens across a turn boundary")
             mask += [trained] * (len(piece) - done)
         return ids[-1], mask
 
@@ -290,7 +204,9 @@ def _hf_tokenizer(cfg: DataConfig, tok: Tokenizer):
     """transformers' tokenizer of data.tokenizer (for its chat template), or None: bytes or no transformers."""
     if tok.name == "bytes" or (cfg.format != "chat" and importlib.util.find_spec("transformers") is None):
         return None  # instruction data without transformers: prompt + response + eos
-    auto = _need("transformers", "data.format: chat needs transformers for chat templates").AutoTokenizer
+    auto = optional_module(
+        "transformers", "data.format: chat needs transformers for chat templates"
+    ).AutoTokenizer
     try:
         return auto.from_pretrained(str(Path(cfg.tokenizer).expanduser()), local_files_only=True)
     except Exception as e:  # OSError, ValueError, KeyError (an unknown tokenizer_class), ...
@@ -300,21 +216,23 @@ def _hf_tokenizer(cfg: DataConfig, tok: Tokenizer):
 def _text(rec: dict, field: str, key: str) -> str:
     value = rec.get(field)
     if not isinstance(value, str):
-        raise _Bad(f"no string field '{field}' ({key})" if value is None else f"'{field}' is not a string")
+        raise BadRecord(
+            f"no string field '{field}' ({key})" if value is None else f"'{field}' is not a string"
+        )
     return value
 
 
 def _messages(rec: dict, cfg: DataConfig) -> list[dict]:
     msgs = rec.get(cfg.messages_field)
     if not isinstance(msgs, list) or not msgs:
-        raise _Bad(f"no list of messages in '{cfg.messages_field}' (data.messages_field)")
+        raise BadRecord(f"no list of messages in '{cfg.messages_field}' (data.messages_field)")
     for i, m in enumerate(msgs):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise _Bad(f"message {i} is not a {{role, content}} object of strings")
+            raise BadRecord(f"message {i} is not a {{role, content}} object of strings")
         if m["role"] == "assistant" and not m["content"].strip():
-            raise _Bad(f"message {i} is an empty answer")
+            raise BadRecord(f"message {i} is an empty answer")
     if not cfg.train_on_prompt and not any(m["role"] == "assistant" for m in msgs):
-        raise _Bad("no assistant message")
+        raise BadRecord("no assistant message")
     return msgs
 
 
@@ -324,7 +242,7 @@ def _messages(rec: dict, cfg: DataConfig) -> list[dict]:
 def _build(cfg: DataConfig, enc: _Encoder, files: list[Path], what: str, pack: bool) -> dict:
     examples: list[tuple[np.ndarray, np.ndarray]] = []
     st = {"records": 0, "bad": 0, "truncated": 0, "dropped": 0, "first_bad": "", "val_note": ""}
-    for where, rec in _records(cfg, files):
+    for where, rec in read_records(cfg, files):
         st["records"] += 1
         try:
             ids, mask = enc(where, rec)
@@ -332,8 +250,8 @@ def _build(cfg: DataConfig, enc: _Encoder, files: list[Path], what: str, pack: b
             x = ids_np[:-1]
             y = np.where(np.asarray(mask[1:], dtype=bool), ids_np[1:], IGNORE)  # the shift: t[j+1] at j
             if not (y != IGNORE).any():
-                raise _Bad("no trained token")
-        except _Bad as e:
+                raise BadRecord("no trained token")
+        except BadRecord as e:
             st["bad"] += 1
             st["first_bad"] = st["first_bad"] or f"{where}: {e}"
             continue

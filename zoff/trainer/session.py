@@ -135,7 +135,8 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"zoff plan: world size {engine.comm.world} ({engine.comm.backend}), ZeRO stage {engine.stage}, "
         f"{torch.get_default_dtype() if engine.dtype is None else engine.dtype} compute, "
         f"{threads} thread(s) per rank",
-        f"  params {plan.numel:,} trainable in {len(plan.units)} unit(s); this rank's shard {shard:,} elements",
+        f"  params {plan.numel:,} trainable in {len(plan.units)} unit(s){_frozen_text(engine)}; this rank's "
+        f"shard {shard:,} elements",
         f"  model-state memory per rank: params {gib(mem['params'])}, grads {gib(mem['grads'])}, "
         f"optimizer {gib(mem['optimizer_states'])}",
         _vs_data_parallel(engine),
@@ -152,6 +153,15 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
     ] + _stage3_line(plan, engine.zero.block_classes)
+
+
+def _frozen_text(engine: ZeroEngine) -> str:
+    """The frozen parameters (a LoRA base, frozen layers) beside the trainable count, and the adapters' kind."""
+    distinct = {id(p): p for p in engine.model.parameters() if not p.requires_grad}
+    frozen = sum(p.numel() for p in distinct.values())
+    lora = getattr(engine.model, "zoff_lora_config", None)
+    adapters = f" (LoRA r {lora.r} on {', '.join(sorted(lora.target_modules))})" if lora is not None else ""
+    return f"{adapters}, {frozen:,} frozen" if frozen else adapters
 
 
 def _disk_text(mem: dict[str, int], fmt) -> str:

@@ -138,17 +138,28 @@ def convert(
     ),
     out: Path = typer.Argument(..., help="Output file, or folder when --max-shard-size splits it"),
     fmt: str = typer.Option(
-        "safetensors", "--format", help="safetensors, pt, or hf (a Hugging Face model folder; hf: models)"
+        "safetensors",
+        "--format",
+        help="safetensors, pt, hf (a Hugging Face model folder; hf: models) or peft (a model.lora run's "
+        "adapters as a folder for peft's PeftModel.from_pretrained)",
     ),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (floating tensors only)"),
     max_shard_size: str = typer.Option(
         None, "--max-shard-size", help="Split into files of at most SIZE (e.g. 2GB)"
     ),
+    merge: bool = typer.Option(
+        False,
+        "--merge",
+        help="A model.lora run: merge the adapters into the base weights (W + alpha/r B A) and write the "
+        "plain model (with --format hf: a Hugging Face folder)",
+    ),
 ) -> None:
-    """Merge a sharded checkpoint into one state dict with exactly model.state_dict()'s keys."""
+    """Merge a sharded checkpoint into one state dict with exactly model.state_dict()'s keys.
+
+    A checkpoint of a run started from model.path reads its frozen weights from that folder."""
     from zoff.checkpoint.convert import convert as run
 
-    files = run(checkpoint, out, fmt, dtype, max_shard_size)
+    files = run(checkpoint, out, fmt, dtype, max_shard_size, merge)
     print(f"zoff: wrote {len(files)} file(s) to {out}")
 
 

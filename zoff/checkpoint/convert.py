@@ -1,6 +1,9 @@
 """`zoff convert`: merge a sharded checkpoint into one state dict, streaming tensor by tensor.
 
 `--format hf` writes a Hugging Face model folder instead (config.json, safetensors shards, tokenizer files).
+A LoRA run's checkpoint exports its adapters as peft's adapter folder (`--format peft`) or merged into the base
+(`--merge`): peft_export.py. A checkpoint of a run started from a model.path folder holds no frozen weights
+(base_ref.py): they are read from that folder again, after checking it holds the weights the run started from.
 
 Peak memory is about the largest tensor (plus one output shard for the `pt` format): each parameter is
 assembled from the byte ranges of the shard files that hold it and written out before the next is read.
@@ -10,44 +13,169 @@ be laid out from the manifest's shapes before any tensor is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from torch import nn
 
+from zoff.checkpoint.base_ref import base_reference, check_base
 from zoff.checkpoint.format import Readers, find_checkpoint, read_manifest, read_model_files, read_whole
+from zoff.config import Config, ModelConfig
 from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
 from zoff.tensorfile import write_streaming
 from zoff.units import parse_size
 
+if TYPE_CHECKING:
+    from zoff.checkpoint.peft_export import TensorSource
+
+FORMATS = ("safetensors", "pt", "hf", "peft")
+
 
 class _Source:
     """Where each output tensor comes from: its shape and dtype up front, its data on demand (read through the
-    checkpoint format's readers: the manifest was verified once, when read)."""
+    checkpoint format's readers: the manifest was verified once, when read). Every key of the model's
+    state_dict: those the checkpoint does not hold (the frozen weights of a run started from a model.path)
+    come from that base folder, read parameter by parameter through the model's init_parameter."""
 
     def __init__(self, ckpt: Path, manifest: dict):
+        self.ckpt, self.manifest = ckpt, manifest
         self.params = {n: p for p in manifest["params"] for n in p["names"]}
         self.readers = Readers(ckpt)
         extra = self.readers.get("extra.safetensors")
         self.extra = {k: (extra.shape(k), extra.dtype(k)) for k in extra.keys() if k != "__empty__"}
-        keys = manifest.get("state_dict_keys") or list(self.params) + list(self.extra)
-        self.keys = [k for k in keys if k in self.params or k in self.extra]
+        self.keys = manifest.get("state_dict_keys") or list(self.params) + list(self.extra)
+        self.from_base = [k for k in self.keys if k not in self.params and k not in self.extra]
+        self._cfg: Config | None = None
+        self._model: nn.Module | None = None
+        self._base: dict[str, torch.Tensor] = {}  # frozen name -> the model's parameter (meta, or real)
+        self._aliases: dict[str, list[str]] = {}  # frozen name -> every name of its (tied) parameter
+
+    @property
+    def cfg(self) -> Config:
+        """The run's config (config.yaml in the checkpoint folder)."""
+        if self._cfg is None:
+            self._cfg = _run_config(self.ckpt)
+        return self._cfg
+
+    @property
+    def adapters(self) -> list[str]:
+        from zoff.models.lora import is_adapter
+
+        return [k for k in self.params if is_adapter(k)]
 
     def meta(self, key: str) -> tuple[list[int], torch.dtype]:
         if key in self.params:
             return self.params[key]["shape"], torch.float32
-        return self.extra[key]
+        if key in self.extra:
+            return self.extra[key]
+        return list(self._base_param(key).shape), torch.float32  # as the checkpoint keeps parameters
 
     def tensor(self, key: str) -> torch.Tensor:
+        """`key`'s value, always a fresh tensor (the merge adds to it in place)."""
         if key in self.extra:
             return self.readers.get("extra.safetensors").read(key)
-        return read_whole(self.params[key], self.readers)
+        if key in self.params:
+            return read_whole(self.params[key], self.readers)
+        p = self._base_param(key)
+        if not p.is_meta:  # a model built whole (no safetensors in model.path)
+            return p.detach().to(torch.float32, copy=True)
+        out = torch.empty(p.shape, dtype=torch.float32)
+        self._model.init_parameter(key, out)  # reads this tensor alone from the base folder's files
+        return out
+
+    def names(self, key: str) -> list[str]:
+        """Every name of `key`'s tensor (tied parameters: one tensor, several names), the first one first."""
+        if key in self.params:
+            return self.params[key]["names"]
+        if key in self.extra:
+            return [key]
+        self._base_param(key)
+        return self._aliases[key]
+
+    def model(self) -> nn.Module:
+        """The run's model (adapted, with model.lora): built on its base folder when the checkpoint left frozen
+        weights there (checking the folder first), else its structure alone, on the meta device."""
+        if self._model is None:
+            if self.from_base:
+                self._model = self._on_base()
+            else:
+                from zoff.models import meta_model
+
+                with self.structure_config() as model_cfg:
+                    self._model = meta_model(model_cfg)
+        return self._model
+
+    def _base_param(self, key: str) -> torch.Tensor:
+        self.model()
+        return self._base[key]
+
+    def _on_base(self) -> nn.Module:
+        from zoff.models import build_for_engine
+
+        saved, path = self.manifest.get("base"), self.cfg.model.path
+        if saved is None:
+            raise UserError(
+                f"{self.ckpt}: corrupted checkpoint: it holds no tensor '{self.from_base[0]}' and names no "
+                "base folder to read it from"
+            )
+        folder = Path(path).expanduser() if path else None
+        if folder is None or not folder.is_dir():
+            raise UserError(
+                f"{self.ckpt}: its frozen weights are in the base folder {path or saved['path']}, which does "
+                f"not exist: restore it, or set model.path in {self.ckpt / 'config.yaml'} to where it is now"
+            )
+        check_base(saved, base_reference(self.cfg.model), self.ckpt)
+        # As the trainer builds it: for safetensors folders, parameters on meta and read one by one on demand
+        model = build_for_engine(self.cfg.model)
+        state, aliases = model.state_dict(keep_vars=True), tied_names(model)
+        for key in self.from_base:
+            if key not in state:
+                raise UserError(f"{self.ckpt}: the model built from its config has no tensor '{key}'")
+            self._base[key] = state[key]
+            self._aliases[key] = aliases.get(key, [key])
+        return model
+
+    @contextmanager
+    def structure_config(self) -> Iterator[ModelConfig]:
+        """The run's model section, for building its structure on the meta device (nothing is read but
+        config.json): where model.path has no config.json any more (the base moved), the config.json this
+        checkpoint carries stands in for it, from a temporary folder."""
+        model_cfg, stored = self.cfg.model, read_model_files(self.ckpt).get("config.json")
+        path = model_cfg.path
+        if path is None or (Path(path).expanduser() / "config.json").is_file() or stored is None:
+            yield model_cfg
+            return
+        with tempfile.TemporaryDirectory(prefix="zoff-convert-") as folder:
+            (Path(folder) / "config.json").write_text(json.dumps(stored))
+            yield dataclasses.replace(model_cfg, path=folder)
+
+
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter name -> every name of that parameter (tied weights: one tensor, several names)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {name: names for names in by_id.values() for name in names}
+
+
+def _run_config(ckpt: Path) -> Config:
+    import yaml
+
+    from zoff.config import config_from_dict
+
+    source = ckpt / "config.yaml"
+    return config_from_dict(yaml.safe_load(source.read_text()), source=str(source))
 
 
 def convert(
@@ -56,42 +184,97 @@ def convert(
     fmt: str = "safetensors",
     dtype: str = "fp32",
     max_shard_size: str | None = None,
+    merge: bool = False,
 ) -> list[Path]:
-    """Write the consolidated state dict (keys exactly model.state_dict()'s) to `out`; returns files written."""
-    if fmt not in ("safetensors", "pt", "hf"):
-        raise UserError(f"--format: expected safetensors, pt or hf, got '{fmt}'")
+    """Write the consolidated state dict (keys exactly model.state_dict()'s) to `out`; returns files written.
+
+    `merge`: a LoRA checkpoint's adapters merged into their base weights (the unadapted model's keys);
+    `fmt` peft: the adapters alone, as peft's adapter folder."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format: expected safetensors, pt, hf or peft, got '{fmt}'")
     if dtype not in DTYPES:
         raise UserError(f"--dtype: expected one of fp32, bf16, fp16, got '{dtype}'")
+    if fmt == "peft" and merge:
+        raise UserError("--merge: --format peft writes the adapters alone; merged, use --format hf --merge")
+    if fmt == "peft" and max_shard_size:
+        raise UserError("--max-shard-size: --format peft writes one adapter file, as peft does")
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     if out.exists():
         raise UserError(f"{out}: already exists (zoff convert never overwrites; choose another OUT)")
     if not out.parent.is_dir():
         raise UserError(f"{out}: its folder {out.parent} does not exist")
     ckpt = find_checkpoint(str(checkpoint), Path("."), label="CHECKPOINT")
-    src = _Source(ckpt, read_manifest(ckpt, verify=True))
+    source = _Source(ckpt, read_manifest(ckpt, verify=True))
+    _check_lora_request(source, fmt, merge)
     target = DTYPES[dtype]
+    src = source
+    if merge:
+        from zoff.checkpoint.peft_export import MergedSource
+
+        src = MergedSource(source, source.model())
+    elif fmt != "peft" and source.from_base:
+        source.model()  # a missing or changed base folder is reported before anything is written
     tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if fmt == "hf":
-        tmp.mkdir(parents=True)
-        written = _hf_files(ckpt, tmp, out, target)
-        # Tied weights are stored once, under the first name, as save_pretrained does; loading re-ties them.
-        keys = [k for k in src.keys if k not in src.params or src.params[k]["names"][0] == k]
-        written += _write_weights(
-            src, keys, tmp, out, "safetensors", target, limit, stem="model", numbered=False
-        )
-    elif limit is None:  # one file: OUT itself
-        written = _write_weights(src, src.keys, tmp, out, fmt, target, None, stem="", numbered=False)
-    else:
-        tmp.mkdir(parents=True)
-        stem = "model" if fmt == "safetensors" else "pytorch_model"
-        written = _write_weights(src, src.keys, tmp, out, fmt, target, limit, stem=stem, numbered=True)
+    _remove(tmp)
+    try:
+        written = _write(src, source, tmp, out, fmt, target, limit)
+    except BaseException:
+        _remove(tmp)
+        raise
     os.replace(tmp, out)
     return written
 
 
+def _check_lora_request(src: _Source, fmt: str, merge: bool) -> None:
+    """The exports a LoRA checkpoint allows, and those that need one."""
+    if fmt == "peft" and not src.adapters:
+        raise UserError(
+            f"--format peft needs a checkpoint trained with model.lora ({src.ckpt} has no adapters)"
+        )
+    if merge and not src.adapters:
+        raise UserError(f"--merge needs a checkpoint trained with model.lora ({src.ckpt} has no adapters)")
+    if fmt == "hf" and src.adapters and not merge:
+        raise UserError(
+            f"--format hf: {src.ckpt} holds LoRA adapters, which a Hugging Face model folder has no place for: "
+            "export them with --format peft, or merged into the base with --format hf --merge"
+        )
+
+
+def _write(
+    src: TensorSource, source: _Source, tmp: Path, out: Path, fmt: str, target: torch.dtype, limit: int | None
+) -> list[Path]:
+    """Write `src` (the checkpoint `source`, or its merged view) into `tmp` in format `fmt`."""
+    if fmt == "peft":
+        from zoff.checkpoint.peft_export import write_peft_folder
+
+        tmp.mkdir(parents=True)
+        base = source.manifest.get("base")
+        with source.structure_config() as model_cfg:
+            return write_peft_folder(src, model_cfg, tmp, out, target, base["path"] if base else None)
+    if fmt == "hf":
+        tmp.mkdir(parents=True)
+        written = _hf_files(source.ckpt, source.cfg, tmp, out, target)
+        # Tied weights are stored once, under the first name, as save_pretrained does; loading re-ties them.
+        keys = [k for k in src.keys if src.names(k)[0] == k]
+        return written + _write_weights(
+            src, keys, tmp, out, "safetensors", target, limit, stem="model", numbered=False
+        )
+    if limit is None:  # one file: OUT itself
+        return _write_weights(src, src.keys, tmp, out, fmt, target, None, stem="", numbered=False)
+    tmp.mkdir(parents=True)
+    stem = "model" if fmt == "safetensors" else "pytorch_model"
+    return _write_weights(src, src.keys, tmp, out, fmt, target, limit, stem=stem, numbered=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
 def _write_weights(
-    src: _Source,
+    src: TensorSource,
     keys: list[str],
     tmp: Path,
     out: Path,
@@ -127,18 +310,12 @@ def _write_weights(
     return written
 
 
-def _hf_files(ckpt: Path, tmp: Path, out: Path, target: torch.dtype) -> list[Path]:
+def _hf_files(ckpt: Path, cfg: Config, tmp: Path, out: Path, target: torch.dtype) -> list[Path]:
     """A Hugging Face model folder's other files: config.json (and generation_config.json) from what the
     checkpoint carries, or for an older checkpoint rebuilt from the run's config; the tokenizer's files."""
-    import yaml
-
-    from zoff.config import config_from_dict
     from zoff.data.tokenize import load_tokenizer
     from zoff.models.hf import save_hf_config
 
-    cfg = config_from_dict(
-        yaml.safe_load((ckpt / "config.yaml").read_text()), source=str(ckpt / "config.yaml")
-    )
     if not cfg.model.name.startswith("hf:"):
         raise UserError(f"--format hf: the checkpoint's model is '{cfg.model.name}', not an hf: model")
     stored = read_model_files(ckpt)
@@ -168,7 +345,7 @@ def _hf_files(ckpt: Path, tmp: Path, out: Path, target: torch.dtype) -> list[Pat
     return written
 
 
-def _write_one(path: Path, fmt: str, src: _Source, keys: list[str], out_dtype, advance) -> None:
+def _write_one(path: Path, fmt: str, src: TensorSource, keys: list[str], out_dtype, advance) -> None:
     tensors = ((k, src.tensor(k).to(out_dtype(src.meta(k)[1]))) for k in keys)
     if fmt == "pt":
         torch.save(dict(_counted(tensors, advance)), path)  # a pt file is one pickle: one shard in memory

@@ -214,6 +214,13 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size: {m.vocab_size} is too small for byte-level data (needs >= 256)")
     if d.name == "text" and not d.paths:
         raise ConfigError("data.paths: data.name 'text' needs at least one file or glob")
+    if d.format != "text" and d.name not in ("jsonl", "parquet", "hf"):
+        raise ConfigError(
+            f"data.name: data.format {d.format} reads one record per example from jsonl, parquet or hf, "
+            f"not '{d.name}'"
+        )
+    if d.format != "text" and d.name != "hf" and not d.paths:
+        raise ConfigError(f"data.paths: data.format {d.format} needs the {d.name} file(s) of its records")
     if t.global_batch_size is not None and t.global_batch_size % d.batch_size:
         raise ConfigError(
             f"train.global_batch_size: {t.global_batch_size} is not a multiple of data.batch_size ({d.batch_size})"

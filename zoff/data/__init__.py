@@ -74,8 +74,15 @@ def check_vocab(corpus: Corpus, model_vocab: int) -> None:
         )
 
 
-def preflight(cfg: DataConfig) -> None:
-    """Fail early, before any rank starts: the files exist and the tokenizer loads."""
+def preflight(cfg: DataConfig, pack: bool = False) -> None:
+    """Fail early, before any rank starts: the files exist and the tokenizer loads. Fine-tuning examples are
+    built here once (rendered, masked, packed as `pack` says, checked, cached), so that bad records are named
+    by one line before any rank starts, and the ranks read the cache."""
+    if cfg.format != "text":
+        from zoff.data.sft import load_sft_corpus  # (sft imports this module)
+
+        load_sft_corpus(cfg, 0, pack)
+        return
     if cfg.name != "synthetic":
         _source_files(cfg)
         load_tokenizer(cfg.tokenizer)

@@ -103,6 +103,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         model = peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:
         raise UserError(f"model.lora.target_modules: {str(e).splitlines()[0]}") from None
+    odd = next((n for n, _ in model.named_parameters() if ".lora_" in n and not is_adapter(n)), None)
+    if odd is not None:  # peft's embedding and convolution adapters: other shapes, other initialisation
+        raise UserError(
+            f"model.lora.target_modules: '{odd.rsplit('.lora_', 1)[0]}' is not a Linear layer; zoff adapts "
+            "Linear (and transformers' Conv1D) layers only"
+        )
     init = LoraInit(base_init, seed)
     model.init_parameter = init  # an instance attribute: the engine looks for it on the model it is given
     model.zoff_lora_config = config  # what the adapter export writes as adapter_config.json

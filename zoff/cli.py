@@ -243,6 +243,7 @@ def _preflight(cfg: Config) -> nn.Module:
     from zoff.engine.policy import Policy
     from zoff.models import build_model, enable_activation_checkpointing
     from zoff.planning.disk_room import check_swap_path
+    from zoff.trainer.session import packs
 
     # an impossible stage/offload combination, named here rather than by every rank's engine
     invalid = None if cfg.zero.auto else Policy.of(cfg.zero).invalid()
@@ -252,7 +253,7 @@ def _preflight(cfg: Config) -> nn.Module:
         model = build_model(cfg.model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
-    preflight_data(cfg.data)
+    preflight_data(cfg.data, pack=cfg.data.format != "text" and packs(cfg, model))
     check_swap_path(cfg, model)
     if cfg.log.tensorboard:
         try:

@@ -12,6 +12,7 @@ import typer
 
 from zoff.config import Config, dump_yaml, load_config
 from zoff.errors import UserError
+from zoff.trainer import regather
 
 if TYPE_CHECKING:
     from torch import nn
@@ -80,15 +81,40 @@ def train(
 
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
     before = latest_on_disk(ckpt_dir)  # what a stop or failure is compared with: saved by this run or not
-    try:
-        launch(cfg, out, resume)
-    except WorkerFailed as e:
-        print(f"zoff: training failed: {e}\nzoff: per-rank logs are in {out / 'logs'}", file=sys.stderr)
-        print(_failure_line(ckpt_dir, before) + f"\n  {_resume_command(out)}", file=sys.stderr)
-        raise typer.Exit(1) from None
-    except Preempted as e:
-        print(_stop_line(e, cfg, ckpt_dir, before) + f"\n  {_resume_command(out)}", file=sys.stderr)
-        raise typer.Exit(e.exit_code) from None
+    while True:
+        try:
+            launch(cfg, out, resume)
+            return
+        except WorkerFailed as e:
+            again = regather.restart_config(cfg, out)
+            if again is None:
+                print(
+                    f"zoff: training failed: {e}\nzoff: per-rank logs are in {out / 'logs'}", file=sys.stderr
+                )
+                print(_failure_line(ckpt_dir, before) + f"\n  {_resume_command(out)}", file=sys.stderr)
+                raise typer.Exit(1) from None
+            print(_regather_lines(cfg, again, out, ckpt_dir), file=sys.stderr, flush=True)
+            cfg, resume = again, "auto"
+            (out / "config.yaml").write_text(dump_yaml(cfg))
+        except Preempted as e:
+            print(_stop_line(e, cfg, ckpt_dir, before) + f"\n  {_resume_command(out)}", file=sys.stderr)
+            raise typer.Exit(e.exit_code) from None
+
+
+def _regather_lines(cfg: Config, again: Config, out: Path, ckpt_dir: Path) -> str:
+    """What a restart for skipped stage-3 blocks says: why, what changes, and from where it continues."""
+    from zoff.checkpoint.status import latest_on_disk
+
+    added = [c for c in again.zero.block_classes if c not in cfg.zero.block_classes]
+    latest = latest_on_disk(ckpt_dir)
+    where = (
+        f"the checkpoint of step {latest.step} ({latest.path})" if latest else "step 0 (no checkpoint yet)"
+    )
+    return (
+        f"zoff: {regather.recorded(out)[1]}\n"
+        f"zoff: restarting from {where}, gathering every {', '.join(added)} as one unit; "
+        f"to start that way, put in the config: zero.block_classes: [{', '.join(again.zero.block_classes)}]"
+    )
 
 
 @app.command()

@@ -21,6 +21,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from zoff.config import Config, LaunchConfig, config_from_dict
 from zoff.errors import UserError
+from zoff.trainer import regather
 
 
 def cores_available() -> int:
@@ -119,9 +120,10 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
     from zoff.trainer.preempt import STOP
 
     STOP.install()  # first: a SIGTERM during start-up must still end in a checkpointed stop
-    from zoff.trainer.session import run_training  # imported in the child: keeps the launcher process light
+    from zoff.engine.gather_checks import SkippedBlockError  # (in the child: keeps the launcher light)
+    from zoff.trainer.session import run_training
 
-    cfg = config_from_dict(cfg_dict)
+    cfg = regather.with_classes(config_from_dict(cfg_dict), regather.recorded(Path(run_dir))[0])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     threads = threads_per_rank(cfg.launch, local_world)
@@ -137,6 +139,9 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
         resume = "auto"  # a restarted group continues from the latest complete checkpoint by itself
     try:
         run_training(cfg, Path(run_dir), device, resume)
+    except SkippedBlockError as e:  # zoff train restarts the ranks gathering the holding module whole
+        regather.note(Path(run_dir), e.block_class, str(e))
+        raise SystemExit(f"zoff: error: {e}") from None
     except UserError as e:
         raise SystemExit(f"zoff: error: {e}") from None
     finally:

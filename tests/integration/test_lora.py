@@ -9,6 +9,7 @@ that `zoff estimate` prints.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +137,40 @@ def test_lora_on_two_ranks_at_stage3_matches_peft_reference(llama_folder) -> Non
     for got in run_zoff_many(cfgs, 2):
         assert_close_losses(got["losses"], ref["losses"])
         assert_close_params(got["params"], ref["params"])
+
+
+def test_lora_resume_reads_the_base_from_its_folder(llama_folder, tmp_path) -> None:
+    """A checkpoint that names its base holds adapters only; resuming from it (the frozen weights read from
+    model.path again) continues bit for bit as the uninterrupted run, and a changed base is refused."""
+    import json
+    import shutil
+
+    from tests.harness import run_zoff
+    from zoff.checkpoint.base_ref import weights_digest
+
+    cfg = _cfg("llama", "zero3", llama_folder)
+    cfg["checkpoint"] = {"every_steps": 2, "keep_last": 5}
+    whole = run_zoff(cfg, 1, tmp_path / "whole")[0]
+    ckpt = tmp_path / "whole" / "checkpoints" / "step_00000002"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["base"]["sha256"] == weights_digest(Path(llama_folder).resolve())
+    assert all(".lora_" in n for p in manifest["params"] for n in p["names"])
+    assert not list(ckpt.glob("frozen_*"))
+    (tmp_path / "again" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, tmp_path / "again" / "checkpoints" / ckpt.name)
+    again = run_zoff(cfg, 1, tmp_path / "again", resume="auto")[0]
+    assert again["start"] == 2
+    for name, value in whole["params"].items():
+        assert torch.equal(again["params"][name], value), name
+    # the same folder with other weights: the checkpoint is not for this base
+    other = tmp_path / "other"
+    shutil.copytree(llama_folder, other)
+    model = transformers.LlamaForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    model.save_pretrained(other)
+    moved = {**cfg, "model": {**cfg["model"], "path": str(other)}}
+    with pytest.raises(
+        Exception, match="other weights than the base this checkpoint was trained on"
+    ):  # (a rank's)
+        run_zoff(moved, 1, tmp_path / "again", resume="auto")

@@ -21,6 +21,16 @@ class UnsupportedModelError(UserError):
     """A model does something stage 3 cannot support; the message names the parameter and the module."""
 
 
+class SkippedBlockError(UnsupportedModelError):
+    """Ranks ran different blocks (data-dependent: an expert no token picked, a dropped layer). Not a dead
+    end: gathering `block_class` (the module holding the block, every rank runs it) as one unit works, and
+    `zoff train` restarts the run that way by itself (regather.py)."""
+
+    def __init__(self, message: str, block_class: str):
+        super().__init__(message)
+        self.block_class = block_class
+
+
 END = -1  # the code a rank sends when it has no more gathers in this forward or backward
 
 
@@ -71,7 +81,7 @@ class GatherChecks:
         for q, v in enumerate(codes.tolist()):
             if v != END:  # peer q is gathering block v, which this rank did not run
                 self.broken = True
-                raise UnsupportedModelError(self.mismatch(v, skipped_by=self.comm.rank, ran_on=q))
+                raise SkippedBlockError(self.mismatch(v, skipped_by=self.comm.rank, ran_on=q), self.owner(v))
 
     def check_codes(self, u: int, codes: torch.Tensor | None) -> None:
         """Every peer named unit u for this gather (Comm.exchange_codes); else say who ran what."""
@@ -80,13 +90,14 @@ class GatherChecks:
         for q, v in enumerate(codes.tolist()):
             if v == END:  # peer q finished its forward (or backward) without this block
                 self.broken = True
-                raise UnsupportedModelError(self.mismatch(u, skipped_by=q, ran_on=self.comm.rank))
+                raise SkippedBlockError(self.mismatch(u, skipped_by=q, ran_on=self.comm.rank), self.owner(u))
             if v != u:
                 self.broken = True
-                raise UnsupportedModelError(
+                raise SkippedBlockError(
                     f"zero.stage 3: rank {self.comm.rank} gathered block '{self.block_name(u)}' while rank {q} "
                     f"gathered block '{self.block_name(v)}' in this {self._phase()}: the ranks ran different "
-                    f"blocks, or the same ones in another order; {self.fix(u)}"
+                    f"blocks, or the same ones in another order; {self.fix(u)}",
+                    self.owner(u),
                 )
 
     def mismatch(self, u: int, skipped_by: int, ran_on: int) -> str:
@@ -102,6 +113,10 @@ class GatherChecks:
     def block_name(self, u: int) -> str:
         modules = self.plan.all_units[u].modules
         return (modules[0] if modules else "") or "the root"
+
+    def owner(self, u: int) -> str:
+        """The class whose modules, gathered whole, hold block u and run on every rank."""
+        return _always_run_owner(self.model, self.block_name(u)) or type(self.model).__name__
 
     def fix(self, u: int) -> str:
         """The config key that makes such a block gather with a module every rank runs."""

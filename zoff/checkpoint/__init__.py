@@ -255,10 +255,11 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True, base: d
         model_state.update({n: read_whole(by_name[n], readers) for n in plan.frozen if n in by_name})
         if model_state:
             engine.model.load_state_dict(model_state, strict=False)
-        frozen = range(len(plan.units), len(plan.all_units)) if not from_base else range(0)
-        engine.load_frozen_shards(
-            [assemble_shard(plan, engine.rank, u, "master", by_name, readers) for u in frozen]
-        )
+        if not from_base:  # (else the engine read them from model.path, the folder the checkpoint names)
+            frozen = range(len(plan.units), len(plan.all_units))
+            engine.load_frozen_shards(
+                [assemble_shard(plan, engine.rank, u, "master", by_name, readers) for u in frozen]
+            )
         rng_file = path / f"rng_{engine.comm.rank:05d}.safetensors"
         if manifest["world_size"] == engine.comm.world and rng_file.is_file():
             rng = readers.get(rng_file.name)

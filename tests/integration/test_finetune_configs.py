@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 20
+STEPS = 12
 
 
 def zoff(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -54,7 +54,7 @@ def test_shipped_finetune_config_trains(config: str, base: Path, tmp_path: Path)
     records = _train(config, base, tmp_path / "run")
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == STEPS
-    assert sum(losses[-5:]) / 5 < losses[0] - 0.2  # learning, not noise
+    assert sum(losses[-4:]) / 4 < losses[0] - 0.2  # learning, not noise
     if config == "llama-lora":
         ckpt = next((tmp_path / "run" / "checkpoints").glob("step_*"))
         manifest = json.loads((ckpt / "manifest.json").read_text())

@@ -32,8 +32,9 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 SEQ = 128  # every conversation fits: the reference does not truncate
 GLOBAL = 12  # sequences per step: 3 x 4 x 1, 3 x 2 x 2, 2 x 2 x 3 (micro-batch x accumulation x ranks)
-# (world, stage, micro-batch, accumulation)
+# (world, stage, micro-batch, accumulation); world 3 runs with `-m grid` (the default suite's time budget)
 CELLS = [(1, 0, 3, 4), (2, 0, 3, 2), (2, 1, 3, 2), (2, 2, 3, 2), (2, 3, 3, 2), (3, 2, 2, 2), (3, 3, 2, 2)]
+GRID_WORLDS = {3}
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +124,17 @@ def ref(files) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(files) -> dict:
-    out = {}
-    for world in sorted({c[0] for c in CELLS}):
-        cells = [c for c in CELLS if c[0] == world]
-        for cell, got in zip(cells, run_zoff_many([_cfg(files, *c) for c in cells], world), strict=True):
-            out[cell] = got
-    return out
+def runs(files):
+    """cell -> rank 0's result; each world size's cells run in one spawn, the first time one is asked for."""
+    out: dict = {}
+
+    def get(cell: tuple[int, int, int, int]) -> dict:
+        if cell not in out:
+            cells = [c for c in CELLS if c[0] == cell[0]]
+            out.update(zip(cells, run_zoff_many([_cfg(files, *c) for c in cells], cell[0]), strict=True))
+        return out[cell]
+
+    return get
 
 
 def test_every_packed_example_is_a_known_conversation(files, ref) -> None:
@@ -142,9 +147,13 @@ def test_every_packed_example_is_a_known_conversation(files, ref) -> None:
     assert all(len(e) for x, p in zip(b.inputs, b.position_ids) for e in _examples(x, p))
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=lambda c: f"world{c[0]}-stage{c[1]}-mb{c[2]}x{c[3]}")
+@pytest.mark.parametrize(
+    "cell",
+    [pytest.param(c, marks=pytest.mark.grid) if c[0] in GRID_WORLDS else c for c in CELLS],
+    ids=lambda c: f"world{c[0]}-stage{c[1]}-mb{c[2]}x{c[3]}",
+)
 def test_sft_matches_plain_pytorch(runs, ref, cell) -> None:
-    got = runs[cell]
+    got = runs(cell)
     assert_close_losses(got["losses"], ref["losses"])
     assert_close_losses(got["grad_norms"], ref["grad_norms"])
     assert_close_params(got["params"], ref["params"])

@@ -22,18 +22,17 @@ The table reports medians over rounds of per-round ratios: "% of probe" = probe 
 step at the probe's speed reads 100%), and "x" = peer time / zoff time (> 1: zoff is faster).
 
     python scripts/bench_adam.py [--sizes 1M,16M,64M] [--rounds 9] [--threads 2[,1]] [--quiet-max 0.25]
-                                [--out runs/bench/bench_adam.json]
+                                [--out docs/results/bench_adam.json]
+    python scripts/bench_adam.py --render   # the markdown table from the JSON (what the docs embed)
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -45,9 +44,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import benchlib  # noqa: E402
+
 from zoff.optim import CPUAdam, backend_info  # noqa: E402
 from zoff.optim.cpu_adam import cpu_adam_step, extension  # noqa: E402
 
+JSON = benchlib.RESULTS / "bench_adam.json"
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 # Bytes each variant must move per parameter (counted as STREAM does, no write-allocate traffic).
 BYTES = {
@@ -260,33 +262,79 @@ def targets(results: list[dict]) -> dict[str, bool]:
     return out
 
 
-def git(*args: str) -> str:
+def kernel_modified() -> bool:
+    """Whether the kernel, its wrappers or this script differ from HEAD: the commit's "+dirty" says only that
+    something in the tree does."""
+    paths = ("zoff/optim", "zoff/csrc", "scripts/bench_adam.py")
     root = Path(__file__).resolve().parent.parent
     try:
-        return subprocess.run(
-            ["git", *args], cwd=root, capture_output=True, text=True, check=False
-        ).stdout.strip()
+        git = subprocess.run(
+            ["git", "status", "--porcelain", "--", *paths], cwd=root, capture_output=True, text=True
+        )
     except OSError:
-        return ""
+        return False
+    return bool(git.stdout.strip())
 
 
 def machine() -> dict:
+    """benchlib's machine() plus what the kernel's speed depends on: the CPU family/model (its prefetch tuning)
+    and the SIMD path zoff chose."""
     info = {}
     try:
         for ln in Path("/proc/cpuinfo").read_text().splitlines():
             key = ln.split(":", 1)[0].strip()
-            if key in ("model name", "cpu family", "model") and key not in info:
+            if key in ("cpu family", "model") and key not in info:
                 info[key] = ln.split(":", 1)[1].strip()
     except OSError:
         pass
     return {
-        "cpu": info.get("model name") or platform.processor(),
         "cpu_family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
         "zoff_backend": backend_info(),
     }
+
+
+# The table's columns: (header, row key in a result's "rows", what of it); "vs" columns read "speedups".
+PCT = (("zoff CPUAdam, % of probe", "zoff CPUAdam"), ("`cpu_adam_step`, %", "zoff cpu_adam_step"),
+       ("torch fused, %", "torch fused"))  # fmt: skip
+VS = (
+    ("vs torch fused, flat", "zoff CPUAdam vs torch fused (flat)", 2),
+    ("vs torch fused, param list", "zoff CPUAdam vs torch fused (model)", 2),
+    ("vs torch default (for-loop), list", "zoff CPUAdam vs torch default (model)", 1),
+    ("vs torch foreach, list", "zoff CPUAdam vs torch foreach (model)", 1),
+    ("zoff bf16 step vs fused + `.to(bf16)`", "zoff mixed vs torch fused+copy", 2),
+)
+
+
+def render(data: dict) -> str:
+    """The markdown table the docs embed: per size and thread count, zoff against the probe and its peers
+    (medians over rounds of per-round ratios; "vs" = peer time / zoff time); pure."""
+    rows = []
+    for res in data["results"]:
+        r = res["rows"]
+        rows.append(
+            [label(res["n"]), str(res["threads"]), f"{r['zoff CPUAdam']['ms_per_step']:.2f}"]
+            + [f"{r[k]['pct_of_probe']:.0f}%" for _, k in PCT]
+            + [f"{r['probe']['gb_per_s']:.0f}"]
+            + [f"{res['speedups'][k]:.{d}f}x" for _, k, d in VS]
+            + [f"{len(res['rounds_used'])}/{res['rounds_run']}", f"{res['other_work_cores']:.2f}"]
+        )
+    header = ["params", "threads", "zoff CPUAdam ms/step", *(h for h, _ in PCT), "probe GB/s"]
+    header += [h for h, _, _ in VS] + ["rounds used", "other busy cores"]
+    m = data["machine"]
+    tensors = {label(res["n"]): res["model_tensors"] for res in data["results"]}  # in the run's size order
+    out = [
+        f"zoff's {m['zoff_backend']['backend']} kernel ({m['zoff_backend']['simd']}), CPU family/model "
+        f"{m['cpu_family_model']}; {data['rounds']} quiet rounds wanted (< {data['quiet_max_cores']:.2f} other "
+        "busy cores), medians over rounds of per-round ratios; the parameter list has "
+        + ", ".join(f"{n} tensors at {size}" for size, n in tensors.items())
+        + ".\n\n",
+        benchlib.md_table(header, rows),
+        "\n",
+    ]
+    if data["targets"]:  # the targets are for 16M and larger: a run of small sizes has none
+        verdicts = [[k, "PASS" if ok else "MISS"] for k, ok in data["targets"].items()]
+        out += [benchlib.md_table(["target", "result"], verdicts), "\n"]
+    return "".join(out) + benchlib.measured_line(data, "bench_adam")
 
 
 def main() -> None:
@@ -294,17 +342,20 @@ def main() -> None:
     ap.add_argument("--sizes", default="1M,16M,64M", help="comma-separated param counts (K/M suffixes)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", default="2", help="thread count(s), comma-separated: torch.set_num_threads")
-    ap.add_argument("--out", default="runs/bench/bench_adam.json")
+    ap.add_argument("--out", type=Path, default=JSON)
     ap.add_argument(
         "--quiet-max", type=float, default=0.25, help="a round is quiet below this many other busy cores"
     )
+    ap.add_argument("--render", action="store_true", help="only print the markdown table from --out's JSON")
     args = ap.parse_args()
-    info = machine()
-    commit = git("rev-parse", "--short", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--", "zoff/optim", "zoff/csrc", "scripts/bench_adam.py"))
+    if args.render:
+        sys.exit(benchlib.print_rendered(args.out, render))
+    prov = benchlib.provenance()
+    info = {**prov["machine"], **machine()}
+    commit, dirty = prov["commit"], kernel_modified()
     print(f"{info['cpu']} (family/model {info['cpu_family_model']}), {info['cores']} cores, torch {info['torch']}, "
           f"zoff {info['zoff_backend']['backend']}/{info['zoff_backend']['simd']}, commit {commit}"
-          f"{' (modified)' if dirty else ''}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+          f"{' (kernel modified)' if dirty else ''}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     results = []
     for threads in (int(t) for t in str(args.threads).split(",")):
         torch.set_num_threads(threads)  # both peers use torch's thread count (CPUAdam's default)
@@ -316,13 +367,13 @@ def main() -> None:
     verdict = targets(results)
     for k, ok in verdict.items():
         print(f"target {k}: {'PASS' if ok else 'FAIL'}")
-    out = Path(args.out)
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "modified": dirty,
+        **prov,
         "machine": info,
+        "command": benchlib.command_line(ap, args, "bench_adam"),
+        "modified": dirty,
         "threads": args.threads,
         "rounds": args.rounds,
         "quiet_max_cores": args.quiet_max,
@@ -330,8 +381,9 @@ def main() -> None:
         "results": results,
         "targets": verdict,
     }
-    out.write_text(json.dumps(payload, indent=2))
+    out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out}")
+    sys.stdout.write(render(payload))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,13 @@ and writes it all to JSON.
     python scripts/bench_beyond_memory.py --size 1b --steps 3 --path /var/tmp/zoff-swap
     python scripts/bench_beyond_memory.py --size tiny --steps 3 --io-size 64MiB
     python scripts/bench_beyond_memory.py --config my-hf.yaml --size tiny [KEY.PATH=VALUE ...]
+    python scripts/bench_beyond_memory.py --render   # the markdown table from the JSON (what the docs embed)
 
 --size sets model.n_layer / n_head / d_model (an hf: model maps them onto its config); without it the config's
 own model is used. Trailing KEY.PATH=VALUE overrides go to `zoff estimate` and `zoff train` alike.
+
+The JSON goes to docs/results/bench_beyond_memory.json (--json), the RSS time series beside it
+(bench_beyond_memory.series.json): the table needs only the peaks, which the JSON holds.
 
 The /proc readings and the sampler are beyond_memory_probe.py's; the measured fields, set against the estimate,
 and the table are beyond_memory_report.py's.
@@ -28,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -37,8 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from beyond_memory_probe import Sampler, block_device, cpu_name, import_baseline_rss, meminfo
-from beyond_memory_report import measure, render
+import benchlib
+from beyond_memory_probe import Sampler, block_device, import_baseline_rss, meminfo
+from beyond_memory_report import measure, render, title
 from rich.console import Console
 
 from zoff.config import CONFIGS_DIR, Config, load_config
@@ -55,6 +58,7 @@ SIZES: dict[str, dict[str, int]] = {
     "3b": {"n_layer": 30, "n_head": 24, "d_model": 3072},  # 3.4B
 }
 DEFAULT_CONFIG = CONFIGS_DIR / "gpt-3b-nvme.yaml"
+JSON = benchlib.RESULTS / "bench_beyond_memory.json"
 
 
 # -------------------------------------------------------------------------------------------- planning
@@ -110,7 +114,7 @@ def io_bandwidth(path: Path, nbytes: int, threads: int, request_mb: int) -> dict
 # ----------------------------------------------------------------------------------------------- main
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="any zoff config (builtin GPT or hf:)"
@@ -121,15 +125,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--path", type=Path, help="the swap folder (default: the config's nvme_path); made if missing"
     )
     ap.add_argument("--nproc", type=int, help="ranks (launch.nproc_per_node)")
-    ap.add_argument("--json", type=Path, default=Path("runs/bench/bench_beyond_memory.json"), dest="out")
+    ap.add_argument("--json", type=Path, default=JSON, dest="out")
     ap.add_argument(
         "--run-dir", type=Path, help="zoff train's run directory (default runs/bench/beyond-memory-<time>)"
     )
     ap.add_argument("--io-size", default="1GiB", help="bytes of the bench-io measurement (0: skip it)")
     ap.add_argument("--margin", default="2GiB", help="free disk kept beyond the swap files (and checkpoint)")
     ap.add_argument("--interval", type=float, default=0.5, help="seconds between /proc samples")
+    ap.add_argument("--render", action="store_true", help="only print the markdown table from --json's JSON")
     ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides for estimate and train")
-    return ap.parse_args(argv)
+    return ap
 
 
 def build_overrides(a: argparse.Namespace) -> list[str]:
@@ -146,7 +151,10 @@ def build_overrides(a: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    ap = parser()
+    a = ap.parse_args(argv)
+    if a.render:
+        return benchlib.print_rendered(a.out, render)
     con = Console(width=max(Console().width, 150))
     overrides = build_overrides(a)
     cfg = load_config(a.config, overrides)
@@ -171,11 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     states = data_parallel_bytes(est.trainable_params)
     ckpt_bytes = 12 * est.trainable_params if saves_final_checkpoint(cfg) else 0  # fp32 master + 2 moments
     result: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=Path(__file__).parent).stdout.strip() or None,
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "mem_total_bytes": mem["MemTotal"],
-                    "python": platform.python_version()},
+        **benchlib.provenance(),
+        "command": benchlib.command_line(ap, a, "bench_beyond_memory"),
         "config": str(a.config), "size": a.size, "overrides": overrides, "nproc": local,
         "params": est.params, "trainable_params": est.trainable_params, "precision": cfg.train.precision,
         "model_state_bytes": states, "model_state_to_ram": states / mem["MemTotal"],
@@ -234,15 +239,24 @@ def main(argv: list[str] | None = None) -> int:
     result["returncode"], result["wall_s"], result["run_dir"] = proc.returncode, wall, str(run_dir)
     result["status"] = "ok" if proc.returncode == 0 else "failed"
     result.update(measure(sampler, run_dir, result, baseline))
-    render(con, result)
+    print(title(result))
+    sys.stdout.write(render(result))
     _write(a.out, result, con)
     return 0 if proc.returncode == 0 else 1
 
 
 def _write(out: Path, result: dict, con: Console) -> None:
+    """The results, and beside them the RSS time series: ~2500 samples of an hour's run would be most of the
+    JSON, and the table reads only their peaks, which the results hold."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    series = result.pop("series", None)
     out.write_text(json.dumps(result, indent=2) + "\n")
     con.print(f"wrote {out}")
+    if series is not None:
+        beside = out.with_suffix(".series.json")
+        lines = ",\n".join(json.dumps(row) for row in series["rows"])  # a sample a line: diffable, compact
+        beside.write_text(f'{{"columns": {json.dumps(series["columns"])},\n"rows": [\n{lines}\n]}}\n')
+        con.print(f"wrote {beside}")
 
 
 if __name__ == "__main__":

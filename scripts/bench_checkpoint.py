@@ -27,7 +27,8 @@ and reports VmHWM growth over the post-import RSS, plus sampled peaks of its hea
 resident: it is the kindest naive baseline (its peak is the merged model plus the mapped master pages).
 
     python scripts/bench_checkpoint.py [--layers 12] [--d-model 768] [--rounds 5] [--tmp /tmp]
-        [--out runs/bench/bench_checkpoint.json]
+        [--out docs/results/bench_checkpoint.json]
+    python scripts/bench_checkpoint.py --render   # the markdown tables from the JSON (what the docs embed)
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 REPO = Path(__file__).resolve().parent.parent
 
+import benchlib  # noqa: E402
 from benchlib import print_targets, spawn  # noqa: E402
 
 from zoff.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -62,6 +63,7 @@ from zoff.config import Config, config_from_dict, dump_yaml  # noqa: E402
 from zoff.models import build_model, lm_loss  # noqa: E402
 from zoff.trainer.session import build_session  # noqa: E402
 
+JSON = benchlib.RESULTS / "bench_checkpoint.json"
 WORLD = 2
 VARIANTS = ("zoff", "torch.save", "dcp")
 GB = 1e9
@@ -343,28 +345,14 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 def machine(tmp: Path) -> dict:
-    meminfo = (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())
-    info = {k: v.strip() for k, v in meminfo}
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    """What benchlib's machine() leaves out and a checkpoint's speed depends on: the scratch folder's
+    filesystem, and how busy the host was."""
     mounts = [ln.split() for ln in Path("/proc/mounts").read_text().splitlines()]
     best = max(
         (m for m in mounts if str(tmp.resolve()).startswith(m[1])), key=lambda m: len(m[1]), default=None
     )
     return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "mem_total": info.get("MemTotal"),
         "tmp_dir_fs": f"{best[0]} ({best[2]}) on {best[1]}" if best else "?",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
         "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
     }
 
@@ -388,7 +376,7 @@ def print_tables(result: dict) -> None:
     m, s, c = result["machine"], result["summary"], result["convert"]
     con.print(
         f"[bold]{result['params'] / 1e6:.1f}M-param GPT (fp32), {WORLD} ranks gloo, {result['args']['rounds']} "
-        f"rounds[/bold]; {m['cpu']}, {m['cores']} cores, {m['mem_total']}; tmp on {m['tmp_dir_fs']}; "
+        f"rounds[/bold]; {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.1f} GiB; tmp on {m['tmp_dir_fs']}; "
         f"torch {m['torch']}; load avg {' '.join(m['loadavg_start'])} -> {' '.join(m['loadavg_end'])}"
     )
     tab = Table(title="save / load (medians over rounds; loads are page-cache-hot)")
@@ -430,6 +418,57 @@ def print_tables(result: dict) -> None:
     print_targets(con, "targets (issue 5)", result["targets"])
 
 
+LABEL = {
+    "zoff": "zoff",
+    "torch.save": "torch.save (rank 0, full state)",
+    "dcp": "torch.distributed.checkpoint",
+}
+
+
+def render(data: dict) -> str:
+    """The markdown tables the docs embed: save and load per variant with zoff's per-round ratios, the export
+    against the naive one, the targets; pure."""
+    s, c, a = data["summary"], data["convert"], data["args"]
+    v, r = s["variants"], s["ratios"]
+    ratio = lambda key: "{:.2f}x ({:.2f}-{:.2f})".format(r[key]["median"], *r[key]["q1_q3"])  # noqa: E731
+    out = [
+        f"{data['params'] / 1e6:.1f}M-parameter GPT ({a['layers']} layers x {a['d_model']}), fp32, {WORLD} ranks, "
+        f"{v['zoff']['bytes'] / GB:.2f} GB per checkpoint (master + Adam moments), {a['rounds']} interleaved "
+        f"rounds, scratch on {data['machine']['tmp_dir_fs']}; medians of rounds, ratios as median (q1-q3) of "
+        "per-round ratios; loads follow saves, page-cache-hot.\n\n"
+    ]
+    rows = [
+        ["save s", *(f"{v[k]['save_s']:.2f}" for k in VARIANTS)],
+        ["save GB/s", *(f"{v[k]['save_gb_per_s']:.2f}" for k in VARIANTS)],
+        ["zoff / peer, save", "", ratio("zoff/torch.save save"), ratio("zoff/dcp save")],
+        ["load s", *(f"{v[k]['load_s']:.2f}" for k in VARIANTS)],
+        ["load s, zoff without checksum verify", f"{v['zoff']['load_noverify_s']:.2f}", "", ""],
+        ["zoff / peer, load", "", ratio("zoff/torch.save load"), ratio("zoff/dcp load")],
+    ]
+    out += [benchlib.md_table(["", *(LABEL[k] for k in VARIANTS)], rows), "\n"]
+    names = {"zoff": "`zoff convert` (streams tensor by tensor, verifies every checksum)",
+             "naive": "naive: load all shards, merge, save"}  # fmt: skip
+    rows = [
+        [
+            names[k],
+            f"{x['elapsed_s']:.1f} s",
+            f"{x['gb_per_s']:.2f}",
+            f"{x['peak_rss_growth_bytes'] / MiB:.0f} MiB",
+        ]
+        + [f"{x['sampled_heap_growth_bytes'] / MiB:.0f} MiB"]
+        for k, x in c.items()
+    ]
+    header = ["export", "time", "GB/s", "peak RSS growth (VmHWM)", "heap growth (RssAnon, sampled)"]
+    out += [
+        benchlib.md_table(header, rows),
+        "\n",
+        benchlib.md_targets(data["targets"]),
+        "\n",
+        benchlib.measured_line(data, "bench_checkpoint"),
+    ]
+    return "".join(out)
+
+
 # -------------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -439,14 +478,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // WORLD), help="per rank")
     ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()), help="local-disk scratch parent")
-    ap.add_argument("--out", type=Path, default=REPO / "runs/bench/bench_checkpoint.json")
+    ap.add_argument("--out", type=Path, default=JSON)
+    ap.add_argument("--render", action="store_true", help="only print the markdown tables from --out's JSON")
     args = ap.parse_args()
+    if args.render:
+        sys.exit(benchlib.print_rendered(args.out, render))
     a = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
     with torch.device("meta"):
         psi = sum(p.numel() for p in build_model(make_cfg(a).model).parameters())
     print(f"GPT {psi / 1e6:.1f}M params: {12 * psi / GB:.2f} GB of master + Adam state per save", flush=True)
-    result: dict = {"machine": machine(args.tmp), "args": a, "params": psi}
+    prov = benchlib.provenance()
+    prov["machine"].update(machine(args.tmp))
+    result: dict = {
+        **prov,
+        "command": benchlib.command_line(ap, args, "bench_checkpoint"),
+        "args": a,
+        "params": psi,
+    }
     tmp = Path(tempfile.mkdtemp(prefix="zoff-bench-ckpt-", dir=args.tmp))
     try:
         print(f"save/load: {', '.join(VARIANTS)} interleaved in one {WORLD}-rank job ({tmp})", flush=True)
@@ -464,8 +513,9 @@ def main() -> None:
     result["targets"] = targets(result["summary"], result["convert"])
     print_tables(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    sys.stdout.write(render(result))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ memory  one job per variant, because ru_maxrss is monotonic within a process: pe
         MALLOC_MMAP_THRESHOLD_=131072 (large blocks are then always mmapped and returned on free).
 
     python scripts/bench_engine.py [--layers 8] [--d-model 768] [--batch 1] [--rounds 11]
-        [--steps-per-round 2] [--skip-memory] [--out runs/bench/bench_engine.json]
+        [--steps-per-round 2] [--skip-memory] [--out docs/results/bench_engine.json]
+    python scripts/bench_engine.py --render   # the markdown tables from the JSON (what the docs embed)
 """
 
 from __future__ import annotations
@@ -24,18 +25,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import benchlib
 import torch
 import torch.distributed as dist
+from benchlib import gpt_config, print_targets, spawn
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -44,16 +46,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-REPO = Path(__file__).resolve().parent.parent
+from zoff.config import Config
+from zoff.data import GlobalBatches, load_corpus
+from zoff.engine.partition import default_decay
+from zoff.models import build_model, lm_loss
+from zoff.trainer.session import build_session
 
-from benchlib import gpt_config, print_targets, spawn  # noqa: E402
-
-from zoff.config import Config  # noqa: E402
-from zoff.data import GlobalBatches, load_corpus  # noqa: E402
-from zoff.engine.partition import default_decay  # noqa: E402
-from zoff.models import build_model, lm_loss  # noqa: E402
-from zoff.trainer.session import build_session  # noqa: E402
-
+JSON = benchlib.RESULTS / "bench_engine.json"
 WORLD = 2
 VARIANTS = ("ddp", "zoff0", "zoff1", "zoff2", "zoff3", "fsdp2")
 STAGE = {"ddp": 0, "zoff0": 0, "zoff1": 1, "zoff2": 2, "zoff3": 3, "fsdp2": 3}  # what each is compared as
@@ -264,24 +263,15 @@ def targets(timing: dict | None, memory: dict | None) -> list[dict]:
     for k in ("zoff0", "zoff1", "zoff2", "zoff3") if memory else ():
         got, want = min(memory[k]["saving_vs_ddp"]) / MiB, memory[k]["predicted_saving"] / MiB
         name = f"{k} peak RSS saved vs DDP, MiB (>= §1)"
-        rows.append(
-            {"target": name, "value": got, "limit": want, "result": "PASS" if got >= want else "MISS"}
-        )
+        row = {
+            "target": name,
+            "value": got,
+            "limit": want,
+            "op": ">=",
+            "result": "PASS" if got >= want else "MISS",
+        }
+        rows.append(row)
     return rows
-
-
-def machine() -> dict:
-    info = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), platform.processor()
-    )
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform()}
-
-
-def zoff_version() -> str:
-    """The commit measured (+ 'dirty' when zoff/ has uncommitted edits): the engine changes under benchmarks."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return git("rev-parse", "--short", "HEAD") + (" dirty" if git("status", "--porcelain", "zoff") else "")
 
 
 def load() -> str:
@@ -301,7 +291,7 @@ def print_tables(result: dict) -> None:
     con.print(
         f"[bold]zoff engine benchmark[/]: GPT {psi / 1e6:.1f}M params, fp32, {WORLD} ranks over gloo, "
         f"{result['args']['threads']} thread(s)/rank; {mc['cpu']}, {mc['cores']} cores, torch {mc['torch']}; "
-        f"zoff {result['zoff_commit']}; load average (1/5/15 min) {result['loadavg_start']} at start, "
+        f"zoff {result['commit']}; load average (1/5/15 min) {result['loadavg_start']} at start, "
         f"{result['loadavg_end']} at end"
     )
     if t:
@@ -336,6 +326,56 @@ def print_tables(result: dict) -> None:
     print_targets(con, "targets (issue 3)", result["targets"], digits=3)
 
 
+LABEL = {
+    "ddp": "DDP",
+    "zoff0": "zoff 0",
+    "zoff1": "zoff 1",
+    "zoff2": "zoff 2",
+    "zoff3": "zoff 3",
+    "fsdp2": "FSDP2",
+}
+
+
+def render(data: dict) -> str:
+    """The markdown tables the docs embed: ratios per variant, memory per rank, the targets; pure."""
+    t, m, a = data["timing"], data["memory"], data["args"]
+    out = [
+        f"{data['params'] / 1e6:.1f}M-parameter GPT ({a['layers']} layers x {a['d_model']}, {a['seq_len']} tokens, "
+        f"micro-batch {a['batch']}), fp32, {WORLD} ranks x {a['threads']} thread(s) over gloo, {a['rounds']} "
+        f"interleaved rounds of {a['steps_per_round']} steps; ratios are medians of per-round ratios (q1-q3). "
+        "DDP with bucket views and fused AdamW, FSDP2 `fully_shard` per block with fused AdamW.\n\n"
+    ]
+    rows = []
+    if t:
+        rows.append(["ms per step (median, for scale)", *(f"{t['ms_per_step'][k]:.0f}" for k in VARIANTS)])
+        for col, base in (("vs_ddp", "ddp"), ("vs_fsdp2", "fsdp2")):
+            cells = ["1.00" if k == base else ratio_cell(t, col, k) for k in VARIANTS]
+            rows.append([f"step time / {LABEL[base]}", *cells])
+    if m:
+        mib = lambda xs: "/".join(f"{x / MiB:.0f}" for x in xs)  # noqa: E731
+        rows.append(
+            ["model-state MiB per rank (rank 0/rank 1)", *(mib(m[k]["model_state"]) for k in VARIANTS)]
+        )
+        pred = (f"{m[k]['predicted_model_state'] / MiB:.0f}" for k in VARIANTS)
+        rows.append(["model-state MiB per rank, design.md §1 (fp32)", *pred])
+        rows.append(["peak RSS MiB per rank (rank 0/rank 1)", *(mib(m[k]["peak_rss"]) for k in VARIANTS)])
+        saved = [
+            ""
+            if k == "ddp"
+            else f"{min(m[k]['saving_vs_ddp']) / MiB:.0f} / {m[k]['predicted_saving'] / MiB:.0f}"
+            for k in VARIANTS
+        ]
+        rows.append(["RSS saved vs DDP, worse rank / §1's predicted saving (MiB)", *saved])
+    out.append(benchlib.md_table(["", *(LABEL[k] for k in VARIANTS)], rows))
+    out += [
+        "\n",
+        benchlib.md_targets(data["targets"], digits=2),
+        "\n",
+        benchlib.measured_line(data, "bench_engine"),
+    ]
+    return "".join(out)
+
+
 # --------------------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -350,8 +390,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // WORLD), help="per rank")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--out", type=Path, default=REPO / "runs/bench/bench_engine.json")
+    ap.add_argument("--out", type=Path, default=JSON)
+    ap.add_argument("--render", action="store_true", help="only print the markdown tables from --out's JSON")
     args = ap.parse_args()
+    if args.render:
+        sys.exit(benchlib.print_rendered(args.out, render))
 
     with torch.device("meta"):  # count parameters without allocating them
         psi = sum(p.numel() for p in build_model(make_cfg(args).model).parameters())
@@ -364,11 +407,11 @@ def main() -> None:
         raise SystemExit("model too large: six variants must fit in ~8 GB per rank; lower --layers/--d-model")
 
     result: dict = {
-        "machine": machine(),
+        **benchlib.provenance(),
+        "command": benchlib.command_line(ap, args, "bench_engine"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "params": psi,
         "loadavg_start": load(),
-        "zoff_commit": zoff_version(),
     }
     result["timing"] = result["memory"] = None
     if not args.skip_timing:
@@ -384,8 +427,9 @@ def main() -> None:
     result["targets"] = targets(result["timing"], result["memory"])
     print_tables(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    sys.stdout.write(render(result))
 
 
 if __name__ == "__main__":

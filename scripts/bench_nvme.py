@@ -12,6 +12,8 @@ Targets (issue 17): engine swap >= 85% of raw in each direction (per-round ratio
 measured bandwidth (12 N / read + 12 N / write, the raw figures of the same round).
 
     python scripts/bench_nvme.py --path /var/tmp/zoff-bench [--params 500M] [--file 2G] [--rounds 3]
+        [--out docs/results/bench_nvme.json]
+    python scripts/bench_nvme.py --render   # the markdown tables from the JSON (what the docs embed)
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import benchlib
 import torch
 from benchlib import print_targets
 from rich.console import Console
@@ -36,6 +40,12 @@ from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel
 from zoff.engine.tiers import DiskTier
 from zoff.planning.bench_io import raw_bandwidth, swap_bandwidth
 from zoff.units import parse_size
+
+JSON = benchlib.RESULTS / "bench_nvme.json"
+SWAP_TARGET, STEP_TARGET = (
+    0.85,
+    1.25,
+)  # issue 17: swap >= 85% of raw each way; step <= 1.25x bytes / bandwidth
 
 
 def dd(path: Path, nbytes: int) -> dict[str, float]:
@@ -73,9 +83,55 @@ def step(opt: ShardOptimizer, grads: list) -> float:
     return time.perf_counter() - t0
 
 
+def targets(rounds: list[dict]) -> list[dict]:
+    """Issue 17's targets from the rounds: medians of per-round ratios, with their per-round range."""
+    ratios = {
+        "engine swap-out / raw write": ([x["swap_write_to_raw"] for x in rounds], ">=", SWAP_TARGET),
+        "engine swap-in / raw read": ([x["swap_read_to_raw"] for x in rounds], ">=", SWAP_TARGET),
+        "step / (bytes / bandwidth)": ([x["step_s"] / x["step_ideal_s"] for x in rounds], "<=", STEP_TARGET),
+    }
+    out = []
+    for name, (xs, op, limit) in ratios.items():
+        value = statistics.median(xs)
+        ok = value >= limit if op == ">=" else value <= limit
+        out.append({"target": name, "value": value, "range": [min(xs), max(xs)], "limit": limit, "op": op,
+                    "result": "PASS" if ok else "MISS"})  # fmt: skip
+    return out
+
+
+def render(data: dict) -> str:
+    """The markdown tables the docs embed: bandwidth per way (medians over rounds) and the targets; pure."""
+    rounds = data["rounds"]
+    med = lambda f: statistics.median(f(x) for x in rounds)  # noqa: E731
+    way = lambda key: [f"{med(lambda x: x[key]['write']):.2f}", f"{med(lambda x: x[key]['read']):.2f}"]  # noqa: E731
+    moved = 12 * data["params_numel"]  # bytes of states read, and written, by one step
+    rows = [
+        ["raw `O_DIRECT`, the engine's I/O alone ({threads} threads x {request}, sequential)".format(**data["args"]),
+         *way("raw")],
+        ["`dd bs=8M oflag=direct` / `iflag=direct`", *way("dd")],
+        ["engine swap-out / swap-in of whole units, one way at a time", *way("swap")],
+        ["engine swap, both ways at once as in a step", f"{med(lambda x: x['swap']['both']):.2f} combined", ""],
+        [f"NVMe optimizer step, {data['params_numel'] / 1e6:.0f}M parameters (CPU Adam included)",
+         f"{med(lambda x: x['step_s']):.2f} s against {med(lambda x: x['step_ideal_s']):.2f} s for "
+         f"{2 * moved / 1e9:.1f} GB at the raw figures one after the other", ""],
+    ]  # fmt: skip
+    out = [
+        f"`{data['args']['path']}`, {len(rounds)} rounds, medians; {moved / 1e9:.1f} GB of states read and "
+        f"{moved / 1e9:.1f} GB written per step.\n\n",
+        benchlib.md_table(["", "write GB/s", "read GB/s"], rows),
+        "\n",
+        benchlib.md_targets(targets(rounds)),
+        "\n",
+        benchlib.measured_line(data, "bench_nvme"),
+    ]
+    return "".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--path", type=Path, required=True, help="a folder on the disk to measure (local NVMe)")
+    ap.add_argument(
+        "--path", type=Path, help="a folder on the disk to measure (local NVMe); required to measure"
+    )
     ap.add_argument("--params", default="500M", help="the optimizer step's shard, in parameters")
     ap.add_argument(
         "--unit", default="32M", help="parameters per unit (engine: reduce_bucket_size / stage 3 module)"
@@ -84,8 +140,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--request", default="8M")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("runs/bench/bench_nvme.json"))
+    ap.add_argument("--out", type=Path, default=JSON)
+    ap.add_argument("--render", action="store_true", help="only print the markdown tables from --out's JSON")
     a = ap.parse_args()
+    if a.render:
+        sys.exit(benchlib.print_rendered(a.out, render))
+    if a.path is None:
+        ap.error("--path is required to measure")
+    prov = benchlib.provenance()
     numel, unit = parse_size(a.params, "--params"), parse_size(a.unit, "--unit")
     nbytes, request = aligned(parse_size(a.file, "--file")), aligned(parse_size(a.request, "--request"))
     work = a.path / f"zoff-bench-{os.getpid()}"
@@ -108,8 +170,9 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = lambda f: statistics.median(f(x) for x in rounds)  # noqa: E731
-    eff = {way: med(lambda x, w=way: x[f"swap_{w}_to_raw"]) for way in ("read", "write")}
-    step_ratio = med(lambda x: x["step_s"] / x["step_ideal_s"])
+    verdicts = targets(rounds)
+    eff = {"write": verdicts[0]["value"], "read": verdicts[1]["value"]}
+    step_ratio = verdicts[2]["value"]
     tab = Table(
         title=f"zoff disk tier on {a.path} ({numel / 1e6:.0f}M-param shard, {a.rounds} rounds, medians)"
     )
@@ -130,17 +193,14 @@ def main() -> None:
     con.print(
         f"optimizer step: {med(lambda x: x['step_s']):.2f} s, ideal {med(lambda x: x['step_ideal_s']):.2f} s"
     )
-    targets = [
-        {"target": "engine swap-out / raw write", "value": eff["write"], "limit": 0.85, "op": ">=", "result": "PASS" if eff["write"] >= 0.85 else "MISS"},
-        {"target": "engine swap-in / raw read", "value": eff["read"], "limit": 0.85, "op": ">=", "result": "PASS" if eff["read"] >= 0.85 else "MISS"},
-        {"target": "step / (bytes / bandwidth)", "value": step_ratio, "limit": 1.25, "result": "PASS" if step_ratio <= 1.25 else "MISS"},
-    ]  # fmt: skip
-    print_targets(con, "targets (issue 17)", targets)
+    print_targets(con, "targets (issue 17)", verdicts)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rounds": rounds,
-                                 "swap_to_raw": eff, "step_ratio": step_ratio,
-                                 "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}, indent=2))  # fmt: skip
+    result = {**prov, "command": benchlib.command_line(ap, a, "bench_nvme"), "args": {k: str(v) for k, v in vars(a).items()},
+              "params_numel": numel, "rounds": rounds, "swap_to_raw": eff, "step_ratio": step_ratio,
+              "loadavg": os.getloadavg()}  # fmt: skip
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
     con.print(f"wrote {a.out}")
+    sys.stdout.write(render(result))
 
 
 if __name__ == "__main__":

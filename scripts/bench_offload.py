@@ -46,7 +46,8 @@ kernel's fused 16-bit copy-out (out16) vs the kernel followed by a separate fp32
 the engine's publish does today (copy_out_probe).
 
     python scripts/bench_offload.py [--layers 12] [--d-model 768] [--seq-len 128] [--batch 1] [--rounds 5]
-        [--steps-per-round 2] [--worlds 1,2] [--precisions fp32,bf16] [--out runs/bench/bench_offload.json]
+        [--steps-per-round 2] [--worlds 1,2] [--precisions fp32,bf16] [--out docs/results/bench_offload.json]
+    python scripts/bench_offload.py --render   # the markdown tables from the JSON (what the docs embed)
 
 On this 2-core host a step of the 85M model at 64 tokens took 0.9 s while the host was briefly idle and up to
 17 s under other jobs' load; there `--seq-len 64 --rounds 4 --steps-per-round 1` ran all four jobs in ~17 min.
@@ -57,28 +58,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
 
+import benchlib
 import torch
 import torch.distributed as dist
+from benchlib import gpt_config, spawn
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parent.parent
+from zoff.config import Config
+from zoff.data import GlobalBatches, load_corpus
+from zoff.engine import ZeroEngine
+from zoff.models import build_model, lm_loss
+from zoff.optim import backend_info, cpu_adam_step
+from zoff.trainer.session import build_session
 
-from benchlib import gpt_config, spawn  # noqa: E402
-
-from zoff.config import Config  # noqa: E402
-from zoff.data import GlobalBatches, load_corpus  # noqa: E402
-from zoff.engine import ZeroEngine  # noqa: E402
-from zoff.models import build_model, lm_loss  # noqa: E402
-from zoff.optim import backend_info, cpu_adam_step  # noqa: E402
-from zoff.trainer.session import build_session  # noqa: E402
-
+JSON = benchlib.RESULTS / "bench_offload.json"
 VARIANTS = ("stage2", "offload", "dpu")
 OFFLOAD = {
     "stage2": {"device": "none"},
@@ -378,7 +378,9 @@ def summarize(per_rank: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------- output
 def fmt_q(d: dict, pct: bool = False) -> str:
     f = (lambda x: f"{100 * x:.0f}%") if pct else (lambda x: f"{x:.2f}")  # noqa: E731
-    return f"{f(d['median'])} ({f(d['q1_q3'][0])}-{f(d['q1_q3'][1])})"
+    lo, hi = d["q1_q3"]
+    sep = " to " if min(lo, hi) < 0 else "-"  # "-343%-90%" would read as a range of two negatives
+    return f"{f(d['median'])} ({f(lo)}{sep}{f(hi)})"
 
 
 def print_table(result: dict) -> None:
@@ -447,17 +449,57 @@ def print_table(result: dict) -> None:
         con.print(line)
 
 
-def machine() -> dict:
-    """CPU model, cores, torch and zoff's CPU Adam backend (here, so the script needs only zoff and tests)."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    models = [ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")]
-    return {
-        "cpu": models[0] if models else platform.processor(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu_adam": backend_info(),  # builds/loads the kernel once, before the ranks start
-    }
+def render(data: dict) -> str:
+    """The markdown tables the docs embed: each job's variants (ms for scale, ratios and shares as medians
+    (q1-q3) of per-round values), then what each job says of zoff's CPU Adam and of DPU; pure."""
+    a, mc = data["args"], data["machine"]
+    out = [
+        f"{data['params'] / 1e6:.1f}M-parameter GPT ({a['layers']} layers x {a['d_model']}), ZeRO stage 2, batch "
+        f"{a['batch']}x{a['seq_len']} tokens per rank, {a['rounds']} interleaved rounds of {a['steps_per_round']} "
+        f"timed steps, gradient clipping at {a['grad_clip']}; CPU Adam {mc['cpu_adam']['backend']} "
+        f"({mc['cpu_adam']['simd']}). ms are medians over rounds, for scale only; ratios and shares are medians "
+        "(q1-q3) of per-round values. CPU step: the optimizer's time in step() (under DPU only the gradient copy "
+        "and the launch); DPU join: the wait for the delayed CPU step; other: the gradient norm and clipping.\n\n"
+    ]
+    header = [
+        "ranks",
+        "precision",
+        "variant",
+        "ms/step",
+        "/ stage2",
+        "fwd+bwd ms",
+        "CPU step ms",
+        "publish ms",
+    ]
+    header += ["DPU join ms", "other ms", "CPU-step share", "DPU hidden"]
+    rows = []
+    for job in data["jobs"]:
+        s = job["summary"]
+        for k in VARIANTS:
+            v = s["variants"][k]
+            ms = (v["ms_per_step"], v["fwd_bwd_ms"], v["ms"]["optimizer"], v["ms"]["publish_m"])
+            rows.append(
+                [str(job["world"]), job["precision"], k, f"{ms[0]:.0f}", fmt_q(v["vs_stage2"])]
+                + [f"{x:.0f}" for x in ms[1:]]
+                + [f"{v['ms']['join']:.0f}" if k == "dpu" else "", f"{v['step_other_ms']:.0f}"]
+                + ["(launch only)" if k == "dpu" else fmt_q(v["cpu_step_share"], pct=True)]
+                + [fmt_q(s["dpu"]["hidden_fraction"], pct=True) if k == "dpu" else ""]
+            )
+    out += [benchlib.md_table(header, rows), "\n"]
+    header = ["ranks", "precision", "zoff CPU Adam / torch fused AdamW", "DPU step / offload step"]
+    header += ["DPU saved, of the sync CPU step", "fwd+bwd / stage2: offload, dpu", "clipped steps"]
+    rows = []
+    for job in data["jobs"]:
+        s = job["summary"]
+        fb = (fmt_q(s["variants"][k]["fwd_bwd_vs_stage2"]) for k in ("offload", "dpu"))
+        clipped = max(v["clipped_fraction"] for v in s["variants"].values())
+        rows.append(
+            [str(job["world"]), job["precision"], fmt_q(s["offload_vs_stage2_optimizer"])]
+            + [fmt_q(s["dpu"]["vs_offload"]), fmt_q(s["dpu"]["saved_of_cpu_step"], pct=True), ", ".join(fb)]
+            + [f"{100 * clipped:.0f}%"]
+        )
+    out += [benchlib.md_table(header, rows), "\n", benchlib.measured_line(data, "bench_offload")]
+    return "".join(out)
 
 
 def mem_available() -> int:
@@ -482,19 +524,24 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads per rank = cores / ranks")
     ap.add_argument("--probe-reps", type=int, default=5, help="bf16 copy-out probe repetitions")
-    ap.add_argument("--out", type=Path, default=REPO / "runs/bench/bench_offload.json")
+    ap.add_argument("--out", type=Path, default=JSON)
+    ap.add_argument("--render", action="store_true", help="only print the markdown tables from --out's JSON")
     args = ap.parse_args()
+    if args.render:
+        sys.exit(benchlib.print_rendered(args.out, render))
     worlds = [int(w) for w in args.worlds.split(",")]
     precisions = args.precisions.split(",")
 
     with torch.device("meta"):  # count parameters without allocating them
         psi = sum(p.numel() for p in build_model(make_cfg(args, "fp32", "stage2").model).parameters())
     result: dict = {
-        "machine": machine(),
+        **benchlib.provenance(),
+        "command": benchlib.command_line(ap, args, "bench_offload"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "params": psi,
         "jobs": [],
     }
+    result["machine"]["cpu_adam"] = backend_info()  # builds/loads the kernel once, before the ranks start
     print(f"GPT {psi / 1e6:.1f}M params; CPU Adam: {result['machine']['cpu_adam']['reason']}", flush=True)
     for world in worlds:
         for precision in precisions:
@@ -510,9 +557,12 @@ def main() -> None:
             per_rank = spawn(timing_rank, world, args, precision)
             result["jobs"].append({"world": world, "precision": precision, "summary": summarize(per_rank)})
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2))  # partial results survive a later failure
+            args.out.write_text(
+                json.dumps(result, indent=2) + "\n"
+            )  # partial results survive a later failure
     print_table(result)
     print(f"wrote {args.out}")
+    sys.stdout.write(render(result))
 
 
 if __name__ == "__main__":

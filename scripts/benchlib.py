@@ -1,12 +1,20 @@
-"""What the benchmark scripts share: gloo ranks in fresh processes, the benchmark GPT's config and the
-PASS/MISS targets table. The scripts import the installed zoff (`pip install -e .` or a wheel), not tests/."""
+"""What the benchmark scripts share: gloo ranks in fresh processes, the benchmark GPT's config, the
+PASS/MISS targets table, and the results JSON's provenance (date, commit, machine) with the markdown helpers
+their render() functions build tables from. The scripts import the installed zoff (`pip install -e .` or a
+wheel), not tests/."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import platform
 import socket
+import subprocess
+import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -71,3 +79,123 @@ def print_targets(con: Console, title: str, targets: list[dict], digits: int = 2
             f"[{style}]{row['result']}[/]",
         )
     con.print(tab)
+
+
+# ------------------------------------------------------------------------------- results JSON (docs/results/)
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"  # each script's JSON: the docs' tables are rendered from these files
+
+
+def git_commit() -> str:
+    """HEAD's short hash, "+dirty" when tracked files differ from it (untracked files are left out: other
+    sessions' new docs would mark every run dirty, and nothing measured imports an untracked file)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except OSError:  # no git on this machine
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if head and dirty else "")
+
+
+def machine() -> dict:
+    """CPU model, cores, RAM, OS, torch and Python: what a reader needs to weigh a timing."""
+    cpu = platform.processor() or "unknown"
+    try:
+        models = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
+        cpu = models[0].split(":", 1)[1].strip() if models else cpu
+    except OSError:
+        pass
+    try:
+        ram: int | str = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = "unknown"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_bytes": ram,
+        "os": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def provenance() -> dict:
+    """The top-level fields every results JSON carries: date (ISO 8601, UTC), commit and machine."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"date": now, "commit": git_commit(), "machine": machine()}
+
+
+def command_line(ap: argparse.ArgumentParser, a: argparse.Namespace, script: str) -> str:
+    """The command that reproduces a run: the script with every option that differs from its default (the
+    output path left out: it does not change what is measured)."""
+    words = ["python", f"scripts/{script}.py"]
+    for act in ap._actions:
+        value = getattr(a, act.dest, None)
+        if act.dest in ("help", "out", "render") or value == act.default:
+            continue
+        if not act.option_strings:
+            words += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+        elif act.nargs == 0:
+            words.append(act.option_strings[0])
+        else:
+            words += [act.option_strings[0], str(value)]
+    return " ".join(words)
+
+
+def print_rendered(path: Path, render: Callable[[dict], str]) -> int:
+    """--render: the table(s) from the JSON, without measuring; 2 when there is no JSON yet."""
+    if not path.is_file():
+        print(f"{path}: no results yet (run the script without --render to measure)")
+        return 2
+    sys.stdout.write(render(json.loads(path.read_text())))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ markdown (pure)
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def md_targets(targets: list[dict], digits: int = 2) -> str:
+    """print_targets' table in markdown; a row's optional "range" (per-round min, max) gets its own column."""
+    ranged = any("range" in t for t in targets)
+    header = ["target", "value"] + (["per-round range"] if ranged else []) + ["limit", "result"]
+    rows = []
+    for t in targets:
+        span = [f"{t['range'][0]:.{digits}f}-{t['range'][1]:.{digits}f}"] if "range" in t else [""]
+        rows.append(
+            [t["target"].strip(), f"{t['value']:.{digits}f}", *(span if ranged else [])]
+            + [f"{t.get('op', '<=')} {t['limit']:.{digits}f}", t["result"]]
+        )
+    return md_table(header, rows)
+
+
+def _gib(n: object) -> str:
+    return f"{n / 2**30:.1f} GiB" if isinstance(n, (int, float)) else str(n)
+
+
+def machine_summary(m: dict) -> str:
+    """One line from machine(); a field the JSON does not know is left out ("an unrecorded machine": none known)."""
+    parts = [
+        m.get("cpu", "unknown"),
+        f"{m['cores']} cores" if isinstance(m.get("cores"), int) else "",
+        f"{_gib(m['ram_bytes'])} RAM" if isinstance(m.get("ram_bytes"), (int, float)) else "",
+        m.get("os", "unknown"),
+        f"torch {m['torch']}" if m.get("torch", "unknown") != "unknown" else "",
+    ]
+    known = [p for p in parts if p and p != "unknown"]
+    return ", ".join(known) if known else "an unrecorded machine"
+
+
+def measured_line(data: dict, script: str) -> str:
+    """The line that ends every rendered table: when, at which commit, on what, and the command."""
+    date = data.get("date") or "unknown"
+    try:
+        when = datetime.datetime.fromisoformat(date).strftime("%Y-%m-%d %H:%M UTC")
+    except ValueError:
+        when = date
+    cmd = data.get("command") or f"python scripts/{script}.py"
+    return f"Measured {when} at commit {data.get('commit') or 'unknown'} on {machine_summary(data['machine'])}; `{cmd}`\n"

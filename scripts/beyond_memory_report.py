@@ -1,5 +1,6 @@
 """The reporting side of scripts/bench_beyond_memory.py: the measured results (from the Sampler, metrics.jsonl
-and the rank logs) set against the estimate, as the JSON's fields and as the printed table."""
+and the rank logs) set against the estimate, as the JSON's fields and as the markdown table the script prints
+and the docs embed (render, from the JSON alone)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import json
 import statistics
 from pathlib import Path
 
+import benchlib
 from beyond_memory_probe import Sampler, per_step_io
-from rich.console import Console
-from rich.table import Table
 
 from zoff.units import human
 
@@ -31,12 +31,12 @@ def pct(measured: float, predicted: float) -> float | None:
 
 
 SPLIT = (  # (key, label): the parts of a step, from rank 0's records in metrics.jsonl
-    ("compute_s", "forward/backward compute (and everything else)"),
-    ("param_read_wait_s", "waiting for parameter shards read from disk (gathers)"),
-    ("optimizer_disk_wait_s", "optimizer: waiting for its states' reads and writes"),
-    ("adam_s", "optimizer: CPU Adam and conversions"),
-    ("param_write_wait_s", "optimizer: waiting for parameter write-backs"),
-    ("publish_s", "publish (all-gather of persistent params, last write-back)"),
+    ("compute_s", "compute"),  # forward/backward compute (and everything else)
+    ("param_read_wait_s", "parameter-read wait"),  # waiting for parameter shards read from disk (gathers)
+    ("optimizer_disk_wait_s", "optimizer disk wait"),  # the optimizer waiting for its states' I/O
+    ("adam_s", "CPU Adam"),  # the optimizer's CPU Adam and conversions
+    ("param_write_wait_s", "parameter write-back wait"),  # the optimizer waiting for parameter write-backs
+    ("publish_s", "publish"),  # all-gather of persistent params, last write-back
 )
 
 
@@ -85,7 +85,7 @@ def measure(s: Sampler, run_dir: Path, r: dict, baseline: int) -> dict:
             }
     est = r["estimate"]
     growth = s.peak("ranks", "train") - len(ranks) * baseline
-    mem_total = r["machine"]["mem_total_bytes"]
+    mem_total = r["machine"]["ram_bytes"]
     per_step = lambda key: ranks_io[key] if ranks_io else None  # noqa: E731
     return {
         "samples": s.samples,
@@ -132,60 +132,68 @@ MISSING = [
 ]
 
 
-def render(con: Console, r: dict) -> None:
+def title(r: dict) -> str:
+    size = f" --size {r['size']}" if r["size"] else ""
+    return (
+        f"zoff beyond memory: {Path(r['config']).name}{size}, {r['nproc']} rank(s), {r['precision']}, "
+        f"{r['estimate']['policy']}, {r['date']}"
+    )
+
+
+def render(r: dict) -> str:
+    """The markdown table: what the job used (RAM, page cache, disk, time) against `zoff estimate`; pure."""
     b = lambda x: "-" if x is None else human(int(x))  # noqa: E731
     p = lambda x: "-" if x is None else f"{x:+.1f}%"  # noqa: E731
-    gbs = lambda x: "-" if x is None else f"{x:.2f} GB/s"  # noqa: E731
-    title = (
-        f"zoff beyond memory: {Path(r['config']).name}{' --size ' + r['size'] if r['size'] else ''}, "
-        f"{r['nproc']} rank(s), {r['precision']}, {r['estimate']['policy']}, {r['date']}"
-    )
-    tab = Table(title=title)
-    for col in ("", "measured", "zoff estimate", "diff"):
-        tab.add_column(col, justify="left" if not col else "right")
-    ram = r["machine"]["mem_total_bytes"]
-    tab.add_row("parameters", f"{r['params']:,}", "", "")
-    tab.add_row("model-state bytes (16 B/param)", b(r["model_state_bytes"]), "", "")
-    tab.add_row("total RAM (MemTotal)", b(ram), "", "")
-    tab.add_row("model states / RAM", f"{r['model_state_to_ram']:.2f}x", "", "")
-    for role, v in r["peak_rss_per_rank_bytes"].items():
-        tab.add_row(f"peak RSS {role} (training)", b(v), "", "")
-    tab.add_row("peak RSS launcher", b(r["peak_rss_launcher_bytes"]), "", "")
-    tab.add_row(
-        "peak RSS whole job (sum, training)",
-        f"{b(r['peak_rss_job_bytes'])} ({r['peak_rss_job_to_ram']:.1%} of RAM)",
-        "",
-        "",
-    )
-    v = r["vs_estimate"]["ram_bytes"]
-    tab.add_row(f"ranks' RSS less import baseline ({b(r['import_baseline_rss_bytes'])}/rank)",
-                b(v["measured"]), b(v["predicted"]), p(v["diff_pct"]))  # fmt: skip
-    tab.add_row("page-cache growth (peak, training)", b(r["page_cache_growth_bytes"]), "", "")
-    end = r["end_phase"]
-    tab.add_row("after the last step (eval, checkpoint): peak RSS job / page cache",
-                f"{b(end['peak_rss_job_bytes'])} / {b(end['page_cache_growth_bytes'])}", "", "")  # fmt: skip
-    v = r["vs_estimate"]["disk_bytes"]
-    tab.add_row("swap files on disk (peak)", b(v["measured"]), b(v["predicted"]), p(v["diff_pct"]))
-    bio = r.get("bench_io") or {}
-    for key, label in (("read", "read"), ("write", "written")):
-        v = r["vs_estimate"][f"disk_{label}_per_step"]
-        tab.add_row(
-            f"disk bytes {label} per step (ranks)", b(v["measured"]), b(v["predicted"]), p(v["diff_pct"])
+    f2 = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    if r.get("status") != "ok":
+        return f"Not measured: {r.get('status', 'unknown')}.\n\n" + benchlib.measured_line(
+            r, "bench_beyond_memory"
         )
-        for src in ("ranks", "device"):
-            io = r["disk_io_per_step"].get(src)
-            if io:
-                tab.add_row(f"  {src}: {key} GB/s over the step / bench-io raw",
-                            gbs(io[f"{key}_gbps_over_step"]), gbs(bio.get(f"raw_{key}_gbps")), "")  # fmt: skip
-    if bio:
-        sw = f"{gbs(bio['swap_write_gbps'])} / {gbs(bio['swap_read_gbps'])}"
-        tab.add_row("bench-io engine swap-out / swap-in", sw, "", "")
-    med = r["step_time_median_s"]
-    tab.add_row("step time (median of steps 2..)", f"{med:.2f} s" if med is not None else "-", "", "")
-    sp = r["step_time_split"]
-    for key, label in SPLIT if sp else ():
-        tab.add_row(f"  {label}", f"{sp[key]:.2f} s", "", "")
-    tab.add_row("loss per step", " ".join(f"{x['loss']:.3f}" for x in r["steps"]), "", "")
-    if r.get("val_loss") is not None:
-        tab.add_row("final val loss", f"{r['val_loss']:.3f}", "", "")
-    con.print(tab)
+    ram, est, v = r["machine"]["ram_bytes"], r["estimate"], r["vs_estimate"]
+    size = f" `--size {r['size']}`" if r["size"] else ""
+    head = (
+        f"`{Path(r['config']).name}`{size}: {r['params']:,} parameters, {r['precision']}, `{est['policy']}`, "
+        f"{r['nproc']} rank(s), {len(r['steps'])} steps.\n\n"
+    )
+    rows = [
+        ["model states (16 B/param) / RAM",
+         f"{b(r['model_state_bytes'])} / {b(ram)} = **{r['model_state_to_ram']:.2f}x**", "", ""],
+    ]  # fmt: skip
+    parts = [f"{role} {b(x)}" for role, x in r["peak_rss_per_rank_bytes"].items()]
+    parts.append(f"launcher {b(r['peak_rss_launcher_bytes'])}")
+    job = f"**{b(r['peak_rss_job_bytes'])}, {r['peak_rss_job_to_ram']:.1%} of RAM** ({', '.join(parts)})"
+    rows.append(["peak RSS of the whole job (ranks + launcher, training)", job, "", ""])
+    x = v["ram_bytes"]
+    rows.append([f"the ranks' RSS less their import baseline ({b(r['import_baseline_rss_bytes'])} each)",
+                 b(x["measured"]), b(x["predicted"]), p(x["diff_pct"])])  # fmt: skip
+    rows.append(["page-cache growth while training (peak)", b(r["page_cache_growth_bytes"]), "", ""])
+    end = r["end_phase"]
+    rows.append(["after the last step (eval, checkpoint): peak RSS of the job / page-cache growth",
+                 f"{b(end['peak_rss_job_bytes'])} / {b(end['page_cache_growth_bytes'])}", "", ""])  # fmt: skip
+    x = v["disk_bytes"]
+    rows.append(["swap files on disk (peak)", b(x["measured"]), b(x["predicted"]), p(x["diff_pct"])])
+    rd, wr = v["disk_read_per_step"], v["disk_written_per_step"]
+    rows.append(["disk read / written per step (ranks)", f"{b(rd['measured'])} / {b(wr['measured'])}",
+                 f"{b(rd['predicted'])} / {b(wr['predicted'])}", f"{p(rd['diff_pct'])} / {p(wr['diff_pct'])}"])  # fmt: skip
+    io, bio = r["disk_io_per_step"].get("ranks"), r.get("bench_io")
+    if io:
+        cell = f"{f2(io['read_gbps_over_step'])} / {f2(io['write_gbps_over_step'])}"
+        if bio:
+            cell += (
+                f" (`zoff bench-io` on the same path: raw {f2(bio['raw_read_gbps'])} / {f2(bio['raw_write_gbps'])}"
+                f", engine swap {f2(bio['swap_read_gbps'])} / {f2(bio['swap_write_gbps'])})"
+            )
+        rows.append(["disk GB/s over the step, read / write (ranks)", cell, "", ""])
+    sp, med = r["step_time_split"], r["step_time_median_s"]
+    if med is not None:
+        split = ", ".join(f"{label} {sp[k]:.2f}" for k, label in SPLIT) if sp else ""
+        steps = f"steps {sp['steps'][0]}-{sp['steps'][-1]}" if sp else "steps 2.."
+        rows.append(
+            [f"step time (median of {steps}), s", f"{med:.1f}" + (f": {split}" if split else ""), "", ""]
+        )
+    losses = " ".join(f"{x['loss']:.2f}" for x in r["steps"])
+    val = f" (val {r['val_loss']:.2f})" if r.get("val_loss") is not None else ""
+    rows.append([f"loss, steps {r['steps'][0]['step']}-{r['steps'][-1]['step']}" if r["steps"] else "loss",
+                 losses + val, "", ""])  # fmt: skip
+    table = benchlib.md_table(["", "measured", "`zoff estimate`", "diff"], rows)
+    return head + table + "\n" + benchlib.measured_line(r, "bench_beyond_memory")

@@ -20,7 +20,18 @@ if TYPE_CHECKING:
     from zoff.checkpoint.status import OnDisk
     from zoff.launch import Preempted
 
+
+def _examples(*lines: str) -> str:
+    """A command's help epilog: example command lines, kept as typed (click's \\b: no rewrapping)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 app = typer.Typer(
+    epilog=_examples(
+        "zoff train configs/quickstart.yaml",
+        "zoff estimate configs/gpt-7b.yaml --gpus-per-node 1 --gpu-memory 24GiB --suggest",
+        "zoff convert runs/qs/checkpoints out --format hf",
+    ),
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -36,7 +47,13 @@ def _flag_overrides(**flags: object) -> list[str]:
     return [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
 
 
-@app.command()
+@app.command(
+    epilog=_examples(
+        "zoff train configs/quickstart.yaml",
+        "zoff train configs/gpt-7b.yaml zero=zero3-offload train.max_steps=100 --nproc-per-node 8",
+        "zoff train configs/quickstart.yaml --run-dir runs/qs --resume auto",
+    )
+)
 def train(
     config: Path = typer.Argument(..., help="YAML config (see configs/)"),
     overrides: list[str] = OVERRIDES,
@@ -117,7 +134,12 @@ def _regather_lines(cfg: Config, again: Config, out: Path, ckpt_dir: Path) -> st
     )
 
 
-@app.command()
+@app.command(
+    epilog=_examples(
+        "zoff validate configs/quickstart.yaml",
+        "zoff validate configs/gpt-7b.yaml zero=zero3-nvme zero.offload_optimizer.nvme_path=/mnt/nvme",
+    )
+)
 def validate(
     config: Path = typer.Argument(..., help="YAML config"),
     overrides: list[str] = OVERRIDES,
@@ -128,7 +150,13 @@ def validate(
     sys.stdout.write(dump_yaml(cfg))
 
 
-@app.command()
+@app.command(
+    epilog=_examples(
+        "zoff estimate configs/gpt-7b.yaml --gpus-per-node 1 --gpu-memory 24GiB --cpu-memory 128GiB --suggest",
+        "zoff estimate configs/gpt-70b.yaml --gpus-per-node 8 --gpu-memory 80GiB --json",
+        "zoff estimate configs/gpt-7b.yaml --max-model --disk 4TB",
+    )
+)
 def estimate(
     config: Path = typer.Argument(..., help="YAML config"),
     overrides: list[str] = OVERRIDES,
@@ -157,7 +185,13 @@ def estimate(
     )  # fmt: skip
 
 
-@app.command()
+@app.command(
+    epilog=_examples(
+        "zoff convert runs/qs/checkpoints model.safetensors",
+        "zoff convert runs/llama/checkpoints hf-out --format hf --dtype bf16",
+        "zoff convert runs/lora/checkpoints adapter --format peft",
+    )
+)
 def convert(
     checkpoint: Path = typer.Argument(
         ..., help="A checkpoint folder (step_*) or a checkpoint dir (its latest)"
@@ -189,7 +223,7 @@ def convert(
     print(f"zoff: wrote {len(files)} file(s) to {out}")
 
 
-@app.command()
+@app.command(epilog=_examples("zoff doctor"))
 def doctor() -> None:
     """Report this machine as zoff sees it: torch, devices, cores, and which CPU Adam path is active and why."""
     import json
@@ -210,7 +244,7 @@ def doctor() -> None:
     print(json.dumps(report, indent=2, default=str))
 
 
-@app.command("ls")
+@app.command("ls", epilog=_examples("zoff ls"))
 def ls() -> None:
     """List the shipped configs and recipes with their one-line descriptions."""
     from zoff.config.catalog import listing
@@ -218,7 +252,7 @@ def ls() -> None:
     print(listing())
 
 
-@app.command("cp")
+@app.command("cp", epilog=_examples("zoff cp quickstart my.yaml", "zoff cp zero3-offload my-recipe.yaml"))
 def cp(
     name: str = typer.Argument(
         ..., help="A config or recipe name from `zoff ls` (recipes/NAME if ambiguous)"
@@ -231,7 +265,9 @@ def cp(
     print(f"zoff: wrote {copy(name, dest)}")
 
 
-@app.command()
+@app.command(
+    epilog=_examples("zoff plot runs/qs --out curves.png", "zoff plot runs/a runs/b --out compare.png")
+)
 def plot(
     run_dirs: list[Path] = typer.Argument(..., help="Run directories (each holds a metrics.jsonl)"),
     out: Path = typer.Option(
@@ -247,7 +283,9 @@ def plot(
     print(f"zoff: wrote {out}")
 
 
-@app.command("bench-io")
+@app.command(
+    "bench-io", epilog=_examples("zoff bench-io /mnt/nvme/zoff", "zoff bench-io /var/tmp --size 4GiB")
+)
 def bench_io(
     path: Path = typer.Argument(..., help="A folder on the disk the disk tier would use (nvme_path)"),
     size: str = typer.Option("1GiB", "--size", help="Bytes per measurement (e.g. 1GiB, 4GiB)"),

@@ -1,0 +1,74 @@
+"""Every benchmark script renders its markdown table(s) from its JSON under docs/results/ (scripts/bench_*.py,
+render() and --render): the JSON says when, at which commit and on what it was measured, the rendering is a pure
+function of the JSON, and a number the table shows reaches the text. The docs pages embed these renderings."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+
+
+def _bump_nvme(d: dict) -> None:
+    for r in d["rounds"]:  # every round: the table shows medians over rounds
+        r["dd"]["write"] += 1.0
+
+
+# script -> a change to one number its table shows
+CHANGES: dict[str, Callable[[dict], None]] = {
+    "bench_engine": lambda d: d["timing"]["vs_ddp"].update(zoff2=d["timing"]["vs_ddp"]["zoff2"] + 0.5),
+    "bench_adam": lambda d: d["results"][0]["rows"]["zoff CPUAdam"].update(ms_per_step=1e3),
+    "bench_offload": lambda d: d["jobs"][0]["summary"]["variants"]["offload"].update(ms_per_step=1e6),
+    "bench_checkpoint": lambda d: d["summary"]["variants"]["zoff"].update(save_s=1e3),
+    "bench_nvme": _bump_nvme,
+    "bench_beyond_memory": lambda d: d.update(peak_rss_job_bytes=d["peak_rss_job_bytes"] + 2**30),
+}
+
+
+def _script(name: str):
+    if str(SCRIPTS) not in sys.path:  # the scripts import benchlib and their helpers as siblings
+        sys.path.insert(0, str(SCRIPTS))
+    if name in sys.modules:  # the scripts import one another (benchlib) by these names
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # before exec: dataclasses look their module up there (bench_engine's Variant)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", sorted(CHANGES))
+def test_the_table_is_rendered_from_the_json(name: str) -> None:
+    mod = _script(name)
+    assert mod.JSON == REPO / "docs" / "results" / f"{name}.json"
+    data = json.loads(mod.JSON.read_text())
+    for key in ("date", "commit", "machine"):
+        assert data.get(key), f"{name}: no {key}"
+    assert data["machine"].get("cpu"), name
+
+    before = copy.deepcopy(data)
+    table = mod.render(data)
+    assert data == before, f"{name}: render() changed its input"
+    assert mod.render(copy.deepcopy(data)) == table, f"{name}: render() is not deterministic"
+    last = table.rstrip("\n").splitlines()[-1]
+    assert last.startswith("Measured ") and f"at commit {data['commit']} on " in last, last
+    assert f"`python scripts/{name}.py" in last, last
+    assert "|---" in table
+
+    changed = copy.deepcopy(data)
+    CHANGES[name](changed)
+    assert mod.render(changed) != table, f"{name}: the changed number does not reach the table"
+
+
+def test_render_without_a_json_says_so(tmp_path: Path, capsys) -> None:
+    benchlib = _script("benchlib")
+    assert benchlib.print_rendered(tmp_path / "missing.json", lambda d: "table") == 2
+    assert "missing.json" in capsys.readouterr().out

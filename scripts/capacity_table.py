@@ -1,12 +1,12 @@
-"""The README's capacity table: the largest model each offload policy trains on three boxes.
+"""The capacity table (docs/memory-estimates.md): the largest model each offload policy trains on three boxes.
 
     python scripts/capacity_table.py            # compute, write docs/results/capacity.json, print the table
-    python scripts/capacity_table.py --render   # print the markdown table from the JSON (what the README embeds)
+    python scripts/capacity_table.py --render   # print the markdown table from the JSON (what the docs embed)
 
 Each box is `zoff estimate configs/gpt-7b.yaml --max-model` (zoff/planning/capacity.py) with that box's GPUs,
 GPU memory, host memory and disk: estimates from the functions tests hold equal to the engine's allocations on
 CPU, not GPU runs. tests/unit/test_capacity_table.py re-renders the table from the JSON and fails when the
-README's copy differs.
+page's copy differs.
 """
 
 from __future__ import annotations

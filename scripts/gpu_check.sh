@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command that checks zoff end to end on a machine with 1+ CUDA GPUs and prints one markdown table
-# (paste it into the README with its header line: where and when it was measured).
+# (paste it into docs/gpus.md with its header line: where and when it was measured).
 #
 #   scripts/gpu_check.sh [--dry-run] [--out DIR]      (default DIR: runs/gpu_check under the repo root)
 #

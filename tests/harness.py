@@ -159,14 +159,8 @@ def reference_run(
     live = model
     if delay_warmup is not None:
         model = copy.deepcopy(live)  # the masters; `live` is what forward/backward sees
-    named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if p.requires_grad and default_decay(n, p)]},
-        {"params": [p for n, p in named if p.requires_grad and not default_decay(n, p)], "weight_decay": 0.0},
-    ]
     o = cfg.optim
-    opt_cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    opt = opt_cls(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
+    opt = plain_optimizer(model, o)
     accum = cfg.train.grad_accum if cfg.train.global_batch_size is None else None
     global_batch = cfg.train.global_batch_size or cfg.data.batch_size * accum * world
     batches = GlobalBatches(
@@ -204,6 +198,17 @@ def reference_run(
         if p.requires_grad
     }
     return {"losses": losses, "params": params, "grad_norms": norms}
+
+
+def plain_optimizer(model: torch.nn.Module, o) -> torch.optim.Optimizer:
+    """torch's AdamW (or Adam) over the trainable parameters, with zoff's weight-decay groups: the reference's."""
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if p.requires_grad and default_decay(n, p)]},
+        {"params": [p for n, p in named if p.requires_grad and not default_decay(n, p)], "weight_decay": 0.0},
+    ]
+    opt_cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return opt_cls(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
 
 
 def assert_close_losses(got: list[float], want: list[float], rtol: float = 1e-5) -> None:

@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.datafiles import CHATML, CONVERSATIONS, make_tokenizer, save_tokenizer
-from tests.harness import assert_close_losses, assert_close_params, run_zoff_many, tiny_cfg
+from tests.harness import assert_close_losses, assert_close_params, plain_optimizer, run_zoff_many, tiny_cfg
 from zoff.config import config_from_dict
 from zoff.data.sft import SFTBatches, load_sft_corpus
-from zoff.engine.partition import default_decay
 from zoff.trainer.schedule import lr_at
 from zoff.trainer.session import build_session
 
@@ -85,15 +84,8 @@ def reference(files: dict) -> dict:
         by_inputs[tuple(ids[:-1])] = (torch.tensor([ids[:-1]]), torch.tensor(targets))
     model = transformers.LlamaForCausalLM.from_pretrained(files["llama"], dtype=torch.float32)
     model.train()
-    named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if default_decay(n, p)]},
-        {"params": [p for n, p in named if not default_decay(n, p)], "weight_decay": 0.0},
-    ]
     o = cfg.optim
-    opt = torch.optim.AdamW(
-        groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
-    )
+    opt = plain_optimizer(model, o)
     corpus = load_sft_corpus(cfg.data, cfg.train.seed, pack=True)
     batches = SFTBatches(corpus, SEQ, GLOBAL, 1, 0, 1, cfg.train.seed)
     losses, norms, trained = [], [], []

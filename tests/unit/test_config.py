@@ -472,18 +472,6 @@ def test_there_are_shipped_configs_and_recipes():
     assert {p.stem for p in RECIPE_FILES} >= set(SHIPPED_RECIPES)
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
-def test_every_config_loads_and_builds(path):
-    import torch
-
-    from zoff.models import build_model
-
-    cfg = load_config(path)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    assert sum(p.numel() for p in model.parameters()) > 0
-
-
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.name)
 def test_every_recipe_loads_and_validates(path):
     raw = yaml.safe_load(path.read_text())

@@ -213,13 +213,18 @@ def convert(
         help="A model.lora run: merge the adapters into the base weights (W + alpha/r B A) and write the "
         "plain model (with --format hf: a Hugging Face folder)",
     ),
+    base: Path = typer.Option(
+        None,
+        "--base",
+        help="A run started from model.path whose base folder moved: where it is now (its checksum is checked)",
+    ),
 ) -> None:
     """Merge a sharded checkpoint into one state dict with exactly model.state_dict()'s keys.
 
     A checkpoint of a run started from model.path reads its frozen weights from that folder."""
     from zoff.checkpoint.convert import convert as run
 
-    files = run(checkpoint, out, fmt, dtype, max_shard_size, merge)
+    files = run(checkpoint, out, fmt, dtype, max_shard_size, merge, base)
     print(f"zoff: wrote {len(files)} file(s) to {out}")
 
 

@@ -283,6 +283,22 @@ def test_peft_export_needs_no_base_folder(trained, exports) -> None:
         assert value.dtype == torch.bfloat16 and torch.equal(value, want[key].to(torch.bfloat16)), key
 
 
+def test_a_moved_base_is_named_with_the_base_flag(trained, exports) -> None:
+    """The base folder moved after training: --base names where it is now (its checksum still checked), and
+    the exports are those made from the original folder; the peft folder points at the new place."""
+    ckpt = _moved_base(trained, "moved", lambda folder: folder)  # config.yaml names a folder that is gone
+    moved = trained["root"] / "base-relocated"
+    shutil.copytree(trained["stage2"]["base"], moved)
+    merged, adapters = trained["root"] / "merged-moved", trained["root"] / "peft-moved"
+    _ok(ckpt, merged, "--format", "hf", "--merge", "--base", moved)
+    _ok(ckpt, adapters, "--format", "peft", "--base", moved)
+    want = _stored(exports["out"] / "merged-stage2")
+    got = _stored(merged)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    config = json.loads((adapters / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(moved.resolve())
+
+
 # ------------------------------------------------------------------------------------------ bad requests
 ERRORS = {  # case -> substrings of the one error line
     "peft-of-plain-checkpoint": ["--format peft needs a checkpoint trained with model.lora"],
@@ -291,7 +307,10 @@ ERRORS = {  # case -> substrings of the one error line
     "peft-with-merge": ["--merge", "--format peft"],
     "merge-of-tied-head": ["--merge", "'lm_head.weight' is tied to 'wte.weight'", "--format peft"],
     "base-changed": ["base-changed", "other weights"],
-    "base-gone": ["base-gone", "does not exist", "config.yaml"],
+    "base-gone": ["base-gone", "does not exist", "--base PATH"],
+    "base-flag-changed": ["--base: ", "base-flag-changed", "other weights"],
+    "base-flag-not-a-model-folder": ["--base", "no config.json"],
+    "base-flag-on-plain-checkpoint": ["--base", "was not trained from a model.path folder"],
 }
 
 
@@ -311,6 +330,13 @@ def test_bad_request_is_one_line_exit_2(trained, case) -> None:
             "--merge",
         ],
         "base-gone": lambda: [_moved_base(trained, "gone-full", lambda folder: folder)],
+        "base-flag-changed": lambda: [
+            _moved_base(trained, "gone-changed", lambda folder: folder),
+            "--base",
+            _changed_copy(trained)(trained["root"] / "base-flag-changed"),
+        ],
+        "base-flag-not-a-model-folder": lambda: [lora, "--base", trained["root"]],
+        "base-flag-on-plain-checkpoint": lambda: [plain, "--base", trained["stage2"]["base"]],
     }[case]()
     out = trained["root"] / f"out-{case}"
     code, err = _cli(args[0], out, *args[1:])

@@ -67,7 +67,7 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def check_base(saved: dict, now: dict | None, ckpt: Path) -> None:
+def check_base(saved: dict, now: dict | None, ckpt: Path, key: str = "model.path") -> None:
     """A checkpoint that names its base resumes only on that base (its frozen weights are not in it)."""
     if now is None:
         raise UserError(
@@ -76,6 +76,6 @@ def check_base(saved: dict, now: dict | None, ckpt: Path) -> None:
         )
     if now["sha256"] != saved["sha256"]:
         raise UserError(
-            f"model.path: {now['path']} holds other weights than the base this checkpoint was trained on "
+            f"{key}: {now['path']} holds other weights than the base this checkpoint was trained on "
             f"({saved['path']}, sha256 {saved['sha256'][:12]}..., now {now['sha256'][:12]}...)"
         )

@@ -48,8 +48,8 @@ class _Source:
     state_dict: those the checkpoint does not hold (the frozen weights of a run started from a model.path)
     come from that base folder, read parameter by parameter through the model's init_parameter."""
 
-    def __init__(self, ckpt: Path, manifest: dict):
-        self.ckpt, self.manifest = ckpt, manifest
+    def __init__(self, ckpt: Path, manifest: dict, base: Path | None = None):
+        self.ckpt, self.manifest, self.base = ckpt, manifest, base  # base: where the base folder is now
         self.params = {n: p for p in manifest["params"] for n in p["names"]}
         self.readers = Readers(ckpt)
         extra = self.readers.get("extra.safetensors")
@@ -66,6 +66,9 @@ class _Source:
         """The run's config (config.yaml in the checkpoint folder)."""
         if self._cfg is None:
             self._cfg = _run_config(self.ckpt)
+            if self.base is not None:  # --base: the folder moved; its checksum is still checked
+                model = dataclasses.replace(self._cfg.model, path=str(self.base))
+                self._cfg = dataclasses.replace(self._cfg, model=model)
         return self._cfg
 
     @property
@@ -133,9 +136,9 @@ class _Source:
         if folder is None or not folder.is_dir():
             raise UserError(
                 f"{self.ckpt}: its frozen weights are in the base folder {path or saved['path']}, which does "
-                f"not exist: restore it, or set model.path in {self.ckpt / 'config.yaml'} to where it is now"
+                "not exist: restore it, or pass --base PATH to where it is now"
             )
-        check_base(saved, base_reference(self.cfg.model), self.ckpt)
+        check_base(saved, base_reference(self.cfg.model), self.ckpt, "--base" if self.base else "model.path")
         # As the trainer builds it: for safetensors folders, parameters on meta and read one by one on demand
         model = build_for_engine(self.cfg.model)
         state, aliases = model.state_dict(keep_vars=True), tied_names(model)
@@ -185,11 +188,13 @@ def convert(
     dtype: str = "fp32",
     max_shard_size: str | None = None,
     merge: bool = False,
+    base: Path | None = None,
 ) -> list[Path]:
     """Write the consolidated state dict (keys exactly model.state_dict()'s) to `out`; returns files written.
 
     `merge`: a LoRA checkpoint's adapters merged into their base weights (the unadapted model's keys);
-    `fmt` peft: the adapters alone, as peft's adapter folder."""
+    `fmt` peft: the adapters alone, as peft's adapter folder. `base`: the base folder of a run started from
+    model.path, where it is now (default: where the run read it)."""
     if fmt not in FORMATS:
         raise UserError(f"--format: expected safetensors, pt, hf or peft, got '{fmt}'")
     if dtype not in DTYPES:
@@ -203,8 +208,12 @@ def convert(
         raise UserError(f"{out}: already exists (zoff convert never overwrites; choose another OUT)")
     if not out.parent.is_dir():
         raise UserError(f"{out}: its folder {out.parent} does not exist")
+    if base is not None and not (base.expanduser() / "config.json").is_file():
+        raise UserError(f"--base: {base} is not a Hugging Face model folder (no config.json)")
     ckpt = find_checkpoint(str(checkpoint), Path("."), label="CHECKPOINT")
-    source = _Source(ckpt, read_manifest(ckpt, verify=True))
+    source = _Source(ckpt, read_manifest(ckpt, verify=True), base)
+    if base is not None and source.manifest.get("base") is None:
+        raise UserError(f"--base: {ckpt} was not trained from a model.path folder; it holds every weight")
     _check_lora_request(source, fmt, merge)
     target = DTYPES[dtype]
     src = source
@@ -249,8 +258,10 @@ def _write(
 
         tmp.mkdir(parents=True)
         base = source.manifest.get("base")
+        # peft's base_model_name_or_path: where the base is now (--base), else where the run read it
+        where = str(source.base.expanduser().resolve()) if source.base else base["path"] if base else None
         with source.structure_config() as model_cfg:
-            return write_peft_folder(src, model_cfg, tmp, out, target, base["path"] if base else None)
+            return write_peft_folder(src, model_cfg, tmp, out, target, where)
     if fmt == "hf":
         tmp.mkdir(parents=True)
         written = _hf_files(source.ckpt, source.cfg, tmp, out, target)

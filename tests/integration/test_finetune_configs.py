@@ -55,6 +55,10 @@ def test_shipped_finetune_config_trains(config: str, base: Path, tmp_path: Path)
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == STEPS
     assert sum(losses[-4:]) / 4 < losses[0] - 0.2  # learning, not noise
+    for r in (r for r in records if "loss" in r):  # the answers' tokens, not the padding and prompts
+        processed = r["tokens_per_s"] * r["step_time_s"]
+        assert 0 < r["trained_tokens"] < processed
+        assert r["trained_tokens_per_s"] == pytest.approx(r["trained_tokens"] / r["step_time_s"])
     if config == "llama-lora":
         ckpt = next((tmp_path / "run" / "checkpoints").glob("step_*"))
         manifest = json.loads((ckpt / "manifest.json").read_text())

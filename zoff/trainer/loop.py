@@ -66,6 +66,9 @@ def train_loop(
                 "skipped": not result.stepped,
                 **engine.last_step_times,  # optimizer and publish seconds; on the disk tier its I/O and waits
             }
+            if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too
+                trained = round(batch.loss_divisor * comm.world)  # the global batch's trained tokens
+                record |= {"trained_tokens": trained, "trained_tokens_per_s": trained / dt}
             writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
         if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
             val = evaluate(engine, batches, train.eval_batches, comm)

@@ -51,8 +51,9 @@ class MetricsWriter:
     ):
         """flops_per_token and precision give MFU where the device's peak is known (peak_flops)."""
         self.path = run_dir / "metrics.jsonl"
-        if start_step > 0:
-            self._truncate_after(start_step)
+        # A restart re-runs the steps after its checkpoint (or all of them: a regather restart before the first
+        # checkpoint starts at 0), so the old records of those steps go.
+        self._truncate_after(start_step)
         self.device = device or _current_device()
         self.peak_flops = peak_flops(self.device, precision)
         self.flops_per_token = flops_per_token

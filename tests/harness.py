@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -79,6 +80,24 @@ def spawn(fn, world: int, *args) -> list:
             _entry, args=(world, free_port(), fn, args, out), nprocs=world, start_method="spawn"
         )
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+class LazyRuns(dict):
+    """A module fixture's spawns by world size, each made when a test first asks for it: a world whose tests
+    are deselected (world 3 outside `-m grid`) costs nothing."""
+
+    def __init__(self, run: Callable[[int], list]):
+        super().__init__()
+        self._run = run
+
+    def __missing__(self, world: int) -> list:
+        self[world] = self._run(world)
+        return self[world]
+
+
+# World sizes 1 and 2 in the default suite; 3 (uneven shard boundaries, more peers) in `-m grid`, for the
+# default suite's time budget.
+GRID_WORLD_3 = [1, 2, pytest.param(3, marks=pytest.mark.grid)]
 
 
 def zoff_rank(

@@ -59,7 +59,11 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         run_id=f"zoff-{uuid.uuid4().hex[:8]}" if standalone else f"zoff-{run_dir.name}",
         rdzv_endpoint="localhost:0" if standalone else lc.rdzv_endpoint,
         rdzv_backend="c10d",
-        rdzv_configs={"timeout": 900},
+        rdzv_configs={
+            "timeout": 900,
+            "last_call_timeout": lc.rdzv_last_call_s,
+            "keep_alive_interval": lc.rdzv_keep_alive_s,
+        },
         max_restarts=lc.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",

@@ -75,7 +75,7 @@ def test_bench_beyond_memory_tiny_gpt(disk_dir):
     assert not list((disk_dir / "swap").rglob("*.swap")), "swap files left behind"
 
 
-@pytest.mark.slow
+@pytest.mark.grid  # the default suite's time budget: the GPT case runs the same script there
 def test_bench_beyond_memory_tiny_hf_model(disk_dir):
     pytest.importorskip("transformers")
     r = run_bench(

@@ -51,7 +51,7 @@ pytestmark = pytest.mark.slow
 
 # One rank thread everywhere: the same arithmetic whatever the ranks per node, and no oversubscription.
 COMMON = ("zero=zero2", "launch.threads_per_rank=1", "train.log_every=1")
-STEPS = 300
+STEPS = 220  # the latest stop is asked at step 150 (preemption): 70 steps of margin
 KILL_CFG = (*COMMON, f"train.max_steps={STEPS}", "checkpoint.every_steps=5")
 RNG = random.Random(7)
 
@@ -137,13 +137,17 @@ def _listening(port: int) -> bool:
 
 
 def test_shrinking_restart_continues_on_two_ranks_with_doubled_accumulation(agents, tmp_path):
-    steps = 120
+    steps = 60  # the kill comes at steps 12-40: the resume lands at 10-40 and has steps left to run
     cfg = (*COMMON, f"train.max_steps={steps}", "checkpoint.every_steps=10", "train.global_batch_size=16")
     ref_dir = tmp_path / "ref4" / "run"
 
     run_dir = tmp_path / "elastic" / "run"
     port = free_port()
     flags = ("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    # The dead agent is found after 3 missed 1 s heartbeats, and the survivor's last call waits 10 s (defaults:
+    # 5 s and 30 s, about a minute in all). The last call is also how long the first agent waits for the
+    # second one at the start: 10 s covers its start-up on a loaded machine.
+    cfg = (*cfg, "launch.rdzv_keep_alive_s=1", "launch.rdzv_last_call_s=10")
     survivor = agents(run_dir, *cfg, *flags, "--max-restarts", "1", name="agent-a", env=RESTART_ENV)
     # The first agent hosts the rendezvous store (as the node at --rdzv-endpoint does on a cluster).
     wait_for(lambda: _listening(port), "the rendezvous store", survivor)

@@ -13,7 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import assert_built_within_shard, build_measured, recording_init, spawn
+from tests.harness import (
+    GRID_WORLD_3,
+    LazyRuns,
+    assert_built_within_shard,
+    build_measured,
+    recording_init,
+    spawn,
+)
 from zoff.config import ModelConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.models import build_for_engine, build_model, builds_sharded
@@ -59,10 +66,10 @@ def _rank(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict]]:
-    return {world: spawn(_rank, world) for world in (1, 2, 3)}
+    return LazyRuns(lambda world: spawn(_rank, world))
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", GRID_WORLD_3)
 @pytest.mark.parametrize("tied", [False, True])
 def test_shard_by_shard_init_equals_the_whole_build(runs, world: int, tied: bool) -> None:
     cfg = _cfg(**SMALL, tie_word_embeddings=tied)

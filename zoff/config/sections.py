@@ -199,6 +199,12 @@ class LaunchConfig:
     threads_per_rank: int | None = field(default=None, metadata=_rng(1))  # None: cores / local ranks
     timeout_s: float = field(default=600.0, metadata=_rng(1.0))  # a collective waiting longer is an error
     shutdown_timeout_s: int = field(default=300, metadata=_rng(1))  # preempted ranks' time to checkpoint
+    # Elastic rendezvous (torch's c10d last_call_timeout and keep_alive_interval): once MIN nodes of MIN:MAX
+    # have joined, how long to wait for more before starting; and how often each node proves it is alive (a
+    # node silent for 3 intervals is dead, and the others re-form without it). Shorter: a shrinking restart
+    # starts sooner; cost: nodes that join late miss the round, and more heartbeats hit the store.
+    rdzv_last_call_s: int = field(default=30, metadata=_rng(1))
+    rdzv_keep_alive_s: int = field(default=5, metadata=_rng(1))
 
     @property
     def min_nodes(self) -> int:

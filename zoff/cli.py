@@ -73,6 +73,9 @@ def train(
         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
     )  # fmt: skip
     cfg = load_config(config, list(overrides or []) + extra)
+    from zoff.launch import check_torch
+
+    check_torch()
     model = _preflight(cfg)
     if cfg.zero.auto:
         from zoff.planning.estimate import choose_policy  # torch-free start for the other commands

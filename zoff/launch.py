@@ -40,8 +40,18 @@ def threads_per_rank(launch: LaunchConfig, local_world: int) -> int:
     return launch.threads_per_rank or max(1, cores_available() // max(1, local_world))
 
 
+def check_torch() -> None:
+    """The torch this launcher needs (pyproject.toml says why), checked before anything is written."""
+    if "shutdown_timeout" not in ElasticConfig.__dataclass_fields__:
+        raise UserError(
+            f"zoff needs torch 2.12 or later (this is {torch.__version__}): its elastic launcher is the first "
+            "that waits for a stop's checkpoint and lets a second signal kill the ranks"
+        )
+
+
 def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
     """Run `cfg` on launch.nproc_per_node local workers (and more nodes via rendezvous); raise on failure."""
+    check_torch()
     lc = cfg.launch
     lo, _, hi = lc.nnodes.partition(":")
     nproc = lc.nproc_per_node

@@ -165,3 +165,31 @@ def test_plan_and_summary_compare_model_states_with_plain_data_parallelism(run2)
     assert cfg.zero.stage == 0  # tiny.yaml is plain data parallelism: the two figures agree (padding aside)
     assert held == pytest.approx(ddp, rel=0.01)
     assert summary["peak_rss_mib"] > 50
+
+
+def test_a_torch_older_than_the_launcher_needs_is_one_line(tmp_path, monkeypatch):
+    """torch < 2.12: its elastic LaunchConfig has no shutdown_timeout; zoff says so instead of a TypeError."""
+    import dataclasses
+
+    import zoff.cli
+    import zoff.launch
+    from zoff.errors import UserError
+
+    @dataclasses.dataclass
+    class OldLaunchConfig:  # torch 2.6's fields, in part: no shutdown_timeout, no signals_to_handle
+        min_nodes: int
+        max_nodes: int
+        nproc_per_node: int
+
+    monkeypatch.setattr(zoff.launch, "ElasticConfig", OldLaunchConfig)
+    with pytest.raises(UserError, match=r"zoff needs torch 2\.12 or later \(this is "):
+        zoff.launch.launch(config_from_dict({}), tmp_path)
+    # zoff train checks it before the run directory is made
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["zoff", "train", str(REPO / "configs" / "tiny.yaml"), "--run-dir", str(tmp_path / "run")],
+    )
+    with pytest.raises(SystemExit) as exited:
+        zoff.cli.main()
+    assert exited.value.code == 2 and not (tmp_path / "run").exists()

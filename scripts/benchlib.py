@@ -87,12 +87,15 @@ RESULTS = REPO / "docs" / "results"  # each script's JSON: the docs' tables are 
 
 
 def git_commit() -> str:
-    """HEAD's short hash, "+dirty" when tracked files differ from it (untracked files are left out: other
-    sessions' new docs would mark every run dirty, and nothing measured imports an untracked file)."""
+    """HEAD's short hash, "+dirty" when tracked files differ from it. Untracked files are left out (other
+    sessions' new docs would mark every run dirty, and nothing measured imports an untracked file), and so are
+    docs/ and the markdown pages: each benchmark writes its JSON there, which would mark the next one dirty."""
     git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
     try:
         head = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs", ":(exclude)*.md"
+        )
     except OSError:  # no git on this machine
         return "unknown"
     return (head or "unknown") + ("+dirty" if head and dirty else "")

@@ -281,7 +281,9 @@ class GlobalBatches:
             + self.rank * self.micro_batch * self.grad_accum
             + micro * self.micro_batch
         )
-        windows = torch.stack([self._window(i) for i in range(first, first + self.micro_batch)])
+        windows = (
+            torch.stack([self.window_index(i) for i in range(first, first + self.micro_batch)]) * self.seq_len
+        )
         return MicroBatch(*self._xy(self.corpus.train, windows))
 
     def val_batches(self, n_batches: int) -> list[MicroBatch]:
@@ -299,12 +301,14 @@ class GlobalBatches:
                 out.append(MicroBatch(*self._xy(self.corpus.val, idx * self.seq_len)))
         return out
 
-    def _window(self, sample: int) -> torch.Tensor:
+    def window_index(self, sample: int) -> torch.Tensor:
+        """Which window global sample `sample` (0-based, over all steps) trains on: the data order, one
+        permutation of the windows per epoch, fixed by the seed alone (so by no world size or micro-batch)."""
         epoch, pos = divmod(sample, self.num_windows)
         if epoch != self._perm_epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm, self._perm_epoch = torch.randperm(self.num_windows, generator=g), epoch
-        return self._perm[pos] * self.seq_len
+        return self._perm[pos]
 
     def _xy(self, tokens: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = starts.view(-1, 1) + torch.arange(self.seq_len + 1).view(1, -1)

@@ -373,7 +373,7 @@ class SFTBatches(GlobalBatches):
         """Micro-batch `micro` of this rank at training step `step` (0-based)."""
         if step != self._step:  # the global batch, once per step: every rank derives the same divisor
             samples = range(step * self.global_batch, (step + 1) * self.global_batch)
-            idx = torch.stack([self._window(s) for s in samples]) // self.seq_len  # window start -> sequence
+            idx = torch.stack([self.window_index(s) for s in samples])  # a window is a sequence here
             trained = int(self.corpus.train.trained[idx].sum())
             self._step, self._step_idx, self._step_divisor = step, idx, max(trained, 1) / self.world
         first = self.rank * self.micro_batch * self.grad_accum + micro * self.micro_batch

@@ -12,13 +12,10 @@ import typer
 
 from zoff.config import Config, dump_yaml, load_config
 from zoff.errors import UserError
-from zoff.trainer import regather
+from zoff.trainer import regather, run_end
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from zoff.checkpoint.status import OnDisk
-    from zoff.launch import Preempted
 
 
 def _examples(*lines: str) -> str:
@@ -111,30 +108,20 @@ def train(
                 print(
                     f"zoff: training failed: {e}\nzoff: per-rank logs are in {out / 'logs'}", file=sys.stderr
                 )
-                print(_failure_line(ckpt_dir, before) + f"\n  {_resume_command(out)}", file=sys.stderr)
+                print(
+                    run_end.failure_line(ckpt_dir, before) + f"\n  {run_end.resume_command(out)}",
+                    file=sys.stderr,
+                )
                 raise typer.Exit(1) from None
-            print(_regather_lines(cfg, again, out, ckpt_dir), file=sys.stderr, flush=True)
+            print(run_end.regather_lines(cfg, again, out, ckpt_dir), file=sys.stderr, flush=True)
             cfg, resume = again, "auto"
             (out / "config.yaml").write_text(dump_yaml(cfg))
         except Preempted as e:
-            print(_stop_line(e, cfg, ckpt_dir, before) + f"\n  {_resume_command(out)}", file=sys.stderr)
+            print(
+                run_end.stop_line(e, cfg, ckpt_dir, before) + f"\n  {run_end.resume_command(out)}",
+                file=sys.stderr,
+            )
             raise typer.Exit(e.exit_code) from None
-
-
-def _regather_lines(cfg: Config, again: Config, out: Path, ckpt_dir: Path) -> str:
-    """What a restart for skipped stage-3 blocks says: why, what changes, and from where it continues."""
-    from zoff.checkpoint.status import latest_on_disk
-
-    added = [c for c in again.zero.block_classes if c not in cfg.zero.block_classes]
-    latest = latest_on_disk(ckpt_dir)
-    where = (
-        f"the checkpoint of step {latest.step} ({latest.path})" if latest else "step 0 (no checkpoint yet)"
-    )
-    return (
-        f"zoff: {regather.recorded(out)[1]}\n"
-        f"zoff: restarting from {where}, gathering every {', '.join(added)} as one unit; "
-        f"to start that way, put in the config: zero.block_classes: [{', '.join(again.zero.block_classes)}]"
-    )
 
 
 @app.command(
@@ -335,74 +322,6 @@ def _preflight(cfg: Config) -> nn.Module:
                 "log.tensorboard: needs the tensorboard package (pip install zoff[tensorboard])"
             ) from None
     return model
-
-
-def _stop_line(stop: Preempted, cfg: Config, ckpt_dir: Path, before: OnDisk | None) -> str:
-    """After a stop: the checkpoint saved for it, or that there is none and what --resume auto loads instead.
-    Read from the checkpoint directory now, not assumed from the signal: the ranks may have been killed, or
-    have timed out in a collective, before they could save."""
-    from zoff.checkpoint.status import latest_on_disk
-
-    head = f"zoff: stopped by {_signal_name(stop.signal)}"
-    if stop.aborted_by is not None:
-        again = "a second one" if stop.aborted_by == stop.signal else _signal_name(stop.aborted_by)
-        head += f", the ranks killed by {again}"
-    now = latest_on_disk(ckpt_dir)
-    if now is not None and now.for_stop and now.saved_since(before):
-        if now.problem is None:
-            return f"{head} after checkpointing step {now.step} ({now.path}); continue with:"
-        return (
-            f"{head}; the checkpoint written for it, {now.path}, is damaged: {now.problem}; it will not load:"
-        )
-    head += "; no checkpoint was written for the stop"
-    if not cfg.checkpoint.enabled:
-        head += " (checkpoint.enabled is false)"
-    return f"{head}; {_latest_clause(now, before, ckpt_dir)}"
-
-
-def _failure_line(ckpt_dir: Path, before: OnDisk | None) -> str:
-    """After a failed run: the checkpoint --resume auto would continue from, read from the directory now."""
-    from zoff.checkpoint.status import latest_on_disk
-
-    return f"zoff: {_latest_clause(latest_on_disk(ckpt_dir), before, ckpt_dir)}"
-
-
-def _latest_clause(now: OnDisk | None, before: OnDisk | None, ckpt_dir: Path) -> str:
-    """'the last complete checkpoint is step 40 (PATH, saved by this run); continue from it with:' or
-    what stands in its place: none at all, or a damaged one that --resume auto will refuse."""
-    if now is None:
-        return f"{ckpt_dir} holds no complete checkpoint; start again with:"
-    when = "saved by this run" if now.saved_since(before) else "saved before this run"
-    if now.problem is not None:
-        return f"the latest checkpoint, {now.path} ({when}), is damaged: {now.problem}; it will not load:"
-    return f"the last complete checkpoint is step {now.step} ({now.path}, {when}); continue from it with:"
-
-
-def _signal_name(sig: int) -> str:
-    import signal
-
-    try:
-        return f"signal {sig} ({signal.Signals(sig).name})"
-    except ValueError:
-        return f"signal {sig}"
-
-
-def _resume_command(run_dir: Path) -> str:
-    """This very command line with --run-dir fixed and --resume auto: what continues the run."""
-    import shlex
-
-    args, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-            continue
-        if a in ("--resume", "--run-dir"):
-            skip = True
-            continue
-        if a.startswith(("--resume=", "--run-dir=")):
-            continue
-        args.append(a)
-    return shlex.join(["zoff", *args, "--run-dir", str(run_dir), "--resume", "auto"])
 
 
 def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> None:

@@ -118,7 +118,8 @@ def train(
             (out / "config.yaml").write_text(dump_yaml(cfg))
         except Preempted as e:
             print(
-                run_end.stop_line(e, cfg, ckpt_dir, before) + f"\n  {run_end.resume_command(out)}",
+                run_end.stop_line(e.signal, e.aborted_by, cfg, ckpt_dir, before)
+                + f"\n  {run_end.resume_command(out)}",
                 file=sys.stderr,
             )
             raise typer.Exit(e.exit_code) from None

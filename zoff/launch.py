@@ -208,6 +208,12 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         sig = signal.Signals(signum)
+        # An exception raised while the agent is inside logging is caught by logging itself, which prints a
+        # traceback and goes on as if no signal came: a first signal would be lost (no checkpoint, the run
+        # goes on). Deliver it again a moment later, outside the log call.
+        if _inside_logging(frame) and (self.first is None or self.second is not None):
+            _redeliver(signum)
+            return
         # os.write, not print: the main thread may be inside a write to sys.stderr, which is not reentrant.
         if self.first is None:
             self.first = signum
@@ -223,7 +229,27 @@ class StopSignals:
             # The agent only has dead processes to reap now; should its clean-up still block, nothing is left
             # to wait for: leave anyway.
             _exit_later(10.0, 128 + signum)
+            if _inside_logging(frame):  # the ranks are dead already; Abort again once out of the log call
+                _redeliver(signum)
+                return
         raise Abort(f"Process {os.getpid()} got a second signal: {sig}", sigval=sig)
+
+
+def _inside_logging(frame) -> bool:
+    """Whether the signal interrupted a logging call (whose handlers swallow what is raised in them)."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "logging":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver(signum: int, after_s: float = 0.05) -> None:
+    """Send `signum` to this process again after `after_s`, from a timer thread (the handler runs in the main
+    thread, once the log call it interrupted has returned)."""
+    timer = threading.Timer(after_s, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
 
 
 def _say(line: str) -> None:

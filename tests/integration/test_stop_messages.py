@@ -95,3 +95,42 @@ def test_a_second_signal_of_the_other_kind_kills_too_and_says_there_is_no_checkp
     )
     assert expected in r["stderr"], r["report"]
     assert "Traceback" not in r["stderr"], r["report"]
+
+
+def test_a_signal_landing_inside_a_log_call_is_delivered_again_outside_it(monkeypatch):
+    """Raised inside a logging call, the launcher's SignalException would be swallowed by logging (a traceback
+    printed, and a first signal lost: no checkpoint, the run going on). Such a signal is sent again a moment
+    later, and taken outside the log call; a second one still kills the ranks at once."""
+    import logging
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import zoff.launch as launch
+
+    sent, killed = [], []
+    monkeypatch.setattr(launch, "_redeliver", lambda signum, after_s=0.05: sent.append(signum))
+    monkeypatch.setattr(launch, "kill_ranks", lambda: killed.append(True) or 2)
+    monkeypatch.setattr(launch, "_exit_later", lambda seconds, code: None)
+    stops = launch.StopSignals(300)
+
+    class InsideALogCall(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            stops._handle(signal.SIGTERM, sys._getframe())  # the signal lands here, inside logging
+
+    log = logging.getLogger("zoff-test-signal-in-logging")
+    log.addHandler(InsideALogCall())
+    log.propagate = False
+    try:
+        log.warning("first")  # first signal: not taken here, sent again
+        assert stops.first is None and sent == [signal.SIGTERM]
+        with pytest.raises(SignalException):
+            stops._handle(signal.SIGTERM, sys._getframe())  # its redelivery, outside any log call
+        assert stops.first == signal.SIGTERM and not killed
+        log.warning("second")  # second signal inside a log call: the ranks die now, Abort comes after
+        assert stops.second == signal.SIGTERM and killed == [True] and sent == [signal.SIGTERM] * 2
+        with pytest.raises(launch.Abort):
+            stops._handle(signal.SIGTERM, sys._getframe())
+        assert killed == [True]  # killed once
+    finally:
+        log.handlers.clear()

@@ -12,7 +12,6 @@ from zoff.trainer import regather
 
 if TYPE_CHECKING:
     from zoff.checkpoint.status import OnDisk
-    from zoff.launch import Preempted
 
 
 def regather_lines(cfg: Config, again: Config, out: Path, ckpt_dir: Path) -> str:
@@ -31,15 +30,16 @@ def regather_lines(cfg: Config, again: Config, out: Path, ckpt_dir: Path) -> str
     )
 
 
-def stop_line(stop: Preempted, cfg: Config, ckpt_dir: Path, before: OnDisk | None) -> str:
-    """After a stop: the checkpoint saved for it, or that there is none and what --resume auto loads instead.
+def stop_line(sig: int, aborted_by: int | None, cfg: Config, ckpt_dir: Path, before: OnDisk | None) -> str:
+    """After a stop by signal `sig` (the ranks killed by a second one, `aborted_by`, if not None): the checkpoint
+    saved for it, or that there is none and what --resume auto loads instead.
     Read from the checkpoint directory now, not assumed from the signal: the ranks may have been killed, or
     have timed out in a collective, before they could save."""
     from zoff.checkpoint.status import latest_on_disk
 
-    head = f"zoff: stopped by {_signal_name(stop.signal)}"
-    if stop.aborted_by is not None:
-        again = "a second one" if stop.aborted_by == stop.signal else _signal_name(stop.aborted_by)
+    head = f"zoff: stopped by {_signal_name(sig)}"
+    if aborted_by is not None:
+        again = "a second one" if aborted_by == sig else _signal_name(aborted_by)
         head += f", the ranks killed by {again}"
     now = latest_on_disk(ckpt_dir)
     if now is not None and now.for_stop and now.saved_since(before):

@@ -150,7 +150,7 @@ def test_offload_keeps_no_gradient_shard_on_the_device(stage: int, tmp_path) -> 
     zero = ZeroConfig(
         stage=stage,
         offload_optimizer=OffloadOptimizerConfig(
-            device="nvme" if stage == 2 else "cpu", nvme_path=str(tmp_path)
+            device="nvme" if stage == 2 else "cpu", nvme_path=str(tmp_path), host_budget="min"
         ),
         offload_param=OffloadParamConfig(device="cpu" if stage == 3 else "none"),
         param_persistence_threshold=64,

@@ -80,7 +80,7 @@ def test_bench_beyond_memory_tiny_hf_model(disk_dir):
     pytest.importorskip("transformers")
     r = run_bench(
         disk_dir, "--config", str(CONFIGS_DIR / "llama-tiny.yaml"), "zero.stage=3",
-        "zero.offload_optimizer.device=nvme", "zero.offload_param.device=nvme", "data.batch_size=2",
+        "zero.offload_optimizer.device=nvme", "zero.offload_optimizer.host_budget=min", "zero.offload_param.device=nvme", "data.batch_size=2",
     )  # fmt: skip
     check(r)
     assert r["config"].endswith("llama-tiny.yaml")

@@ -29,7 +29,7 @@ def ladder() -> dict[str, M.Estimate]:
     """estimate() called directly for every rung of the ladder: 1 GPU, the base config's data and train."""
     cfg = load_config(BASE)
     return {
-        r.label: M.estimate(C.rung_model(cfg.model, r), cfg.data, cfg.train, cfg.zero, 1, 1, "cuda")
+        r.label: M.estimate(C.rung_model(cfg.model, r), cfg.data, cfg.train, cfg.zero, 1, 1, "cuda", BOX.cpu)
         for r in C.LADDER
     }
 
@@ -37,7 +37,8 @@ def ladder() -> dict[str, M.Estimate]:
 def _max_model(budget: M.Budget, ladder: dict[str, M.Estimate]) -> C.Capacity:
     cfg = load_config(BASE)
     # the memo holds the test's own estimates: only the walk and fits() are under test here
-    return C.max_model(cfg.model, cfg.data, cfg.train, cfg.zero, budget, 1, memo=dict(ladder))
+    memo = {(label, budget.cpu): est for label, est in ladder.items()}  # (every budget here has BOX's RAM)
+    return C.max_model(cfg.model, cfg.data, cfg.train, cfg.zero, budget, 1, memo=memo)
 
 
 def _index(a: C.Answer) -> int:

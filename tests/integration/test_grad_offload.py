@@ -61,6 +61,7 @@ def _run(
             nvme_path=f"{swap}/{opt}-{grad_device}-{stage}-{accum}-{precision}-{staged}",
             grad_device=grad_device,
             staging_mb=1,
+            host_budget="min",  # everything the disk tier can put on disk: the tier under test
         ),  # fmt: skip
         offload_param=OffloadParamConfig(device=par),
         param_persistence_threshold=64,

@@ -36,19 +36,20 @@ from zoff.models.gpt import GPT
 
 def _offload(device: str, swap: Path, delay: bool = False) -> dict:
     return {"device": device, "nvme_path": str(swap) if device == "nvme" else None, "delay_update": delay,
-            "io": {"threads": 2, "request_mb": 1}}  # fmt: skip
+            "io": {"threads": 2, "request_mb": 1}, "host_budget": "min"}  # fmt: skip
 
 
 def _engine_run(
     stage: int, precision: str, device: str, swap: Path, steps: int = 5, bucket: int = 1500, params: str = "none",
-    prefetch: int = 3_000_000, layers: int = 2,
+    prefetch: int = 3_000_000, layers: int = 2, budget: str = "min",
 ):  # fmt: skip
     torch.manual_seed(0)
     model = GPT(layers, 2, 32, 64, 16)
     zero = ZeroConfig(
         stage=stage, reduce_bucket_size=bucket, param_persistence_threshold=64, prefetch_bucket_size=prefetch,
         offload_optimizer=OffloadOptimizerConfig(
-            device=device, nvme_path=str(swap) if device == "nvme" else None, io=OptimizerIoConfig(threads=2, request_mb=1)
+            device=device, nvme_path=str(swap) if device == "nvme" else None, io=OptimizerIoConfig(threads=2, request_mb=1),
+            host_budget=budget,
         ),
         offload_param=OffloadParamConfig(device=params, io=IoConfig(threads=2, request_mb=1)),
     )  # fmt: skip
@@ -212,7 +213,7 @@ def test_the_disk_tier_holds_its_buffers_in_ram_not_the_shard(swap: Path) -> Non
         model = GPT(8, 8, 960, 256, 16)
     zero = ZeroConfig(
         stage=1, reduce_bucket_size=4_000_000,
-        offload_optimizer=OffloadOptimizerConfig(device="nvme", nvme_path=str(swap)),
+        offload_optimizer=OffloadOptimizerConfig(device="nvme", nvme_path=str(swap), host_budget="min"),
     )  # fmt: skip
     cached, before = _meminfo("Cached"), _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")

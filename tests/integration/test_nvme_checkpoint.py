@@ -154,7 +154,7 @@ def test_a_checkpoint_folder_without_room_for_one_save_is_refused_before_trainin
     from zoff.planning import disk_room
 
     raw = tiny_cfg(
-        zero={"stage": 2, "reduce_bucket_size": 1500, "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)}},
+        zero={"stage": 2, "reduce_bucket_size": 1500, "offload_optimizer": {"device": "nvme", "nvme_path": str(swap), "host_budget": "min"}},
         checkpoint={"dir": str(swap / "ckpt" / "new"), "keep_last": 2},
         model={"name": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "vocab_size": 64, "seq_len": 16},
         launch={"nproc_per_node": 1},  # _engine_run's model and partitioning

@@ -95,7 +95,7 @@ def cell_cfg(pattern: str, stage: int | str, accum: int) -> dict:
         global SWAP_DIR
         SWAP_DIR = SWAP_DIR or _swap_dir()
         zero |= {"stage": 3, "offload_param": {"device": "nvme"},
-                 "offload_optimizer": {"device": "nvme", "nvme_path": SWAP_DIR}}  # fmt: skip
+                 "offload_optimizer": {"device": "nvme", "nvme_path": SWAP_DIR, "host_budget": "min"}}  # fmt: skip
     return tiny_cfg(
         model={
             "name": f"python:tests.patterns.models:{pattern}",

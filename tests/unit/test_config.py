@@ -446,6 +446,7 @@ def test_dump_has_every_section_fully_resolved():
             "pin_memory": True,
             "staging_mb": 64,
             "grad_device": "auto",
+            "host_budget": "auto",
             "delay_update": False,
             "delay_update_warmup": 0,
         },

@@ -38,6 +38,7 @@ def _engine(pol, precision: str, accum: int, clip: float, delay: bool, swap: str
             device=pol.offload_optimizer,
             delay_update=delay,
             nvme_path=swap,  # grad_device auto: on disk, or in memory under delay_update
+            host_budget="min",  # the states on disk (the budget's split: tests/integration/test_host_budget.py)
         ),
         offload_param=OffloadParamConfig(device=pol.offload_param),
         param_persistence_threshold=64,

@@ -33,6 +33,7 @@ from zoff.config.sections import (  # noqa: F401  (re-exported: the sections are
     ZeroConfig,
 )
 from zoff.errors import ConfigError, UserError
+from zoff.units import parse_size
 
 # Shipped inside the package (package data), so an installed wheel finds them as a checkout does; the
 # checkout's top-level configs/ and recipes/ are links to these.
@@ -229,6 +230,11 @@ def _check_cross_section(cfg: Config) -> None:
     if oo.device == "nvme" and not oo.nvme_path:
         raise ConfigError("zero.offload_optimizer.nvme_path: device nvme needs a directory on a local disk")
     check_grad_device(cfg.zero)
+    if oo.host_budget.strip().lower() not in ("auto", "min"):
+        try:
+            parse_size(oo.host_budget, "zero.offload_optimizer.host_budget", lo=0)
+        except UserError as e:
+            raise ConfigError(f"{e} (or auto, or min)") from None
     op = cfg.zero.offload_param
     if op.device == "nvme" and not (op.nvme_path or oo.nvme_path):
         raise ConfigError("zero.offload_param.nvme_path: device nvme needs a directory on a local disk")

@@ -100,7 +100,11 @@ class SwapFile:
 
     def _start(self, threads: int) -> None:
         self.threads = threads
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io")
+        # Reads and writes have pools of their own: a read the step waits for never queues behind the
+        # write-backs, and the disk has both directions in flight at once (the threads mostly sleep in the
+        # syscall; cost: `threads` more idle threads).
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io-read")
+        self.wpool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io-write")
         self.read_bytes = self.written_bytes = 0
         self.wait_s = 0.0  # time the caller spent blocked on this file's I/O (the step's "disk wait")
         self.read_wait_s = 0.0  # the part of it spent on reads, where the caller knows they are reads
@@ -131,7 +135,7 @@ class SwapFile:
     def write(self, buf: torch.Tensor, offset: int) -> list[Future]:
         self.written_bytes += buf.numel()
         return [
-            self.pool.submit(_full, os.pwritev, self.fd, mv, off, self.path)
+            self.wpool.submit(_full, os.pwritev, self.fd, mv, off, self.path)
             for mv, off in self._chunks(buf, offset)
         ]
 
@@ -139,6 +143,7 @@ class SwapFile:
         """Wait for the I/O in flight and close; `remove` deletes the file and its folder once that is empty
         (a rank's folder under the user's nvme_path, which itself stays)."""
         self.pool.shutdown(wait=True)
+        self.wpool.shutdown(wait=True)
         os.close(self.fd)
         if remove and self.owned:
             self.path.unlink(missing_ok=True)

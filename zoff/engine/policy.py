@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.staging import chunk_bytes, needs_staging
 from zoff.engine.state_swap import partition_layout, piece_spans, ring_size, subgroup_numel
+
+if TYPE_CHECKING:
+    from zoff.engine.host_budget import DiskSplit
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,7 @@ def model_states(
     delay_update: bool = False,
     accumulating: bool = False,
     subgroup: int | None = None,
-    grads_on_disk: bool = True,
+    split: DiskSplit | None = None,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(device bytes, host bytes) of one rank's params, grads and optimizer states, as ZeroEngine allocates them.
 
@@ -177,8 +181,9 @@ def model_states(
     numbers its cpu_params, cpu_grads and cpu_optimizer_states. Stage 3 reports persistent units whole and
     the other units' shards. The gradient shard lives with the optimizer's states (grad_store.py), in fp32
     when micro-batches accumulate at stages 2-3: on the device without offload; in host memory under CPU
-    offload; under the disk tier in its own swap file (RAM: its three unit buffers; `grads_on_disk`, from
-    offload_optimizer.grad_device) or in host memory. DPU adds a snapshot the delayed step reads, in fp32
+    offload; under the disk tier in its own swap file (RAM: its three unit buffers) or in host memory, as
+    `split` (disk_split: offload_optimizer.grad_device and host_budget) says; the disk tier's states in RAM
+    are `split`'s resident sub-groups plus its ring. DPU adds a snapshot the delayed step reads, in fp32
     when clipping or fp16 loss scaling rescales it (`fp32_grad_staging`). With parameter offload the
     non-persistent parameter shards live on the host too.
     """
@@ -206,7 +211,7 @@ def model_states(
         gpu["grads"] = c * padded
     elif not opt_off:
         gpu["grads"] = grad_shard
-    elif policy.offload_optimizer == "nvme" and grads_on_disk:
+    elif policy.offload_optimizer == "nvme" and (split is None or split.grads_on_disk):
         cpu["grads"] = grad_buffer_bytes(plan, 4 if fp32_shard else c)
     else:
         cpu["grads"] = grad_shard
@@ -214,8 +219,8 @@ def model_states(
         cpu["grads"] += (4 if fp32_grad_staging or fp32_shard else c) * shard
     if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
         gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
-    elif policy.offload_optimizer == "nvme":  # states on disk: RAM holds three unit buffers
-        cpu["optimizer_states"] = swap_buffer_bytes(plan, subgroup)
+    elif policy.offload_optimizer == "nvme":  # the budget's resident sub-groups and the ring for the rest
+        cpu["optimizer_states"] = swap_buffer_bytes(plan, subgroup, split)
     else:
         cpu["optimizer_states"] = (8 + (0 if c == 4 and host_is_device else 4)) * shard
     return gpu, cpu
@@ -227,22 +232,14 @@ def grad_buffer_bytes(plan: PartitionPlan, itemsize: int) -> int:
 
 
 def grad_disk_bytes(
-    plan: PartitionPlan, policy: Policy, zero: ZeroConfig, accumulating: bool, precision: str
+    plan: PartitionPlan, policy: Policy, split: DiskSplit, accumulating: bool, precision: str
 ) -> int:
     """The gradient swap file per rank (grad_store.DiskGrads): an aligned region per unit, in fp32 when
-    micro-batches accumulate; 0 unless the disk tier keeps its gradients on disk."""
-    if not grads_on_disk(policy, zero):
+    micro-batches accumulate; 0 unless the disk tier keeps its gradients on disk (`split`)."""
+    if policy.offload_optimizer != "nvme" or not split.grads_on_disk:
         return 0
     size = 4 if policy.shard_accum_fp32(accumulating) else DTYPES[precision].itemsize
     return aligned(max(ALIGN, sum(aligned(size * u.shard) for u in plan.units)))
-
-
-def grads_on_disk(policy: Policy, zero: ZeroConfig) -> bool:
-    """Whether this policy, with this config's offload_optimizer.grad_device, keeps its gradients on disk."""
-    oo = zero.offload_optimizer
-    return policy.offload_optimizer == "nvme" and (
-        oo.grad_device == "nvme" or (oo.grad_device == "auto" and not oo.delay_update)
-    )
 
 
 def param_swap_path(zero: ZeroConfig) -> str | None:
@@ -260,11 +257,22 @@ def _pieces(plan: PartitionPlan, subgroup: int | None) -> list[int]:
     return [hi - lo for u in plan.units for lo, hi in piece_spans(u.shard, subgroup)]
 
 
-def swap_buffer_bytes(plan: PartitionPlan, subgroup: int | None = None) -> int:
-    """The disk tier's resident states (state_swap.SwappedStates): up to three page-aligned buffers, each one
-    piece's master, exp_avg and exp_avg_sq (the piece stepped, the next being read, the last being written)."""
-    pieces = _pieces(plan, subgroup)
-    return ring_size(len(pieces)) * 3 * max((aligned(4 * n) for n in pieces), default=ALIGN)
+def swap_buffer_bytes(
+    plan: PartitionPlan, subgroup: int | None = None, split: DiskSplit | None = None
+) -> int:
+    """The disk tier's states in RAM (state_swap.SwappedStates): `split`'s resident pieces (the first of the
+    step's walk, held whole), and, unless every piece is resident, up to three page-aligned ring buffers of
+    the largest other piece's master, exp_avg and exp_avg_sq (stepped, read ahead, written back)."""
+    sizes = piece_bytes(plan, subgroup)
+    resident = split.resident_pieces if split is not None else 0
+    streamed = sizes[resident:]
+    ring = ring_size(len(streamed)) * max(streamed) if streamed else 0
+    return sum(sizes[:resident]) + ring
+
+
+def piece_bytes(plan: PartitionPlan, subgroup: int | None) -> list[int]:
+    """RAM (and disk bytes each way per step) of each piece's three states, whole pages each."""
+    return [3 * aligned(4 * n) for n in _pieces(plan, subgroup)] or []
 
 
 def disk_bytes(plan: PartitionPlan, policy: Policy, precision: str = "fp32", grads: int = 0) -> int:
@@ -292,17 +300,17 @@ def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str) -> int
 
 def disk_traffic(
     plan: PartitionPlan, policy: Policy, subgroup: int | None, precision: str, micro_batches: int,
-    grads: int = 0,
+    grads: int = 0, split: DiskSplit | None = None,
 ) -> tuple[int, int]:  # fmt: skip
-    """(bytes read, bytes written) per rank per step by the disk tier: every optimizer piece once each way;
+    """(bytes read, bytes written) per rank per step by the disk tier: every optimizer piece `split` does not
+    keep in RAM once each way;
     the gradient swap file (`grads` bytes, grad_disk_bytes) written by every micro-batch, read back by every
     one after the first (they accumulate on disk) and by the step; under parameter offload to nvme each
     micro-batch reads a block's shard for its forward and again for its backward (the root unit once, held
     from forward to backward), and the step writes back the trainable shards."""
     # every piece's three states, each read and written whole pages (not the file's header)
-    opt = (
-        sum(3 * aligned(4 * n) for n in _pieces(plan, subgroup)) if policy.offload_optimizer == "nvme" else 0
-    )
+    resident = split.resident_pieces if split is not None else 0
+    opt = sum(piece_bytes(plan, subgroup)[resident:]) if policy.offload_optimizer == "nvme" else 0
     opt_r, opt_w = opt + micro_batches * grads, opt + micro_batches * grads
     if not policy.params_on_disk:
         return opt_r, opt_w

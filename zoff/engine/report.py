@@ -80,13 +80,13 @@ class EngineReports:
             self.plan, self.policy, self.precision, frozen_bytes=frozen, device_type=self.device.type,
             fp32_grad_staging=self.grad_clip > 0 or self.precision == "fp16",
             delay_update=self.zero.offload_optimizer.delay_update, accumulating=self.grad_accum > 1,
-            subgroup=subgroup_of(self.zero), grads_on_disk=self.zero.offload_optimizer.grads_on_disk,
+            subgroup=subgroup_of(self.zero), split=self.split,
         )  # fmt: skip
         disk = {
             "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy),
             "disk_params": param_disk_bytes(self.plan, self.policy, self.precision),
             "disk_grads": grad_disk_bytes(
-                self.plan, self.policy, self.zero, self.grad_accum > 1, self.precision
+                self.plan, self.policy, self.split, self.grad_accum > 1, self.precision
             ),
         }
         return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}, **disk}

@@ -11,7 +11,8 @@ buffers. Another world size or stage reads the shard through the checkpoint's pi
 The step walks the file in pieces: a unit, or a sub-group of at most io.subgroup_mb of states of a larger one.
 A piece is three reads (its master, exp_avg and exp_avg_sq ranges) into one page-aligned buffer; up to three
 buffers rotate: the piece being stepped, the next one being read, the previous one being written. Host
-memory: ring_size x the largest piece's states, whatever the shard's total.
+memory: ring_size x the largest streamed piece's states, plus the pieces the host budget keeps in RAM
+(zero.offload_optimizer.host_budget, policy.disk_split), which the step never reads or writes.
 """
 
 from __future__ import annotations
@@ -57,11 +58,18 @@ def piece_spans(numel: int, piece: int | None) -> list[tuple[int, int]]:
 
 
 class SwappedStates:
-    """Every unit's states in one swap file laid out as its checkpoint shard, stepped piece by piece."""
+    """Every unit's states in one swap file laid out as its checkpoint shard, stepped piece by piece.
+
+    The first `resident` pieces of the walk (the host budget's, policy.disk_split) live in RAM for good: never
+    read or written during a step, synced into the file only for a checkpoint. The others stream through the
+    ring; a ring buffer keeps the bytes of the piece it last held, so a piece still there is not read again,
+    and reads run ahead of the walk into idle buffers; prefetch() starts the next walk's first pieces while
+    backward computes.
+    """
 
     def __init__(
         self, shards: list[torch.Tensor], swap_dir: Path, download, *, threads: int, request_bytes: int,
-        piece: int | None = None, source=None,
+        piece: int | None = None, source=None, resident: int = 0,
     ):  # fmt: skip
         source = source or shards.__getitem__  # unit i's live shard, for its initial master
         self.pieces = [(i, lo, hi) for i, s in enumerate(shards) for lo, hi in piece_spans(s.numel(), piece)]
@@ -80,40 +88,64 @@ class SwappedStates:
         self.file = SwapFile(
             swap_dir / f"rank{rank}" / "optimizer.swap", self.layout.nbytes, threads, request_bytes
         )
-        self.n_buffers = ring_size(len(self.pieces))
-        self.buffers = [AlignedBuffer(3 * max(self.part, default=ALIGN)) for _ in range(self.n_buffers)]
+        self.resident = max(0, min(resident, len(self.pieces)))
+        self.home = [0]  # resident piece k's byte offset in `kept`
+        for k in range(self.resident):
+            self.home.append(self.home[-1] + 3 * self.part[k])
+        self.kept = AlignedBuffer(self.home[-1]) if self.resident else None
+        streamed = self.part[self.resident :]
+        self.n_buffers = ring_size(len(streamed)) if streamed else 0
+        self.buffers = [AlignedBuffer(3 * max(streamed)) for _ in range(self.n_buffers)]
         self.pending: list[list] = [[] for _ in self.buffers]  # futures of the I/O in flight on each buffer
-        self.holds: dict[int, int] = {}  # piece -> the buffer holding (or reading) it
+        self.holds: dict[int, int] = {}  # piece -> the buffer it is read (or being read) into, for the walk
+        self.contents: list[int | None] = [None] * self.n_buffers  # the piece whose bytes each buffer holds
+        self.used = [0] * self.n_buffers  # when each buffer was last opened (least recently used first)
+        self._clock = 0
+        self._current: int | None = None  # the buffer of the piece open now: never taken for another
         head = AlignedBuffer(len(self.layout.header))
         head.bytes.copy_(torch.frombuffer(bytearray(self.layout.header), dtype=torch.uint8))
         self.file.wait(self.file.write(head.bytes, 0))
         for k, (i, lo, hi) in enumerate(self.pieces):  # initial master from the live shard, zero moments
-            buf = self._free_buffer(exclude=())
+            buf = None if k < self.resident else self._free_buffer(exclude=())
             master, m, v = self._views(buf, k)
             download(source(i)[lo:hi], master)
             m.zero_()
             v.zero_()
-            self._write(buf, k)
+            if buf is not None:
+                self._write(buf, k)
         self._drain()
 
     def spans(self, i: int) -> list[tuple[int, int, int]]:
         """Unit i's pieces as (piece, lo, hi), in order (the step asks per unit: looked up, not searched)."""
         return self._spans[i]
 
-    def _views(self, b: int, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        buf, n, p = self.buffers[b], self.numel[i], self.part[i]
-        return tuple(buf.view(torch.float32, k * p, n) for k in range(3))
+    def _region(self, b: int | None, i: int) -> tuple[AlignedBuffer, int]:
+        """Where piece i's states lie in RAM: (its buffer, byte offset); b None for a resident piece."""
+        return (self.kept, self.home[i]) if b is None else (self.buffers[b], 0)
 
-    def _ranges(self, b: int, i: int) -> list[tuple[torch.Tensor, int]]:
-        """Piece i's three (buffer range, file offset) pairs in buffer b."""
-        p = self.part[i]
-        return [(self.buffers[b].bytes[k * p : (k + 1) * p], off) for k, off in enumerate(self.offsets[i])]
+    def _views(self, b: int | None, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        (buf, base), n, p = self._region(b, i), self.numel[i], self.part[i]
+        return tuple(buf.view(torch.float32, base + k * p, n) for k in range(3))
+
+    def _ranges(self, b: int | None, i: int) -> list[tuple[torch.Tensor, int]]:
+        """Piece i's three (buffer range, file offset) pairs in buffer b (None: its resident home)."""
+        (buf, base), p = self._region(b, i), self.part[i]
+        return [(buf.bytes[base + k * p : base + (k + 1) * p], off) for k, off in enumerate(self.offsets[i])]
+
+    def _idle(self, b: int) -> bool:
+        return all(f.done() for f in self.pending[b])
 
     def _free_buffer(self, exclude) -> int:
-        free = [b for b in range(self.n_buffers) if b not in exclude and b not in self.holds.values()]
-        b = min(free, key=lambda b: bool(self.pending[b]))  # an idle buffer before one still writing
+        """A ring buffer for a new piece, once its I/O is done: one no read-ahead holds before one that does
+        (that read-ahead is dropped), an idle one before a busy one, then the least recently used."""
+        held = set(self.holds.values())
+        free = [b for b in range(self.n_buffers) if b not in exclude and b != self._current]
+        b = min(free, key=lambda b: (b in held, not self._idle(b), self.used[b]))
+        if b in held:
+            del self.holds[next(k for k, h in self.holds.items() if h == b)]
         self.file.wait(self.pending[b])
         self.pending[b] = []
+        self.contents[b] = None
         return b
 
     def _write(self, b: int, i: int) -> None:
@@ -122,13 +154,47 @@ class SwappedStates:
         for region, off in self._ranges(b, i):
             region[tail:].zero_()  # the page's rest is the file's padding: zeros, so files are reproducible
             self.pending[b] += self.file.write(region, off)
+        self.contents[b] = i
 
     def _fetch(self, i: int, exclude=()) -> int:
-        if i not in self.holds:
-            b = self._free_buffer(exclude)
-            self.pending[b] = [f for region, off in self._ranges(b, i) for f in self.file.read(region, off)]
-            self.holds[i] = b
-        return self.holds[i]
+        """The buffer piece i is (being) read into: held already, still in a buffer, or read now."""
+        if i in self.holds:
+            return self.holds[i]
+        held = set(self.holds.values())
+        for b, c in enumerate(self.contents):
+            if c == i and b not in held and b not in exclude:  # its bytes are still here: no read
+                self.holds[i] = b
+                return b
+        b = self._free_buffer(exclude)
+        self.pending[b] = [f for region, off in self._ranges(b, i) for f in self.file.read(region, off)]
+        self.contents[b], self.holds[i] = i, b
+        return b
+
+    def _read_ahead(self, i: int, current: int | None, wrap: bool = False) -> None:
+        """Start reading the streamed pieces after i (`wrap`: past the last, the walk's first) into buffers
+        with nothing in flight; never waits. The walk itself never wraps: each step reads every streamed
+        piece once, between its backward and its end, so the bytes a step moves are the estimate's."""
+        n, ahead = len(self.pieces), self.n_buffers - 1
+        for d in range(1, n):
+            if ahead <= 0 or (i + d >= n and not wrap):
+                return
+            j = (i + d) % n
+            if j < self.resident:
+                continue
+            ahead -= 1
+            if j in self.holds or j == i:
+                continue
+            held = set(self.holds.values())
+            hit = [b for b, c in enumerate(self.contents) if c == j and b not in held and b != current]
+            if hit:
+                self.holds[j] = hit[0]
+                continue
+            idle = [b for b in range(self.n_buffers) if b != current and b not in held and self._idle(b)]
+            if not idle:
+                return
+            b = min(idle, key=lambda b: self.used[b])
+            self.pending[b] = [f for region, off in self._ranges(b, j) for f in self.file.read(region, off)]
+            self.contents[b], self.holds[j] = j, b
 
     def _drain(self) -> None:
         for b in range(self.n_buffers):
@@ -137,19 +203,33 @@ class SwappedStates:
 
     @contextlib.contextmanager
     def open(self, i: int, following: int | None = None, write_back: bool = True):
-        """Piece i's states, resident while the block runs; written back after it (asynchronously), with
-        `following` already being read. `write_back=False`: only read (the buffer is simply released)."""
+        """Piece i's states, resident while the block runs; written back after it (asynchronously) unless
+        `write_back=False` (only read: the buffer keeps the bytes). The pieces after it are read meanwhile
+        (`following` is accepted for callers that name the next piece; the walk's order is the pieces')."""
+        if i < self.resident:  # in RAM for good: no I/O; the disk reads the next streamed pieces meanwhile
+            self._read_ahead(i, None)
+            yield self._views(None, i)
+            return
         b = self._fetch(i)
         self.file.wait(self.pending[b], reads=True)
         self.pending[b] = []
-        if following is not None and self.n_buffers > 1:
-            self._fetch(following, exclude=(b,))
+        del self.holds[i]
+        self._clock += 1
+        self.used[b] = self._clock
+        self._current = b
+        self._read_ahead(i, b)
         try:
             yield self._views(b, i)
         finally:
-            del self.holds[i]
+            self._current = None
             if write_back:
                 self._write(b, i)
+
+    def prefetch(self) -> None:
+        """Start reading the first streamed pieces of the next walk (the engine calls it as backward starts,
+        when the last step's write-backs have drained during the forward); never waits."""
+        if self.n_buffers:
+            self._read_ahead(len(self.pieces) - 1, None, wrap=True)
 
     def read(self, i: int, kind: str) -> torch.Tensor:
         """A copy of one kind of unit i's states (gathered_params): unit-sized, not shard-sized."""
@@ -171,7 +251,7 @@ class SwappedStates:
         next one read ahead) and written back; read only; or written only (read=False, whatever the buffers
         hold: a measurement's, not a step's). bench-io's and bench_nvme's measure of the tier's own I/O."""
         n = len(self.pieces)
-        for k in range(n):
+        for k in range(self.resident, n):
             if read:
                 with self.open(k, k + 1 if k + 1 < n else None, write_back=write):
                     pass
@@ -180,8 +260,11 @@ class SwappedStates:
         self._drain()
 
     def save_file(self, path: Path) -> str:
-        """Copy the swap file, which is a checkpoint shard, to `path` (fsynced); returns its sha256."""
+        """Copy the swap file, which is a checkpoint shard, to `path` (fsynced); returns its sha256. The
+        resident pieces are written into the swap file first (their only writes: a checkpoint's cost)."""
         self._drain()
+        for k in range(self.resident):
+            self.file.wait(self._write_resident(k))
         out = SwapFile(path, self.layout.nbytes, self.file.threads, self.file.request, swap=False)
         try:
             digest = copy_file(self.file, out, self.layout.nbytes)
@@ -204,14 +287,26 @@ class SwappedStates:
             return None
         self._drain()
         self.holds.clear()
+        self.contents = [None] * self.n_buffers  # what the ring holds is the old run's
         src = SwapFile.existing(path, self.file.threads, self.file.request)
         try:
-            return copy_file(src, self.file, self.layout.nbytes)
+            digest = copy_file(src, self.file, self.layout.nbytes)
         finally:
             src.close(remove=False)
+        for k in range(self.resident):  # the resident pieces from the copied file
+            self.file.wait([f for region, off in self._ranges(None, k) for f in self.file.read(region, off)])
+        return digest
+
+    def _write_resident(self, k: int) -> list:
+        tail = 4 * self.numel[k]
+        out = []
+        for region, off in self._ranges(None, k):
+            region[tail:].zero_()
+            out += self.file.write(region, off)
+        return out
 
     def resident_bytes(self, shards: list[torch.Tensor]) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        return sum(b.nbytes for b in self.buffers) + (self.kept.nbytes if self.kept is not None else 0)
 
     def disk_bytes(self) -> int:
         return self.file.nbytes

@@ -143,11 +143,15 @@ class DiskTier(HostTier):
     def __init__(
         self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
         request_mb: int, piece: int | None = None, params: SwappedShards | None = None, grads_on_disk: bool = True,
+        resident: int = 0,
     ):  # fmt: skip
         super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
         self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece
         self.params = params  # parameter offload to nvme: where the shards that are not in memory are
-        self.grads_on_disk = grads_on_disk  # zero.offload_optimizer.grad_device: the gradients' own swap file
+        self.grads_on_disk = (
+            grads_on_disk  # grad_device and host_budget (policy.disk_split): its own swap file
+        )
+        self.resident = resident  # the host budget's pieces of the states, held in RAM (policy.disk_split)
 
     def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
         if not self.grads_on_disk:
@@ -162,7 +166,7 @@ class DiskTier(HostTier):
             self.host_grads += [host_buffer(s, self.grad_dtype, pin=False) for s in shards]
         return SwappedStates(
             shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20,
-            piece=self.piece, source=self._live_shard(shards),
+            piece=self.piece, source=self._live_shard(shards), resident=self.resident,
         )  # fmt: skip
 
     def _live_shard(self, shards: list[torch.Tensor]):

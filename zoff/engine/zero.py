@@ -9,6 +9,7 @@ stage 3  + parameters partitioned: units are gathered around the modules that us
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.grad_store import ResidentGrads
+from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.param_swap import SwappedShards
@@ -67,6 +69,11 @@ class ZeroEngine(EngineReports):
         self.accum_dtype = torch.float32 if policy.shard_accum_fp32(grad_accum > 1) else self.dtype
         self.rank = policy.rank_in_partition(self.comm.rank)  # stage 0: one partition that every rank owns
         self.plan = engine_plan(model, self.stage, self.comm.world, zero)
+        # the disk tier's host budget: what of its states (and gradients) stays in RAM (a pure value)
+        self.split = disk_split(
+            self.plan, policy, zero, precision, grad_accum > 1,
+            host_budget_bytes(zero.offload_optimizer, mem_total(), _local_ranks(self.comm.world)),
+        )  # fmt: skip
         self.model, self.deferred = prepare_model(model, self.device, self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
@@ -151,7 +158,8 @@ class ZeroEngine(EngineReports):
         if oz.device == "nvme":
             tier = DiskTier(
                 staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb,
-                piece=subgroup_of(self.zero), params=self.param_disk, grads_on_disk=oz.grads_on_disk,
+                piece=subgroup_of(self.zero), params=self.param_disk, grads_on_disk=self.split.grads_on_disk,
+                resident=self.split.resident_pieces,
             )  # fmt: skip
         else:
             tier = HostTier(
@@ -172,6 +180,9 @@ class ZeroEngine(EngineReports):
         if self.gatherer is not None:
             self.gatherer.check_same_gathers()  # the forward's gathers, before backward's could hang on them
         self.blocks.in_backward = True
+        prefetch = getattr(self.optimizer.states, "prefetch", None)
+        if prefetch is not None and sync:
+            prefetch()  # the disk tier reads the step's first streamed pieces while backward computes
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         finally:
@@ -378,3 +389,8 @@ class ZeroEngine(EngineReports):
             self.optimizer.write(u, "master", src)
         self.scaler.load_state_dict(state["scaler"])
         self._publish_params()
+
+
+def _local_ranks(world: int) -> int:
+    """The ranks sharing this host (torch elastic's LOCAL_WORLD_SIZE; else, a single-node world)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -99,23 +99,25 @@ def max_model(
     *,
     disk_source: str = "given",
     ladder: tuple[Rung, ...] = LADDER,
-    memo: dict[str, Estimate] | None = None,
+    memo: dict[tuple[str, int], Estimate] | None = None,
 ) -> Capacity:
     """Per policy, the largest rung whose estimate fits `budget`, and the rung above it.
 
     The rungs are walked from the largest down, and each policy takes the first that fits: the largest one by
     construction, with no assumption that needs grow with size. The walk stops once every policy has its answer.
-    memo (rung label -> Estimate) lets callers that vary only the budget reuse the estimates.
+    memo ((rung label, host bytes) -> Estimate) lets callers that vary only the device budget reuse the
+    estimates (the host's memory sets the disk tier's host budget: part of the key).
     """
     memo = {} if memo is None else memo
     found: dict[Policy, Fit] = {}
     above: dict[Policy, Fit] = {}  # the smallest rung seen so far that does not fit
     for rung in reversed(ladder):
-        if rung.label not in memo:
-            memo[rung.label] = estimate(
-                rung_model(model, rung), data, train, zero, gpus_per_node, nodes, device_type
+        key = (rung.label, budget.cpu)
+        if key not in memo:
+            memo[key] = estimate(
+                rung_model(model, rung), data, train, zero, gpus_per_node, nodes, device_type, budget.cpu
             )
-        est = memo[rung.label]
+        est = memo[key]
         for pe in est.policies:
             if pe.policy in found:
                 continue

@@ -15,12 +15,12 @@ from pathlib import Path
 from torch import nn
 
 from zoff.config import Config
+from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (
     Policy,
     engine_plan,
     grad_disk_bytes,
-    grads_on_disk,
     optimizer_disk_bytes,
     param_disk_bytes,
     param_swap_path,
@@ -33,7 +33,13 @@ from zoff.units import human
 def check_swap_path(cfg: Config, model: nn.Module) -> None:
     """Before any rank starts: each swap folder of the disk tier (the optimizer's nvme_path, and parameter
     offload's, which may be the same one) exists, is a writable folder and has room for this node's swap files
-    (every local rank's); a UserError naming the key, the path and the bytes otherwise."""
+    (every local rank's), and that zero.offload_optimizer.host_budget holds the tier's working set; a
+    UserError naming the key, the path and the bytes otherwise."""
+    if cfg.zero.offload_optimizer.device == "nvme":  # raises when a given size is below the working set
+        disk_split(
+            _plan(cfg, model), Policy.of(cfg.zero), cfg.zero, cfg.train.precision, _may_accumulate(cfg),
+            host_budget_bytes(cfg.zero.offload_optimizer, mem_total(), cfg.launch.nproc_per_node),
+        )  # fmt: skip
     for path, (key, per_rank) in _swap_needs(cfg, model).items():
         if not path.is_dir():
             raise UserError(
@@ -59,12 +65,14 @@ def _swap_needs(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None
     policy = Policy.of(zero)
     plan = plan or _plan(cfg, model)
     needs: dict[Path, list] = {}  # folder -> [config key, bytes per rank]
+    # the largest gradient file: whatever the host budget, the file is there when it may be used (min)
+    split = disk_split(plan, policy, zero, cfg.train.precision, _may_accumulate(cfg), None)
     wanted = [  # (key, folder, bytes per rank, whether the policy swaps there at all)
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
          optimizer_disk_bytes(plan, policy), policy.offload_optimizer == "nvme"),
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
-         grad_disk_bytes(plan, policy, zero, _may_accumulate(cfg), cfg.train.precision),
-         grads_on_disk(policy, zero)),
+         grad_disk_bytes(plan, policy, split, _may_accumulate(cfg), cfg.train.precision),
+         split.grads_on_disk),
         ("zero.offload_param.nvme_path" if zero.offload_param.nvme_path else "zero.offload_optimizer.nvme_path",
          param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision), policy.params_on_disk),
     ]  # fmt: skip

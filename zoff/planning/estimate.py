@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from zoff.config import Config, TrainConfig, ZeroConfig
+from zoff.engine.host_budget import mem_total
 from zoff.errors import UserError
 from zoff.planning.bench_io import disk_bandwidth
 from zoff.planning.memory import (
@@ -51,10 +52,7 @@ def parse_count(text: str | None, flag: str, hi: int) -> int | None:
 
 def host_memory() -> int:
     """MemTotal from /proc/meminfo."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise UserError("--cpu-memory: /proc/meminfo has no MemTotal; pass --cpu-memory")
+    return mem_total()
 
 
 def detect_budget(gpu_memory: str | None, cpu_memory: str | None) -> tuple[Budget, str]:
@@ -114,6 +112,11 @@ def to_json(
              "disk_read_bytes_per_step_per_node": pe.disk_read * pe.local_ranks,
              "disk_written_bytes_per_step_per_node": pe.disk_written * pe.local_ranks,
              "disk_seconds_per_step": _disk_seconds(pe, bandwidth),
+             # the disk tier's host budget (zero.offload_optimizer.host_budget): what stays in RAM, per rank
+             "host_budget": {"budget_bytes": pe.split.budget, "resident_pieces": pe.split.resident_pieces,
+                             "pieces": pe.split.pieces, "resident_state_bytes": pe.split.resident_bytes,
+                             "state_bytes": pe.split.states_bytes, "grads_on_disk": pe.split.grads_on_disk}
+             if pe.policy.offload_optimizer == "nvme" else None,
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train)}
             for pe in est.policies
         ],
@@ -175,6 +178,7 @@ def render(
         _startup_text(est, budget),
         *(f"note: {note}" for note in est.notes),
         *_disk_note(est, disk_bandwidth(zero.offload_optimizer.nvme_path)),
+        *_budget_note(est),
         *([f"suggested: {suggestion[1]}"] if suggestion else []),
     ]
     for line in lines:
@@ -203,6 +207,16 @@ def _disk_note(est: Estimate, bandwidth: tuple[float, float, str]) -> list[str]:
         f"GB/s read and {bandwidth[1]:.2f} GB/s write ({bandwidth[2]}); stepping that fast writes "
         f"{per_day / 1e12:,.1f} TB per node per day (SSD wear: check the drive's rated TBW)"
     ]
+
+
+def _budget_note(est: Estimate) -> list[str]:
+    """The disk tier's host budget on the nvme rows (zero.offload_optimizer.host_budget): the same split for
+    every row of one stage's plan, so one line per distinct split."""
+    lines: dict[str, list[str]] = {}
+    for pe in est.policies:
+        if pe.policy.offload_optimizer == "nvme" and not pe.policy.activation_checkpointing:
+            lines.setdefault(pe.split.describe(), []).append(pe.policy.name)
+    return [f"{', '.join(names)}: {text}" for text, names in lines.items()]
 
 
 def _startup_text(est: Estimate, budget: Budget) -> str:
@@ -264,7 +278,7 @@ def run_cli(
         else:
             capacity.render(cap)
         return
-    est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type)
+    est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type, budget.cpu)
     sug = suggest_policy(est, budget) if suggest else None
     if as_json:
         print(json.dumps(to_json(est, budget, cfg.zero, cfg.train, sug, disk_source), indent=2))

@@ -17,6 +17,7 @@ from pathlib import Path
 from torch import nn
 
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
+from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes, mem_total
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (  # the policy table and its memory terms, which the engine reads as well
     POLICIES,
@@ -26,7 +27,6 @@ from zoff.engine.policy import (  # the policy table and its memory terms, which
     engine_plan,
     frozen_param_bytes,
     grad_disk_bytes,
-    grads_on_disk,
     host_staging,
     model_states,
     pinned_host_bytes,
@@ -83,6 +83,7 @@ class PolicyEstimate:
     disk_read: int = 0  # bytes each rank reads from them per step (optimizer states, parameter gathers)
     disk_written: int = 0  # ... and writes back per step
     disk_grads: int = 0  # the part of `disk` that is the gradient shard (offload_optimizer.grad_device)
+    split: DiskSplit = DiskSplit()  # nvme: what the host budget keeps in RAM (policy.disk_split)
 
     @property
     def gpu_bytes(self) -> int:
@@ -222,8 +223,12 @@ def estimate(
     gpus_per_node: int,
     nodes: int = 1,
     device_type: str = "cuda",
+    host_bytes: int | None = None,
 ) -> Estimate:
-    """Every policy's per-rank device bytes and per-node host bytes for this config on gpus_per_node x nodes."""
+    """Every policy's per-rank device bytes and per-node host bytes for this config on gpus_per_node x nodes.
+
+    host_bytes: a node's memory, which zero.offload_optimizer.host_budget auto divides among its ranks for
+    the disk tier (default: this host's MemTotal)."""
     world, precision = gpus_per_node * nodes, train_cfg.precision
     gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
     micro_batches = train_cfg.grad_accum if gbs is None else max(1, gbs // (data_cfg.batch_size * world))
@@ -232,24 +237,27 @@ def estimate(
     total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
     acts = {ac: activations(model_cfg, data_cfg, precision, ac, device_type) for ac in (False, True)}
+    host = mem_total() if host_bytes is None else host_bytes
+    budget = host_budget_bytes(zero_cfg.offload_optimizer, host, gpus_per_node)
     out = []
     for pol in POLICIES:
         plan = plans[{2: 1}.get(pol.stage, pol.stage)]  # stages 1 and 2 share one plan
+        split = disk_split(plan, pol, zero_cfg, precision, accumulating, budget)
         gpu, cpu = model_states(
             plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision, pol), device_type=device_type,
             fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
             delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
-            subgroup=subgroup_of(zero_cfg), grads_on_disk=grads_on_disk(pol, zero_cfg),
+            subgroup=subgroup_of(zero_cfg), split=split,
         )  # fmt: skip
         cpu["staging"] = host_staging(pol, zero_cfg, device_type)
         pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, device_type)
         gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
         gpu["activations"] = acts[pol.activation_checkpointing].peak
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
-        grads = grad_disk_bytes(plan, pol, zero_cfg, accumulating, precision)
+        grads = grad_disk_bytes(plan, pol, split, accumulating, precision)
         disk = disk_bytes(plan, pol, precision, grads)
-        traffic = disk_traffic(plan, pol, subgroup_of(zero_cfg), precision, micro_batches, grads)
-        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk, *traffic, grads))
+        traffic = disk_traffic(plan, pol, subgroup_of(zero_cfg), precision, micro_batches, grads, split)
+        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk, *traffic, grads, split))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (
@@ -314,7 +322,7 @@ def resolve_auto(
     local = local_ranks or world
     if world % local:
         raise UserError(f"zero: auto: world size {world} is not a multiple of {local} ranks per node")
-    est = estimate(model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type)
+    est = estimate(model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type, cpu_bytes)
     pe, reason = suggest_policy(est, Budget(gpu_bytes, cpu_bytes, shared, disk=swap_free_bytes(zero_cfg)))
     if pe is None:
         raise UserError(f"zero: auto: {reason}")

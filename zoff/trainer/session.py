@@ -150,6 +150,7 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
             if engine.offload
             else []
         ),
+        *([f"  disk tier: {engine.split.describe()}"] if engine.policy.offload_optimizer == "nvme" else []),
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
     ] + _stage3_line(plan, engine.zero.block_classes)

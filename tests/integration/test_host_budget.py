@@ -1,0 +1,178 @@
+"""The disk tier's host budget (zero.offload_optimizer.host_budget, engine/host_budget.py): the disk holds only
+what RAM cannot. A split budget (some sub-groups in RAM, the rest streamed) gives the same bits as everything
+on disk and as CPU offload; its RAM is what the plan and `zoff estimate` say; its disk bytes per step are the
+streamed pieces' only; a run resumes bit for bit at another budget; a size below the working set is one line,
+exit 2, before any rank starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import run_zoff, tiny_cfg
+from tests.integration.test_nvme import _engine_run
+from zoff.config import config_from_dict
+from zoff.engine import build_engine
+from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes
+from zoff.engine.policy import Policy, disk_traffic, grad_buffer_bytes, piece_bytes, subgroup_of
+from zoff.errors import ConfigError, UserError
+from zoff.planning import memory
+
+
+def _half_budget(swap: Path, stage: int, precision: str, params: str) -> tuple[int, DiskSplit]:
+    """A budget that keeps about half of the optimizer's pieces in RAM (with the working set beside them)."""
+    _, _, eng = _engine_run(stage, precision, "nvme", swap / "probe", steps=0, params=params)
+    sizes = piece_bytes(eng.plan, subgroup_of(eng.zero))
+    ring = sum(b.nbytes for b in eng.optimizer.states.buffers)
+    grads = sum(b.nbytes for b in eng.grads.buffers)
+    eng.close()
+    return grads + ring + sum(sizes[: len(sizes) // 2]), eng.split
+
+
+@pytest.mark.parametrize(("stage", "precision", "params"), [(2, "bf16", "none"), (3, "fp32", "nvme")])
+def test_a_split_budget_gives_the_bits_of_all_on_disk_and_of_cpu_offload(
+    stage: int, precision: str, params: str, swap: Path
+) -> None:
+    half, everything_on_disk = _half_budget(swap, stage, precision, params)
+    assert everything_on_disk.resident_pieces == 0 and everything_on_disk.grads_on_disk
+    want_losses, want, _ = _engine_run(stage, precision, "cpu", swap / "cpu")
+    for budget in ("min", f"{half}B", "auto"):
+        losses, got, eng = _engine_run(stage, precision, "nvme", swap / budget, params=params, budget=budget)
+        split = eng.split
+        if budget == f"{half}B":  # part in RAM, part on disk, gradients on disk
+            assert 0 < split.resident_pieces < split.pieces and split.grads_on_disk, split
+        if budget == "auto":  # this machine's RAM holds a tiny model's states and gradients
+            assert split.all_resident and not split.grads_on_disk, split
+        assert losses == want_losses, budget
+        for name, p in want.items():
+            assert torch.equal(got[name], p), (budget, name)
+        # the RAM the tier holds is the plan's (the policy table, what `zoff estimate` prints)
+        report, plan = eng.memory_report(), eng.planned_memory()
+        assert {k: report[k] for k in plan} == plan, budget
+        kept = eng.optimizer.states.kept
+        assert report["cpu_optimizer_states"] == (kept.nbytes if kept else 0) + sum(
+            b.nbytes for b in eng.optimizer.states.buffers
+        )
+        # the last step moved the streamed pieces' states once each way, the resident ones not at all
+        t = eng.last_step_times
+        streamed = sum(piece_bytes(eng.plan, subgroup_of(eng.zero))[split.resident_pieces :])
+        assert t["disk_optimizer_read_bytes"] == t["disk_optimizer_written_bytes"] == streamed, budget
+        assert ("disk_grads_read_bytes" in t) == split.grads_on_disk
+        eng.close()
+
+
+def test_the_estimate_shows_the_split_and_the_disk_bytes_it_leaves(swap: Path) -> None:
+    """`zoff estimate`'s row for the disk tier: the same split as the engine, and per-step disk bytes of only
+    what the budget leaves on disk; a budget that holds every state moves no optimizer byte."""
+    zero = {"stage": 2, "reduce_bucket_size": 3000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(swap), "io": {"threads": 2, "request_mb": 1}}}  # fmt: skip
+    rows = {}
+    for budget in ("min", "500KiB", "auto"):
+        cfg = config_from_dict(tiny_cfg(zero=zero), [f"zero.offload_optimizer.host_budget={budget}"])
+        row = memory.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 1, "cpu").get(Policy(2, "nvme"))
+        eng = build_engine(memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=0.5, grad_accum=2)
+        assert row.split == eng.split, budget
+        assert row.cpu["optimizer_states"] == eng.memory_report()["cpu_optimizer_states"]
+        eng.close()
+        rows[budget] = row
+    assert rows["min"].split.resident_pieces == 0
+    assert 0 < rows["500KiB"].split.resident_pieces < rows["500KiB"].split.pieces
+    assert rows["min"].disk_read > rows["500KiB"].disk_read > rows["auto"].disk_read == 0
+    assert rows["auto"].disk_written == 0 and rows["auto"].disk_grads == 0  # nothing moves at all
+    # the same arithmetic, from the policy functions: the 200KiB row reads the streamed pieces and the grads
+    plan = memory.engine_plan(memory.meta_model(cfg.model), 2, 1, cfg.zero)
+    split = rows["500KiB"].split
+    grads = rows["500KiB"].disk_grads
+    assert (rows["500KiB"].disk_read, rows["500KiB"].disk_written) == disk_traffic(
+        plan, Policy(2, "nvme"), subgroup_of(cfg.zero), "fp32", 2, grads, split
+    )
+
+
+def test_auto_is_the_host_less_its_margin_split_over_the_ranks() -> None:
+    oo = config_from_dict({}).zero.offload_optimizer
+    gib = 2**30
+    assert host_budget_bytes(oo, 128 * gib, 1) == 96 * gib  # 25% kept
+    assert host_budget_bytes(oo, 128 * gib, 4) == 24 * gib
+    assert host_budget_bytes(oo, 8 * gib, 1) == 4 * gib  # at least 4 GiB kept
+    oo_min = config_from_dict({}, ["zero.offload_optimizer.host_budget=min"]).zero.offload_optimizer
+    assert host_budget_bytes(oo_min, 128 * gib, 1) is None
+    sized = config_from_dict({}, ["zero.offload_optimizer.host_budget=3GiB"]).zero.offload_optimizer
+    assert host_budget_bytes(sized, 128 * gib, 8) == 3 * gib  # a size is per rank, as given
+
+
+def test_a_budget_that_is_not_a_size_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"^zero\.offload_optimizer\.host_budget: cannot parse 'lots'"):
+        config_from_dict({}, ["zero.offload_optimizer.host_budget=lots"])
+
+
+def test_a_budget_below_the_working_set_names_both_sizes(swap: Path) -> None:
+    cfg = config_from_dict(
+        tiny_cfg(zero={"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)}}),
+        ["zero.offload_optimizer.host_budget=4KiB"],
+    )
+    plan = memory.engine_plan(memory.meta_model(cfg.model), 2, 1, cfg.zero)
+    with pytest.raises(
+        UserError, match=r"^zero\.offload_optimizer\.host_budget: 4\.0 KiB per rank cannot hold"
+    ):
+        disk_split(plan, Policy(2, "nvme"), cfg.zero, "fp32", False, 4096)
+
+
+def test_zoff_train_with_a_budget_too_small_fails_in_one_line_before_any_rank(
+    swap: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "train", "tiny", "zero.stage=2", "zero.offload_optimizer.device=nvme",
+         f"zero.offload_optimizer.nvme_path={swap}", "zero.offload_optimizer.host_budget=64KiB",
+         "launch.nproc_per_node=1", f"--run-dir={run}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "zoff: error: zero.offload_optimizer.host_budget: 64.0 KiB per rank cannot hold the disk tier's working set"
+    ), p.stderr
+    assert not run.exists() and list(swap.iterdir()) == []  # nothing started, nothing written
+
+
+def _resume_cfg(swap: Path, ckpt: Path, budget: str) -> dict:
+    return tiny_cfg(
+        zero={
+            "stage": 2,
+            "reduce_bucket_size": 3000,
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": str(swap),
+                "host_budget": budget,
+                "io": {"threads": 2, "request_mb": 1},
+            },
+        },  # fmt: skip
+        train={"max_steps": 8, "grad_accum": 2},
+        checkpoint={"dir": str(ckpt), "every_steps": 4, "keep_last": 3},
+    )
+
+
+def test_a_run_resumes_bit_for_bit_at_another_budget(swap: Path, tmp_path: Path) -> None:
+    """Saved with half the states in RAM (synced into the checkpoint), resumed with everything on disk and
+    with everything in RAM: both continue exactly as the run that never stopped."""
+    probe = config_from_dict(_resume_cfg(swap, tmp_path, "min"))
+    plan = memory.engine_plan(memory.meta_model(probe.model), 2, 2, probe.zero)
+    sizes = piece_bytes(plan, subgroup_of(probe.zero))
+    need = 3 * max(sizes) + grad_buffer_bytes(
+        plan, 4
+    )  # the ring and the (fp32, accumulating) gradient buffers
+    budgets = [need + sum(sizes[:k]) for k in range(1, len(sizes))]
+    splits = {b: disk_split(plan, Policy(2, "nvme"), probe.zero, "fp32", True, b) for b in budgets}
+    budget = next(b for b, sp in splits.items() if 0 < sp.resident_pieces < sp.pieces)  # part in RAM
+    budget = f"{budget}B"
+    full = run_zoff(_resume_cfg(swap / "a", tmp_path / "a", budget), 2, tmp_path)[0]
+    step4 = str(tmp_path / "a" / "step_00000004")
+    for other in ("min", "auto"):
+        again = run_zoff(_resume_cfg(swap / other, tmp_path / other, other), 2, tmp_path, step4)[0]
+        assert again["start"] == 4 and again["losses"] == full["losses"][4:], other
+        for name, p in full["params"].items():
+            assert torch.equal(again["params"][name], p), (other, name)

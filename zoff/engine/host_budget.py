@@ -1,0 +1,117 @@
+"""The disk tier's host budget (zero.offload_optimizer.host_budget): what of its states and gradients stays in
+RAM so that the disk holds only what RAM cannot. A pure value (DiskSplit) computed by one function from the
+partition plan, the config and the budget, read by the engine when it builds its tiers and by the estimate,
+so the RAM and the disk bytes per step `zoff estimate` prints are what the engine allocates and moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from zoff.config import ZeroConfig
+from zoff.config.sections import OffloadOptimizerConfig
+from zoff.engine.partition import PartitionPlan
+from zoff.engine.policy import Policy, grad_buffer_bytes, piece_bytes, subgroup_of
+from zoff.engine.precision import DTYPES
+from zoff.engine.state_swap import ring_size
+from zoff.errors import UserError
+from zoff.units import human, parse_size
+
+# auto keeps this much of the host for what is not the disk tier's: interpreters, activations and gathered
+# blocks on a CPU-only host, the page cache of the data, the OS.
+AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN = 0.25, 4 << 30
+
+
+def mem_total() -> int:
+    """This host's MemTotal (/proc/meminfo), in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise UserError("--cpu-memory: /proc/meminfo has no MemTotal; pass --cpu-memory")
+
+
+def host_budget_bytes(oo: OffloadOptimizerConfig, host_bytes: int, local_ranks: int) -> int | None:
+    """zero.offload_optimizer.host_budget in bytes per rank: auto is `host_bytes` (a node's memory) less
+    max(AUTO_MARGIN_MIN, AUTO_MARGIN_FRACTION of it), split over the node's ranks; None for min."""
+    text = oo.host_budget.strip().lower()
+    if text == "min":
+        return None
+    if text == "auto":
+        margin = max(AUTO_MARGIN_MIN, int(AUTO_MARGIN_FRACTION * host_bytes))
+        return max(0, host_bytes - margin) // max(1, local_ranks)
+    return parse_size(oo.host_budget, "zero.offload_optimizer.host_budget", lo=0)
+
+
+@dataclass(frozen=True)
+class DiskSplit:
+    """What the disk tier keeps in RAM under its host budget (disk_split): a pure value, the engine's and the
+    estimate's alike."""
+
+    resident_pieces: int = 0  # the first pieces of the step's walk (state_swap.SwappedStates), held in RAM
+    pieces: int = 0  # all of the optimizer's pieces
+    grads_on_disk: bool = False  # the gradient shard in its own swap file (else in host memory)
+    budget: int | None = None  # bytes per rank; None: min (only the working set)
+    resident_bytes: int = 0  # the resident pieces' states
+    states_bytes: int = 0  # every piece's states (the optimizer's swap file, less its header)
+
+    @property
+    def all_resident(self) -> bool:
+        return self.resident_pieces == self.pieces
+
+    def describe(self) -> str:
+        """One line for the start-up plan and `zoff estimate`: where the budget put the states and gradients."""
+        budget = "min (only the working set)" if self.budget is None else f"{human(self.budget)} per rank"
+        grads = "on disk" if self.grads_on_disk else "in RAM"
+        return (
+            f"host budget {budget}: {human(self.resident_bytes)} of {human(self.states_bytes)} of optimizer "
+            f"states in RAM ({self.resident_pieces} of {self.pieces} sub-groups, never read or written by a "
+            f"step), the rest streamed from disk; gradient shard {grads}"
+        )
+
+
+def disk_split(
+    plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, accumulating: bool,
+    budget: int | None,
+) -> DiskSplit:  # fmt: skip
+    """How the disk tier spends `budget` bytes of RAM per rank (host_budget_bytes): first on optimizer states
+    (each byte kept saves a byte read and a byte written in the step itself), leading pieces first; the
+    gradient shard stays in RAM with grad_device auto only when every state does and it fits beside them (its
+    write happens during backward, its read in the step). What must be in RAM whatever the budget (the ring
+    for streamed pieces, the gradient buffers or a gradient shard grad_device cpu or delay_update keeps in
+    RAM) is the working set; a size below it is a UserError naming the key (auto falls back to min: the
+    estimate then says whether that fits). Placement only: every tier
+    computes the same numbers."""
+    oo = zero.offload_optimizer
+    if policy.offload_optimizer != "nvme":
+        return DiskSplit()
+    sizes = piece_bytes(plan, subgroup_of(zero))
+    ram_forced = oo.grad_device == "cpu" or (oo.grad_device == "auto" and oo.delay_update)
+    disk_forced = oo.grad_device == "nvme"
+    itemsize = 4 if policy.shard_accum_fp32(accumulating) else DTYPES[precision].itemsize
+    shard = itemsize * sum(u.shard for u in plan.units)
+    buffers = grad_buffer_bytes(plan, itemsize)
+    if budget is None:
+        return DiskSplit(0, len(sizes), not ram_forced, None, 0, sum(sizes))
+    states = sum(sizes)
+    if not disk_forced and states + shard <= budget:
+        return DiskSplit(len(sizes), len(sizes), False, budget, sum(sizes), sum(sizes))
+    grads = shard if ram_forced else buffers
+    if states + grads <= budget:
+        return DiskSplit(len(sizes), len(sizes), not ram_forced, budget, sum(sizes), sum(sizes))
+    ring = ring_size(len(sizes)) * max(sizes)
+    room = budget - grads - ring
+    if room < 0 and oo.host_budget.strip().lower() == "auto":  # a small host: the working set, as min
+        return DiskSplit(0, len(sizes), not ram_forced, None, 0, sum(sizes))
+    if room < 0:
+        what = "gradient shard" if ram_forced else "gradient buffers"
+        raise UserError(
+            f"zero.offload_optimizer.host_budget: {human(budget)} per rank cannot hold the disk tier's working "
+            f"set, {human(grads + ring)} (the ring of sub-group buffers {human(ring)} and the {what} "
+            f"{human(grads)}); give at least that, or min"
+        )
+    resident = 0
+    while resident < len(sizes) and sizes[resident] <= room:
+        room -= sizes[resident]
+        resident += 1
+    return DiskSplit(resident, len(sizes), not ram_forced, budget, sum(sizes[:resident]), sum(sizes))

@@ -42,6 +42,7 @@ from pathlib import Path
 import benchlib
 from beyond_memory_probe import Sampler, block_device, import_baseline_rss, meminfo
 from beyond_memory_report import measure, render, title
+from offload_floor import floor, measure_compute
 from rich.console import Console
 
 from zoff.config import CONFIGS_DIR, Config, load_config
@@ -132,6 +133,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--io-size", default="1GiB", help="bytes of the bench-io measurement (0: skip it)")
     ap.add_argument("--margin", default="2GiB", help="free disk kept beyond the swap files (and checkpoint)")
     ap.add_argument("--interval", type=float, default=0.5, help="seconds between /proc samples")
+    ap.add_argument(
+        "--floor-depths", default="2,4",
+        help="the floor's two depths (model.n_layer) trained with every state in RAM; '' skips the floor",
+    )  # fmt: skip
+    ap.add_argument(
+        "--floor-steps", type=int, default=4, help="steps of each floor run (the first is dropped)"
+    )
     ap.add_argument("--render", action="store_true", help="only print the markdown table from --json's JSON")
     ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides for estimate and train")
     return ap
@@ -188,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "estimate": {"policy": row["name"], "ram_bytes": pred_ram, "disk_bytes": pred_disk,
                      "disk_read_bytes_per_step": row["disk_read_bytes_per_step_per_node"],
                      "disk_written_bytes_per_step": row["disk_written_bytes_per_step_per_node"],
-                     "gpu": row["gpu"], "cpu": row["cpu"], "startup": est_json["startup"]},
+                     "gpu": row["gpu"], "cpu": row["cpu"], "startup": est_json["startup"],
+                     "host_budget": row.get("host_budget")},
         "final_checkpoint_bytes": ckpt_bytes,
     }  # fmt: skip
 
@@ -239,10 +248,33 @@ def main(argv: list[str] | None = None) -> int:
     result["returncode"], result["wall_s"], result["run_dir"] = proc.returncode, wall, str(run_dir)
     result["status"] = "ok" if proc.returncode == 0 else "failed"
     result.update(measure(sampler, run_dir, result, baseline))
+    if a.floor_depths and result["status"] == "ok":
+        result["floor"] = measure_floor(a, cfg, overrides, result, con)
     print(title(result))
     sys.stdout.write(render(result))
     _write(a.out, result, con)
     return 0 if proc.returncode == 0 else 1
+
+
+def measure_floor(
+    a: argparse.Namespace, cfg: Config, overrides: list[str], result: dict, con: Console
+) -> dict:
+    """The step's floor in the same job (offload_floor.py): the config at two depths with every state in RAM,
+    scaled to its depth, against the disk bytes this run moved per step at the raw bandwidth just measured."""
+    depths = tuple(int(x) for x in a.floor_depths.split(","))
+    con.print(
+        f"floor: {a.config} at n_layer {depths} with every state in RAM, {a.floor_steps} steps each ..."
+    )
+    compute = measure_compute(a.config, overrides, depths, a.floor_steps, cfg.model.n_layer)
+    io, bio = result["disk_io_per_step"].get("ranks"), result.get("bench_io")
+    out = {"compute": compute}
+    if io and bio:
+        out |= floor(compute["scaled_s"], io["read_per_step"], io["write_per_step"], bio["raw_read_gbps"],
+                     bio["raw_write_gbps"])  # fmt: skip
+        med = result.get("step_time_median_s")
+        out["step_to_floor"] = med / out["floor_s"] if med else None
+        out["disk_busy_fraction"] = out["disk_s"] / med if med else None  # at raw bandwidth, over the step
+    return out
 
 
 def _write(out: Path, result: dict, con: Console) -> None:

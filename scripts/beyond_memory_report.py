@@ -184,12 +184,33 @@ def render(r: dict) -> str:
                 f", engine swap {f2(bio['swap_read_gbps'])} / {f2(bio['swap_write_gbps'])})"
             )
         rows.append(["disk GB/s over the step, read / write (ranks)", cell, "", ""])
+    hb = est.get("host_budget")
+    if hb:
+        budget = (
+            "min (the working set)" if hb["budget_bytes"] is None else b(hb["budget_bytes"]) + " per rank"
+        )
+        rows.append(["host budget (zero.offload_optimizer.host_budget): optimizer states kept in RAM",
+                     f"{budget}: {b(hb['resident_state_bytes'])} of {b(hb['state_bytes'])} "
+                     f"({hb['resident_pieces']} of {hb['pieces']} sub-groups); gradient shard "
+                     f"{'on disk' if hb['grads_on_disk'] else 'in RAM'}", "", ""])  # fmt: skip
     sp, med = r["step_time_split"], r["step_time_median_s"]
     if med is not None:
         split = ", ".join(f"{label} {sp[k]:.2f}" for k, label in SPLIT) if sp else ""
         steps = f"steps {sp['steps'][0]}-{sp['steps'][-1]}" if sp else "steps 2.."
         rows.append(
             [f"step time (median of {steps}), s", f"{med:.1f}" + (f": {split}" if split else ""), "", ""]
+        )
+    fl = r.get("floor")
+    if fl and "floor_s" in fl:
+        c = fl["compute"]
+        depths = " and ".join(f"{d} layers {c['step_s'][str(d)]:.2f} s" for d in c["depths"])
+        rows.append([f"floor: compute + CPU Adam with every state in RAM ({depths}; scaled to {c['layers']}), s",
+                     f"{fl['compute_adam_s']:.1f}", "", ""])  # fmt: skip
+        rows.append(["floor: this run's disk bytes per step at the raw bandwidth above, s", f"{fl['disk_s']:.1f}",
+                     "", ""])  # fmt: skip
+        rows.append([f"step / floor (bound by {fl['bound']})", f"**{fl['step_to_floor']:.2f}x**", "", ""])
+        rows.append(
+            ["disk busy: its bytes at raw bandwidth / the step", f"{fl['disk_busy_fraction']:.0%}", "", ""]
         )
     losses = " ".join(f"{x['loss']:.2f}" for x in r["steps"])
     val = f" (val {r['val_loss']:.2f})" if r.get("val_loss") is not None else ""

@@ -19,18 +19,31 @@ from zoff.config import config_from_dict
 from zoff.engine import build_engine
 from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes
 from zoff.engine.policy import Policy, disk_traffic, grad_buffer_bytes, piece_bytes, subgroup_of
+from zoff.engine.state_swap import ring_size
 from zoff.errors import ConfigError, UserError
 from zoff.planning import memory
 
+LAYERS = 8  # more pieces than the ring's five, so that a budget can hold some and stream the rest
+MODEL = {"n_layer": 8}
+
+
+def _partial_budget(plan, zero, precision: str, accumulating: bool) -> int:
+    """The smallest budget (working set + whole pieces) that keeps some but not all pieces in RAM."""
+    sizes = piece_bytes(plan, subgroup_of(zero))
+    itemsize = 4 if accumulating else {"bf16": 2, "fp32": 4}[precision]
+    need = ring_size(len(sizes)) * max(sizes) + grad_buffer_bytes(plan, itemsize)
+    for k in range(1, len(sizes)):
+        split = disk_split(plan, Policy.of(zero), zero, precision, accumulating, need + sum(sizes[:k]))
+        if 0 < split.resident_pieces < split.pieces and split.grads_on_disk:
+            return need + sum(sizes[:k])
+    raise AssertionError("no budget keeps part of the states in RAM")
+
 
 def _half_budget(swap: Path, stage: int, precision: str, params: str) -> tuple[int, DiskSplit]:
-    """A budget that keeps about half of the optimizer's pieces in RAM (with the working set beside them)."""
-    _, _, eng = _engine_run(stage, precision, "nvme", swap / "probe", steps=0, params=params)
-    sizes = piece_bytes(eng.plan, subgroup_of(eng.zero))
-    ring = sum(b.nbytes for b in eng.optimizer.states.buffers)
-    grads = sum(b.nbytes for b in eng.grads.buffers)
+    """A budget that keeps some of the optimizer's pieces in RAM (with the working set beside them)."""
+    _, _, eng = _engine_run(stage, precision, "nvme", swap / "probe", steps=0, params=params, layers=LAYERS)
     eng.close()
-    return grads + ring + sum(sizes[: len(sizes) // 2]), eng.split
+    return _partial_budget(eng.plan, eng.zero, precision, True), eng.split
 
 
 @pytest.mark.parametrize(("stage", "precision", "params"), [(2, "bf16", "none"), (3, "fp32", "nvme")])
@@ -39,9 +52,11 @@ def test_a_split_budget_gives_the_bits_of_all_on_disk_and_of_cpu_offload(
 ) -> None:
     half, everything_on_disk = _half_budget(swap, stage, precision, params)
     assert everything_on_disk.resident_pieces == 0 and everything_on_disk.grads_on_disk
-    want_losses, want, _ = _engine_run(stage, precision, "cpu", swap / "cpu")
+    want_losses, want, _ = _engine_run(stage, precision, "cpu", swap / "cpu", layers=LAYERS)
     for budget in ("min", f"{half}B", "auto"):
-        losses, got, eng = _engine_run(stage, precision, "nvme", swap / budget, params=params, budget=budget)
+        losses, got, eng = _engine_run(
+            stage, precision, "nvme", swap / budget, params=params, budget=budget, layers=LAYERS
+        )
         split = eng.split
         if budget == f"{half}B":  # part in RAM, part on disk, gradients on disk
             assert 0 < split.resident_pieces < split.pieces and split.grads_on_disk, split
@@ -70,9 +85,14 @@ def test_the_estimate_shows_the_split_and_the_disk_bytes_it_leaves(swap: Path) -
     what the budget leaves on disk; a budget that holds every state moves no optimizer byte."""
     zero = {"stage": 2, "reduce_bucket_size": 3000,
             "offload_optimizer": {"device": "nvme", "nvme_path": str(swap), "io": {"threads": 2, "request_mb": 1}}}  # fmt: skip
+    base = config_from_dict(tiny_cfg(zero=zero, model=MODEL), ["zero.offload_optimizer.host_budget=min"])
+    plan = memory.engine_plan(memory.meta_model(base.model), 2, 1, base.zero)
+    part = f"{_partial_budget(plan, base.zero, 'fp32', True)}B"
     rows = {}
-    for budget in ("min", "500KiB", "auto"):
-        cfg = config_from_dict(tiny_cfg(zero=zero), [f"zero.offload_optimizer.host_budget={budget}"])
+    for budget in ("min", part, "auto"):
+        cfg = config_from_dict(
+            tiny_cfg(zero=zero, model=MODEL), [f"zero.offload_optimizer.host_budget={budget}"]
+        )
         row = memory.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 1, "cpu").get(Policy(2, "nvme"))
         eng = build_engine(memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=0.5, grad_accum=2)
         assert row.split == eng.split, budget
@@ -80,14 +100,13 @@ def test_the_estimate_shows_the_split_and_the_disk_bytes_it_leaves(swap: Path) -
         eng.close()
         rows[budget] = row
     assert rows["min"].split.resident_pieces == 0
-    assert 0 < rows["500KiB"].split.resident_pieces < rows["500KiB"].split.pieces
-    assert rows["min"].disk_read > rows["500KiB"].disk_read > rows["auto"].disk_read == 0
+    assert 0 < rows[part].split.resident_pieces < rows[part].split.pieces
+    assert rows["min"].disk_read > rows[part].disk_read > rows["auto"].disk_read == 0
     assert rows["auto"].disk_written == 0 and rows["auto"].disk_grads == 0  # nothing moves at all
     # the same arithmetic, from the policy functions: the 200KiB row reads the streamed pieces and the grads
-    plan = memory.engine_plan(memory.meta_model(cfg.model), 2, 1, cfg.zero)
-    split = rows["500KiB"].split
-    grads = rows["500KiB"].disk_grads
-    assert (rows["500KiB"].disk_read, rows["500KiB"].disk_written) == disk_traffic(
+    split = rows[part].split
+    grads = rows[part].disk_grads
+    assert (rows[part].disk_read, rows[part].disk_written) == disk_traffic(
         plan, Policy(2, "nvme"), subgroup_of(cfg.zero), "fp32", 2, grads, split
     )
 
@@ -152,6 +171,7 @@ def _resume_cfg(swap: Path, ckpt: Path, budget: str) -> dict:
             },
         },  # fmt: skip
         train={"max_steps": 8, "grad_accum": 2},
+        model=MODEL,
         checkpoint={"dir": str(ckpt), "every_steps": 4, "keep_last": 3},
     )
 
@@ -161,13 +181,7 @@ def test_a_run_resumes_bit_for_bit_at_another_budget(swap: Path, tmp_path: Path)
     with everything in RAM: both continue exactly as the run that never stopped."""
     probe = config_from_dict(_resume_cfg(swap, tmp_path, "min"))
     plan = memory.engine_plan(memory.meta_model(probe.model), 2, 2, probe.zero)
-    sizes = piece_bytes(plan, subgroup_of(probe.zero))
-    need = 3 * max(sizes) + grad_buffer_bytes(
-        plan, 4
-    )  # the ring and the (fp32, accumulating) gradient buffers
-    budgets = [need + sum(sizes[:k]) for k in range(1, len(sizes))]
-    splits = {b: disk_split(plan, Policy(2, "nvme"), probe.zero, "fp32", True, b) for b in budgets}
-    budget = next(b for b, sp in splits.items() if 0 < sp.resident_pieces < sp.pieces)  # part in RAM
+    budget = _partial_budget(plan, probe.zero, "fp32", True)
     budget = f"{budget}B"
     full = run_zoff(_resume_cfg(swap / "a", tmp_path / "a", budget), 2, tmp_path)[0]
     step4 = str(tmp_path / "a" / "step_00000004")

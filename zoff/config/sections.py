@@ -105,7 +105,7 @@ class OffloadOptimizerConfig:
     grad_device: Literal["auto", "cpu", "nvme"] = "auto"
     # nvme: the host memory (per rank) the disk tier may use, so that the disk holds only what RAM cannot: the
     # first sub-groups of the step stay in RAM and are never read or written, the rest stream through a ring of
-    # three sub-group buffers; with grad_device auto the gradient shard stays in RAM too when every state does.
+    # five sub-group buffers; with grad_device auto the gradient shard stays in RAM too when every state does.
     # auto: this host's MemTotal less max(4 GiB, 25%) (kept for the interpreters, activations and gathers),
     # split evenly over the node's ranks; min: only the ring and the gradient buffers (everything on disk); or
     # a size (e.g. 8GiB), which must hold at least that minimum. Placement only: the numbers are the same.

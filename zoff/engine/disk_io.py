@@ -37,7 +37,8 @@ class AlignedBuffer:
 
     def __init__(self, nbytes: int):
         self.nbytes = aligned(max(nbytes, 1))
-        self._map = mmap.mmap(-1, self.nbytes)
+        # private: a shared anonymous map (Python's default) is shmem, counted as page cache ("Cached")
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def view(self, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""The floor an offload step is judged against, measured in the same job as the step (issue 32).
+
+The floor is what this machine cannot do faster: on a CPU-only host compute and the CPU Adam share the cores,
+so floor = max(compute + Adam, disk bytes per step / raw bandwidth); on a GPU host the three overlap, so floor
+= max(compute, Adam, disk). The compute and Adam part is measured, never assumed: the same config with fewer
+layers and every state in RAM (zero3-offload: the same shards, gathers, reductions and fused CPU Adam, with
+no disk), trained a few steps at two depths, gives a fixed and a per-layer time; scaled to the config's
+depth it is what the full model would take with all of its states in RAM. The disk part is the bytes the
+run moved per step over the raw O_DIRECT bandwidth `zoff bench-io` measured on the same path in the same job.
+
+Used by bench_beyond_memory.py; importable on its own:
+
+    from offload_floor import measure_compute
+    measure_compute(Path("configs/gpt-3b-nvme.yaml"), overrides, depths=(2, 4), steps=4)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# every state in RAM: the same stage and gathers as the disk tier's run, its bytes never touch the disk
+IN_RAM = [
+    "zero.offload_optimizer.device=cpu",
+    "zero.offload_param.device=cpu",
+    "checkpoint.enabled=false",
+    "train.log_every=1",
+    "train.eval_batches=1",
+]
+
+
+def _steady_step_s(run_dir: Path) -> float:
+    """The median step time after the first step (which allocates and warms up)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r and "event" not in r]
+    steady = times[1:] or times
+    if not steady:
+        raise RuntimeError(f"offload_floor: no step times in {run_dir / 'metrics.jsonl'}")
+    return statistics.median(steady)
+
+
+def measure_compute(
+    config: Path, overrides: list[str], depths: tuple[int, int], steps: int, layers: int
+) -> dict:
+    """Train `config` (with `overrides`, the disk tier's own) at two depths with every state in RAM and
+    return the per-layer fit scaled to `layers`: {depth: step seconds, ..., per_layer_s, fixed_s, scaled_s}."""
+    keep = [o for o in overrides if not o.startswith(("model.n_layer=", "train.max_steps=", "zero.offload_"))]
+    out: dict = {"depths": list(depths), "steps": steps, "policy": "zero3-offload (every state in RAM)"}
+    times = []
+    for depth in depths:
+        with tempfile.TemporaryDirectory(prefix="zoff-floor-") as tmp:
+            run = Path(tmp) / "run"
+            cmd = [sys.executable, "-m", "zoff", "train", str(config), *keep, *IN_RAM,
+                   f"model.n_layer={depth}", f"train.max_steps={steps}", "--run-dir", str(run)]  # fmt: skip
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                raise RuntimeError(f"offload_floor: {' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+            times.append(_steady_step_s(run))
+    (d0, d1), (t0, t1) = depths, times
+    per_layer = (t1 - t0) / (d1 - d0)
+    fixed = t0 - d0 * per_layer
+    out.update({"step_s": dict(zip(map(str, depths), times, strict=True)), "per_layer_s": per_layer,
+                "fixed_s": fixed, "layers": layers, "scaled_s": fixed + layers * per_layer})  # fmt: skip
+    return out
+
+
+def floor(
+    compute_s: float, read_bytes: float, written_bytes: float, read_gbps: float, write_gbps: float
+) -> dict:
+    """max(compute + Adam, disk bytes at raw bandwidth), reads and writes one after the other (the disk serves
+    one stream of requests); each term kept, so a reader sees which bounds the step."""
+    disk_s = read_bytes / (read_gbps * 1e9) + written_bytes / (write_gbps * 1e9)
+    return {"compute_adam_s": compute_s, "disk_s": disk_s, "floor_s": max(compute_s, disk_s),
+            "bound": "compute + CPU Adam" if compute_s >= disk_s else "disk"}  # fmt: skip

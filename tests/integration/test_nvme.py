@@ -228,7 +228,9 @@ def test_the_disk_tier_holds_its_buffers_in_ram_not_the_shard(swap: Path) -> Non
     disk = planned.pop("disk_optimizer_states")
     assert disk > 1_000_000_000 and eng.optimizer.states.file.direct
     ram = sum(planned.values())
-    assert planned["cpu_optimizer_states"] < disk / 4  # the ring's five unit buffers of eight units, not the shard
+    assert (
+        planned["cpu_optimizer_states"] < disk / 4
+    )  # the ring's five unit buffers of eight units, not the shard
     assert grew <= 1.10 * ram, (grew, ram)
     assert _meminfo("Cached") - cached < disk / 4, "the swap traffic went through the page cache"
     # A checkpoint of it streams unit by unit: RAM grows by a unit's state or two, not by the 1.07 GB shard.

@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     result.update(measure(sampler, run_dir, result, baseline))
     if a.floor_depths and result["status"] == "ok":
         result["floor"] = measure_floor(a, cfg, overrides, result, con)
+    if result["status"] == "ok" and result.get("bench_io"):
+        result["prediction"] = predicted_step(cfg, est, result)
     print(title(result))
     sys.stdout.write(render(result))
     _write(a.out, result, con)
@@ -269,12 +271,47 @@ def measure_floor(
     io, bio = result["disk_io_per_step"].get("ranks"), result.get("bench_io")
     out = {"compute": compute}
     if io and bio:
-        out |= floor(compute["scaled_s"], io["read_per_step"], io["write_per_step"], bio["raw_read_gbps"],
-                     bio["raw_write_gbps"])  # fmt: skip
+        read, write = device_gbps(bio)
+        out |= floor(compute["scaled_s"], io["read_per_step"], io["write_per_step"], read, write)
+        out |= {"read_gbps": read, "write_gbps": write}
         med = result.get("step_time_median_s")
         out["step_to_floor"] = med / out["floor_s"] if med else None
         out["disk_busy_fraction"] = out["disk_s"] / med if med else None  # at raw bandwidth, over the step
     return out
+
+
+def device_gbps(bio: dict) -> tuple[float, float]:
+    """The disk's bandwidth each way as this job measured it at its best: bench-io's raw sequential O_DIRECT
+    or the engine's own swap, whichever moved more (on this VM's disk the swap, several regions in flight,
+    reads about twice the raw sequential figure): a floor never assumes the disk slower than it was seen."""
+    return (
+        max(bio["raw_read_gbps"], bio["swap_read_gbps"]),
+        max(bio["raw_write_gbps"], bio["swap_write_gbps"]),
+    )
+
+
+def predicted_step(cfg: Config, est, result: dict) -> dict:
+    """`zoff estimate --time`'s step for the configured policy (its probes, run now on this box), with this
+    job's raw disk bandwidth for the disk's rate, against the measured median step."""
+    import dataclasses
+
+    from zoff.planning.estimate import step_timing
+
+    bio = result["bench_io"]
+    rates, steps = step_timing(cfg, est, cfg.launch.nproc_per_node)
+    read, write = device_gbps(bio)
+    rates = dataclasses.replace(rates, read_gbps=read, write_gbps=write)
+    from zoff.planning import step_time
+
+    pieces, shard = step_time.plan_inputs(cfg.model, cfg.zero, est.world_size)
+    pe = next(p for p in est.policies if p.policy.name == result["estimate"]["policy"]
+              and p.policy.activation_checkpointing == cfg.train.activation_checkpointing)  # fmt: skip
+    st = step_time.predict(pe, pieces[pe.policy.stage], rates, cfg.train.grad_accum, shard[pe.policy.stage])
+    med = result.get("step_time_median_s")
+    return {"forward_backward_s": st.forward_backward_s, "optimizer_s": st.optimizer_s, "step_s": st.step_s,
+            "bound": st.bound, "compute_s_per_micro_batch": rates.compute_s,
+            "adam_s_per_param": rates.adam_s_per_param, "read_gbps": rates.read_gbps,
+            "write_gbps": rates.write_gbps, "diff_pct": 100 * (st.step_s - med) / med if med else None}  # fmt: skip
 
 
 def _write(out: Path, result: dict, con: Console) -> None:

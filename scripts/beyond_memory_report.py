@@ -206,12 +206,18 @@ def render(r: dict) -> str:
         depths = " and ".join(f"{d} layers {c['step_s'][str(d)]:.2f} s" for d in c["depths"])
         rows.append([f"floor: compute + CPU Adam with every state in RAM ({depths}; scaled to {c['layers']}), s",
                      f"{fl['compute_adam_s']:.1f}", "", ""])  # fmt: skip
-        rows.append(["floor: this run's disk bytes per step at the raw bandwidth above, s", f"{fl['disk_s']:.1f}",
+        rows.append([f"floor: this run's disk bytes per step at the disk's best bandwidth above ({fl['read_gbps']:.2f} / "
+                     f"{fl['write_gbps']:.2f} GB/s), s", f"{fl['disk_s']:.1f}",
                      "", ""])  # fmt: skip
         rows.append([f"step / floor (bound by {fl['bound']})", f"**{fl['step_to_floor']:.2f}x**", "", ""])
         rows.append(
-            ["disk busy: its bytes at raw bandwidth / the step", f"{fl['disk_busy_fraction']:.0%}", "", ""]
+            ["disk busy: its bytes at that bandwidth / the step", f"{fl['disk_busy_fraction']:.0%}", "", ""]
         )
+    pr = r.get("prediction")
+    if pr and med is not None:
+        rows.append([f"step time predicted by `zoff estimate --time` ({pr['bound']}), s",
+                     f"{med:.1f}", f"{pr['step_s']:.1f} (forward+backward {pr['forward_backward_s']:.1f}, "
+                     f"optimizer {pr['optimizer_s']:.1f})", p(pr["diff_pct"])])  # fmt: skip
     losses = " ".join(f"{x['loss']:.2f}" for x in r["steps"])
     val = f" (val {r['val_loss']:.2f})" if r.get("val_loss") is not None else ""
     rows.append([f"loss, steps {r['steps'][0]['step']}-{r['steps'][-1]['step']}" if r["steps"] else "loss",

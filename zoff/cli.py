@@ -165,6 +165,12 @@ def estimate(
     disk: str = typer.Option(
         None, "--disk", help="Disk tier per node for swap files, e.g. 4TB (default: free space at nvme_path)"
     ),
+    timed: bool = typer.Option(
+        False, "--time", help="Also the step time of the offload policies, from rates probed on this box"
+    ),
+    compute_s: str = typer.Option(
+        None, "--compute-s", help="--time with this forward+backward s/micro-batch"
+    ),
 ) -> None:
     """Memory needs per GPU and per CPU node for every ZeRO stage and offload choice, activations included."""
     from zoff.planning.estimate import run_cli
@@ -172,7 +178,7 @@ def estimate(
     # Counts and sizes arrive as text so that bad values get zoff's one-line error rather than click's usage block.
     run_cli(
         config, list(overrides or []), gpus_per_node, nodes, gpu_memory, cpu_memory, as_json, suggest,
-        max_model=max_model, disk=disk,
+        max_model=max_model, disk=disk, timed=timed, compute_s=compute_s,
     )  # fmt: skip
 
 

@@ -86,8 +86,11 @@ def to_json(
     train: TrainConfig,
     suggestion=None,
     disk_source: str = DISK_AT_PATH,
+    timing=None,
 ) -> dict:
+    """`zoff estimate --json`; `timing`: (Rates, {policy: StepTime}) from step_time.py under --time."""
     bandwidth = disk_bandwidth(zero.offload_optimizer.nvme_path)
+    steps = timing[1] if timing else {}
     out = {
         "params": est.params,
         "trainable_params": est.trainable_params,
@@ -117,11 +120,16 @@ def to_json(
                              "pieces": pe.split.pieces, "resident_state_bytes": pe.split.resident_bytes,
                              "state_bytes": pe.split.states_bytes, "grads_on_disk": pe.split.grads_on_disk}
              if pe.policy.offload_optimizer == "nvme" else None,
+             "step_time": _step_json(steps.get(pe.policy)),
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train)}
             for pe in est.policies
         ],
     }  # fmt: skip
     out["disk_bandwidth"] = {"read_gbps": bandwidth[0], "write_gbps": bandwidth[1], "source": bandwidth[2]}
+    if timing:
+        r = timing[0]
+        out["rates"] = {"compute_s_per_micro_batch": r.compute_s, "adam_s_per_param": r.adam_s_per_param,
+                        "read_gbps": r.read_gbps, "write_gbps": r.write_gbps, "sources": list(r.sources)}  # fmt: skip
     if suggestion is not None:
         pe, reason = suggestion
         out["suggestion"] = {**(pe.policy.to_dict() if pe else {}), "fits": pe is not None, "reason": reason}
@@ -135,6 +143,7 @@ def render(
     train: TrainConfig,
     suggestion=None,
     disk_source: str = DISK_AT_PATH,
+    timing=None,
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -146,8 +155,10 @@ def render(
     )
     table = Table(title=title, title_justify="left")
     for col in ("policy", "act.ckpt", "params", "grads", "optim", "buffers", "activations", "GPU total",
-                "CPU/node", "grads host", "pinned/node", "disk/node", "grads disk", "fits"):  # fmt: skip
+                "CPU/node", "grads host", "pinned/node", "disk/node", "grads disk", "fits",
+                *(["step s"] if timing else [])):  # fmt: skip
         table.add_column(col, justify="left" if col in ("policy", "act.ckpt") else "right", no_wrap=True)
+    steps = timing[1] if timing else {}
     for pe in est.policies:
         configured = _is_configured(pe.policy, zero, train)
         fits = pe.fits(budget)
@@ -160,6 +171,7 @@ def render(
             human(pe.pinned * pe.local_ranks), human(pe.disk * pe.local_ranks) if pe.disk else "-",
             human(pe.disk_grads * pe.local_ranks) if pe.disk_grads else "-",
             "yes" if fits else "no",
+            *([f"{steps[pe.policy].step_s:,.1f}" if pe.policy in steps else "-"] if timing else []),
             style="bold" if configured else (None if fits else "dim"),
         )  # fmt: skip
     console.print(table)
@@ -179,6 +191,7 @@ def render(
         *(f"note: {note}" for note in est.notes),
         *_disk_note(est, disk_bandwidth(zero.offload_optimizer.nvme_path)),
         *_budget_note(est),
+        *(_timing_note(timing[0]) if timing else []),
         *([f"suggested: {suggestion[1]}"] if suggestion else []),
     ]
     for line in lines:
@@ -206,6 +219,21 @@ def _disk_note(est: Estimate, bandwidth: tuple[float, float, str]) -> list[str]:
         f"step at the most ({worst.policy.name}), {seconds:,.1f} s of disk time per step at {bandwidth[0]:.2f} "
         f"GB/s read and {bandwidth[1]:.2f} GB/s write ({bandwidth[2]}); stepping that fast writes "
         f"{per_day / 1e12:,.1f} TB per node per day (SSD wear: check the drive's rated TBW)"
+    ]
+
+
+def _step_json(st) -> dict | None:
+    if st is None:
+        return None
+    return {"forward_backward_s": st.forward_backward_s, "optimizer_s": st.optimizer_s, "step_s": st.step_s,
+            "bound": st.bound}  # fmt: skip
+
+
+def _timing_note(rates) -> list[str]:
+    return [
+        f"step s (--time): forward and backward at {rates.compute_s:.2f} s per micro-batch, overlapping the "
+        f"disk tier's parameter reads and gradient writes; then the CPU Adam overlapping the step's disk I/O "
+        f"(offload rows with the configured activation checkpointing; {'; '.join(rates.sources)})"
     ]
 
 
@@ -245,6 +273,8 @@ def run_cli(
     suggest: bool,
     max_model: bool = False,
     disk: str | None = None,
+    timed: bool = False,
+    compute_s: str | None = None,
 ) -> None:
     """`zoff estimate`: flags are checked before the config is read so a typo fails fast.
 
@@ -280,10 +310,40 @@ def run_cli(
         return
     est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type, budget.cpu)
     sug = suggest_policy(est, budget) if suggest else None
+    timing = step_timing(cfg, est, gpn, _seconds(compute_s)) if timed or compute_s is not None else None
     if as_json:
-        print(json.dumps(to_json(est, budget, cfg.zero, cfg.train, sug, disk_source), indent=2))
+        print(json.dumps(to_json(est, budget, cfg.zero, cfg.train, sug, disk_source, timing), indent=2))
     else:
-        render(est, budget, cfg.zero, cfg.train, sug, disk_source)
+        render(est, budget, cfg.zero, cfg.train, sug, disk_source, timing)
+
+
+def _seconds(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e9:
+        raise UserError(f"--compute-s: expected seconds per micro-batch (a positive number), got '{text}'")
+    return value
+
+
+def step_timing(cfg: Config, est: Estimate, local_ranks: int, compute_s: float | None = None):
+    """(Rates, {policy: StepTime}) for the offload rows with the configured activation checkpointing: the
+    rates measured on this box (step_time.py), the bytes from the estimate."""
+    from zoff.planning import step_time
+
+    try:
+        rates = step_time.measure_rates(cfg.model, cfg.data, cfg.train, cfg.zero, local_ranks, compute_s)
+    except ValueError as e:
+        raise UserError(f"--time: {e}") from None
+    pieces, shard = step_time.plan_inputs(cfg.model, cfg.zero, est.world_size)
+    gbs = cfg.train.global_batch_size
+    micro = cfg.train.grad_accum if gbs is None else max(1, gbs // (cfg.data.batch_size * est.world_size))
+    steps = step_time.predict_all(est, rates, pieces, shard, micro)
+    ac = cfg.train.activation_checkpointing
+    return rates, {p: st for p, st in steps.items() if p.activation_checkpointing == ac}
 
 
 def choose_policy(cfg: Config) -> tuple[Config, str]:

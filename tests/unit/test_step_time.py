@@ -1,0 +1,91 @@
+"""`zoff estimate --time` (zoff/planning/step_time.py): the step model is the engine's schedule over the
+estimate's own byte counts, and the CLI prints and writes it for the offload rows only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zoff.config import config_from_dict
+from zoff.engine.host_budget import DiskSplit
+from zoff.engine.policy import Policy
+from zoff.planning.memory import PolicyEstimate
+from zoff.planning.step_time import Rates, predict
+
+GB = 10**9
+
+
+def _pe(policy: Policy, read: int, written: int, grads: int, split: DiskSplit) -> PolicyEstimate:
+    return PolicyEstimate(policy, {}, {}, 1, 0, 0, read, written, grads, split)
+
+
+def test_cpu_offload_is_compute_then_adam() -> None:
+    rates = Rates(compute_s=2.0, adam_s_per_param=1e-9, read_gbps=1.0, write_gbps=2.0, sources=())
+    st = predict(_pe(Policy(2, "cpu"), 0, 0, 0, DiskSplit()), [], rates, micro_batches=3, shard=10**9)
+    assert (st.forward_backward_s, st.optimizer_s, st.step_s) == (6.0, 1.0, 7.0)
+    assert st.bound == "compute / adam"
+
+
+def test_the_disk_tier_splits_its_bytes_between_the_phases() -> None:
+    """zero3-nvme: the step reads the streamed pieces and the gradient file and writes the pieces and the
+    parameter shards back; forward and backward read the parameter shards and write the gradient file."""
+    pieces = [4 * GB, 4 * GB, 2 * GB]  # the first stays in RAM
+    split = DiskSplit(resident_pieces=1, pieces=3, grads_on_disk=True)
+    streamed, grads, params = 6 * GB, 1 * GB, 1 * GB
+    read = streamed + grads + 2 * params  # + each micro-batch's forward and backward reads
+    written = (
+        streamed + grads + params
+    )  # the state write-backs, the gradient landing, the parameter write-back
+    rates = Rates(compute_s=1.0, adam_s_per_param=1e-9, read_gbps=1.0, write_gbps=2.0, sources=())
+    st = predict(_pe(Policy(3, "nvme", "nvme"), read, written, grads, split), pieces, rates, 1, 10**9)
+    assert st.optimizer_s == pytest.approx((streamed + grads) / GB + (streamed + params) / (2 * GB))
+    assert st.forward_backward_s == pytest.approx(2 * params / GB + grads / (2 * GB))  # disk-bound
+    assert st.bound == "disk / disk"
+    # a budget that holds every state leaves the step to the CPU Adam
+    everything = DiskSplit(resident_pieces=3, pieces=3, grads_on_disk=False)
+    st = predict(_pe(Policy(3, "nvme", "nvme"), 2 * params, params, 0, everything), pieces, rates, 1, 10**9)
+    assert st.optimizer_s == pytest.approx(max(1.0, params / (2 * GB)))
+
+
+def test_zoff_estimate_time_prints_the_offload_rows_step(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "model: {n_layer: 2, n_head: 2, d_model: 32, seq_len: 16}\n"
+        "data: {name: synthetic, seq_len: 16, batch_size: 2}\n"
+        f"zero: {{stage: 2, offload_optimizer: {{device: nvme, nvme_path: {tmp_path}}}}}\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "estimate", str(cfg), "--json", "--compute-s", "0.5",
+         "--gpus-per-node", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["rates"]["compute_s_per_micro_batch"] == 0.5 and out["rates"]["adam_s_per_param"] > 0
+    rows = {(r["name"], r["activation_checkpointing"]): r for r in out["policies"]}
+    assert rows[("zero2", False)]["step_time"] is None  # no offload: not modelled
+    assert rows[("zero2-nvme", True)]["step_time"] is None  # not the configured activation checkpointing
+    st = rows[("zero2-nvme", False)]["step_time"]
+    assert st["forward_backward_s"] >= 0.5 and st["step_s"] == st["forward_backward_s"] + st["optimizer_s"]
+    assert rows[("zero2-offload", False)]["step_time"]["forward_backward_s"] == 0.5
+
+
+def test_a_bad_compute_time_is_one_line_exit_2() -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "estimate", "tiny", "--compute-s", "fast"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "zoff: error: --compute-s: expected seconds per micro-batch (a positive number), got 'fast'"
+    ]
+
+
+def test_the_probe_needs_the_builtin_gpt() -> None:
+    from zoff.planning.step_time import probe_compute
+
+    cfg = config_from_dict({"model": {"name": "python:tests.fixtures_models:tied_frozen"}})
+    with pytest.raises(ValueError, match="builtin GPT only"):
+        probe_compute(cfg.model, cfg.data, cfg.train, 1)

@@ -1,0 +1,180 @@
+"""Step time of the offload policies (`zoff estimate --time`): what a step takes on this box, from three rates
+measured here and the estimate's own byte counts, so the time sits beside the memory it buys.
+
+The rates (Rates):
+- compute: one micro-batch's forward and backward of the configured model on one rank, timed on this box at
+  two depths (model.n_layer 1 and 2, every weight in RAM, the compute dtype, the rank's share of the cores)
+  and scaled per layer to the configured depth; builtin GPT only (`--compute-s` gives it for any model);
+- the fused CPU Adam, per parameter of the rank's shard (16M parameters through zoff's kernel);
+- the disk: the last `zoff bench-io` of the swap path (or an assumed 1 GB/s, said so).
+
+The model of a step is the engine's schedule, not an ideal: forward and backward overlap the parameter reads
+and gradient writes of the disk tier (the step takes the longer of the two); then the optimizer phase
+overlaps the CPU Adam with the streamed states' and gradients' reads and the write-backs, which the disk
+serves one after the other (the longer of Adam and the disk). Tested against the measured 3.4B demo in
+bench_beyond_memory.py (docs/benchmarks.md); a GPU host's compute is its own probe on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
+from zoff.engine.policy import Policy, piece_bytes, subgroup_of
+from zoff.engine.precision import DTYPES
+from zoff.planning.memory import Estimate, PolicyEstimate
+
+
+@dataclass(frozen=True)
+class Rates:
+    compute_s: float  # one micro-batch's forward + backward of the whole model on one rank
+    adam_s_per_param: float  # the fused CPU Adam on one rank's threads
+    read_gbps: float
+    write_gbps: float
+    sources: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    forward_backward_s: float  # micro-batches x compute, or the disk of that phase when it is longer
+    optimizer_s: float  # the CPU Adam, or the disk of the step when it is longer
+    bound: str  # what sets each phase: "compute|disk" + " / " + "adam|disk"
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_backward_s + self.optimizer_s
+
+
+def predict(
+    pe: PolicyEstimate, plan_pieces: list[int], rates: Rates, micro_batches: int, shard: int
+) -> StepTime:
+    """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), the
+    first `pe.split.resident_pieces` of which stay in RAM; `shard`: the rank's trainable parameters."""
+    rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
+    streamed = sum(plan_pieces[pe.split.resident_pieces :]) if pe.policy.offload_optimizer == "nvme" else 0
+    grads = pe.disk_grads if pe.split.grads_on_disk else 0
+    # the step phase reads the streamed states and the gradient file and writes the states back; the rest
+    # of the disk's bytes (parameter reads, gradient landings) belong to forward and backward
+    step_read, step_written = streamed + grads, streamed
+    if pe.policy.offload_param == "nvme":  # the step writes each trainable shard back
+        step_written += max(0, pe.disk_written - streamed - micro_batches * grads)
+    fb_read = max(0, pe.disk_read - step_read)
+    fb_written = max(0, pe.disk_written - step_written)
+    compute = micro_batches * rates.compute_s
+    fb_disk = fb_read / rbw + fb_written / wbw
+    adam = shard * rates.adam_s_per_param
+    opt_disk = step_read / rbw + step_written / wbw
+    return StepTime(
+        max(compute, fb_disk), max(adam, opt_disk),
+        f"{'compute' if compute >= fb_disk else 'disk'} / {'adam' if adam >= opt_disk else 'disk'}",
+    )  # fmt: skip
+
+
+def predict_all(
+    est: Estimate, rates: Rates, plan_pieces: dict[int, list[int]], shard: dict[int, int], micro: int
+):
+    """{policy: StepTime} for every offload policy of the estimate (plan_pieces and shard by stage)."""
+    return {
+        pe.policy: predict(pe, plan_pieces[pe.policy.stage], rates, micro, shard[pe.policy.stage])
+        for pe in est.policies
+        if pe.policy.offload_optimizer != "none"
+    }
+
+
+# ------------------------------------------------------------------------------------------------ probes
+
+
+def probe_compute(
+    model_cfg: ModelConfig, data_cfg: DataConfig, train_cfg: TrainConfig, local_ranks: int, reps: int = 3
+) -> float:
+    """One micro-batch's forward + backward of the configured builtin GPT on one rank of this box, in
+    seconds: timed at depths 1 and 2 (median of `reps` after a warm-up) and scaled per layer."""
+    from zoff.models import build_model, enable_activation_checkpointing
+
+    if model_cfg.name != "gpt":
+        raise ValueError("the compute probe builds the builtin GPT only; give --compute-s for other models")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = DTYPES[train_cfg.precision]
+    times = []
+    try:
+        for depth in (1, 2):
+            torch.manual_seed(0)
+            model = build_model(dataclasses.replace(model_cfg, n_layer=depth)).to(device, dtype)
+            if train_cfg.activation_checkpointing:
+                enable_activation_checkpointing(model)
+            x = torch.randint(0, model_cfg.vocab_size, (data_cfg.batch_size, data_cfg.seq_len), device=device)
+            runs = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                model(x).float().logsumexp(-1).mean().backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                runs.append(time.perf_counter() - t0)
+            times.append(statistics.median(runs[1:]))
+            del model
+    finally:
+        torch.set_num_threads(threads)
+    per_layer = max(0.0, times[1] - times[0])
+    return times[0] - per_layer + model_cfg.n_layer * per_layer
+
+
+def probe_adam(precision: str, local_ranks: int, numel: int = 16 << 20, reps: int = 3) -> float:
+    """Seconds per parameter of zoff's fused CPU Adam on one rank's share of the cores (16-bit gradients and
+    the 16-bit copy written in the same pass, as the host tier steps)."""
+    from zoff.optim import cpu_adam_step
+
+    threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+    half = DTYPES[precision] if precision != "fp32" else None
+    p, m, v = (torch.rand(numel) for _ in range(3))
+    g = torch.rand(numel, dtype=half or torch.float32)
+    out16 = torch.empty(numel, dtype=half) if half is not None else None
+    runs = []
+    for step in range(1, reps + 2):
+        t0 = time.perf_counter()
+        cpu_adam_step(p, g, m, v, step=step, lr=1e-4, weight_decay=0.1, out16=out16, threads=threads)
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs[1:]) / numel
+
+
+def measure_rates(
+    model_cfg: ModelConfig, data_cfg: DataConfig, train_cfg: TrainConfig, zero: ZeroConfig, local_ranks: int,
+    compute_s: float | None = None,
+) -> Rates:  # fmt: skip
+    """The three rates for this box: compute (probed, or `compute_s`), CPU Adam (probed), disk (bench-io)."""
+    from zoff.planning.bench_io import disk_bandwidth
+
+    read, write, disk_src = disk_bandwidth(zero.offload_optimizer.nvme_path)
+    if compute_s is None:
+        compute_s = probe_compute(model_cfg, data_cfg, train_cfg, local_ranks)
+        c_src = "compute: probed here (n_layer 1 and 2, scaled per layer)"
+    else:
+        c_src = "compute: --compute-s"
+    adam = probe_adam(train_cfg.precision, local_ranks)
+    sources = (c_src, f"CPU Adam: probed here ({1e9 * adam:.2f} ns/param)", f"disk: {disk_src}")
+    return Rates(compute_s, adam, read, write, sources)
+
+
+def plan_inputs(model_cfg: ModelConfig, zero: ZeroConfig, world: int) -> tuple[dict, dict]:
+    """Per stage (1 and 3: stage 2 shares 1's plan): the optimizer's piece bytes and the rank's shard."""
+    from zoff.engine.policy import engine_plan
+    from zoff.models import meta_model
+
+    model = meta_model(model_cfg)
+    pieces, shard = {}, {}
+    for stage in (1, 2, 3):
+        plan = engine_plan(model, stage, world, zero)
+        pieces[stage] = piece_bytes(plan, subgroup_of(zero))
+        shard[stage] = sum(u.shard for u in plan.units)
+    return pieces, shard
+
+
+def policy_label(p: Policy) -> str:
+    return p.name + (" + act. ckpt" if p.activation_checkpointing else "")

@@ -33,7 +33,7 @@ def test_the_disk_tier_splits_its_bytes_between_the_phases() -> None:
     """zero3-nvme: the step reads the streamed pieces and the gradient file and writes the pieces and the
     parameter shards back; forward and backward read the parameter shards and write the gradient file."""
     pieces = [4 * GB, 4 * GB, 2 * GB]  # the first stays in RAM
-    split = DiskSplit(resident_pieces=1, pieces=3, grads_on_disk=True)
+    split = DiskSplit(resident=(0,), pieces=3, grads_on_disk=True)
     streamed, grads, params = 6 * GB, 1 * GB, 1 * GB
     read = streamed + grads + 2 * params  # + each micro-batch's forward and backward reads
     written = (
@@ -45,7 +45,7 @@ def test_the_disk_tier_splits_its_bytes_between_the_phases() -> None:
     assert st.forward_backward_s == pytest.approx(2 * params / GB + grads / (2 * GB))  # disk-bound
     assert st.bound == "disk / disk"
     # a budget that holds every state leaves the step to the CPU Adam
-    everything = DiskSplit(resident_pieces=3, pieces=3, grads_on_disk=False)
+    everything = DiskSplit(resident=(0, 1, 2), pieces=3, grads_on_disk=False)
     st = predict(_pe(Policy(3, "nvme", "nvme"), 2 * params, params, 0, everything), pieces, rates, 1, 10**9)
     assert st.optimizer_s == pytest.approx(max(1.0, params / (2 * GB)))
 

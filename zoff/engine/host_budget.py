@@ -48,12 +48,16 @@ class DiskSplit:
     """What the disk tier keeps in RAM under its host budget (disk_split): a pure value, the engine's and the
     estimate's alike."""
 
-    resident_pieces: int = 0  # the first pieces of the step's walk (state_swap.SwappedStates), held in RAM
+    resident: tuple[int, ...] = ()  # pieces of the step's walk held in RAM, spread evenly over it (spread())
     pieces: int = 0  # all of the optimizer's pieces
     grads_on_disk: bool = False  # the gradient shard in its own swap file (else in host memory)
     budget: int | None = None  # bytes per rank; None: min (only the working set)
     resident_bytes: int = 0  # the resident pieces' states
     states_bytes: int = 0  # every piece's states (the optimizer's swap file, less its header)
+
+    @property
+    def resident_pieces(self) -> int:
+        return len(self.resident)
 
     @property
     def all_resident(self) -> bool:
@@ -75,7 +79,7 @@ def disk_split(
     budget: int | None,
 ) -> DiskSplit:  # fmt: skip
     """How the disk tier spends `budget` bytes of RAM per rank (host_budget_bytes): first on optimizer states
-    (each byte kept saves a byte read and a byte written in the step itself), leading pieces first; the
+    (each byte kept saves a byte read and a byte written in the step itself), pieces spread over the walk; the
     gradient shard stays in RAM with grad_device auto only when every state does and it fits beside them (its
     write happens during backward, its read in the step). What must be in RAM whatever the budget (the ring
     for streamed pieces, the gradient buffers or a gradient shard grad_device cpu or delay_update keeps in
@@ -92,17 +96,17 @@ def disk_split(
     shard = itemsize * sum(u.shard for u in plan.units)
     buffers = grad_buffer_bytes(plan, itemsize)
     if budget is None:
-        return DiskSplit(0, len(sizes), not ram_forced, None, 0, sum(sizes))
+        return DiskSplit((), len(sizes), not ram_forced, None, 0, sum(sizes))
     states = sum(sizes)
     if not disk_forced and states + shard <= budget:
-        return DiskSplit(len(sizes), len(sizes), False, budget, sum(sizes), sum(sizes))
+        return DiskSplit(tuple(range(len(sizes))), len(sizes), False, budget, sum(sizes), sum(sizes))
     grads = shard if ram_forced else buffers
     if states + grads <= budget:
-        return DiskSplit(len(sizes), len(sizes), not ram_forced, budget, sum(sizes), sum(sizes))
+        return DiskSplit(tuple(range(len(sizes))), len(sizes), not ram_forced, budget, sum(sizes), sum(sizes))
     ring = ring_size(len(sizes)) * max(sizes)
     room = budget - grads - ring
     if room < 0 and oo.host_budget.strip().lower() == "auto":  # a small host: the working set, as min
-        return DiskSplit(0, len(sizes), not ram_forced, None, 0, sum(sizes))
+        return DiskSplit((), len(sizes), not ram_forced, None, 0, sum(sizes))
     if room < 0:
         what = "gradient shard" if ram_forced else "gradient buffers"
         raise UserError(
@@ -110,8 +114,21 @@ def disk_split(
             f"set, {human(grads + ring)} (the ring of sub-group buffers {human(ring)} and the {what} "
             f"{human(grads)}); give at least that, or min"
         )
-    resident = 0
-    while resident < len(sizes) and sizes[resident] <= room:
-        room -= sizes[resident]
-        resident += 1
-    return DiskSplit(resident, len(sizes), not ram_forced, budget, sum(sizes[:resident]), sum(sizes))
+    lo, hi = 0, len(sizes)  # the most pieces, spread evenly, that fit the room (lo always fits)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(sizes[i] for i in spread(len(sizes), mid)) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    resident = spread(len(sizes), lo)
+    kept = sum(sizes[i] for i in resident)
+    return DiskSplit(resident, len(sizes), not ram_forced, budget, kept, sum(sizes))
+
+
+def spread(n: int, k: int) -> tuple[int, ...]:
+    """k of the n pieces, evenly spaced over the walk: while the CPU Adam steps a resident piece, the disk
+    reads the streamed pieces after it, so neither waits for the other. (Kept first, 230 of 513 pieces of
+    the 3.4B demo stepped 4.9 s with the disk idle but for the ring's read-ahead, then the streamed rest was
+    read-bound: the optimizer phase was Adam plus the reads, not the longer of them.)"""
+    return tuple(i for i in range(n) if (i + 1) * k // n > i * k // n)

@@ -260,14 +260,13 @@ def _pieces(plan: PartitionPlan, subgroup: int | None) -> list[int]:
 def swap_buffer_bytes(
     plan: PartitionPlan, subgroup: int | None = None, split: DiskSplit | None = None
 ) -> int:
-    """The disk tier's states in RAM (state_swap.SwappedStates): `split`'s resident pieces (the first of the
-    step's walk, held whole), and, unless every piece is resident, up to three page-aligned ring buffers of
+    """The disk tier's states in RAM (state_swap.SwappedStates): `split`'s resident pieces (held whole), and, unless every piece is resident, up to three page-aligned ring buffers of
     the largest other piece's master, exp_avg and exp_avg_sq (stepped, read ahead, written back)."""
     sizes = piece_bytes(plan, subgroup)
-    resident = split.resident_pieces if split is not None else 0
-    streamed = sizes[resident:]
+    resident = set(split.resident) if split is not None else set()
+    streamed = [n for k, n in enumerate(sizes) if k not in resident]
     ring = ring_size(len(streamed)) * max(streamed) if streamed else 0
-    return sum(sizes[:resident]) + ring
+    return sum(n for k, n in enumerate(sizes) if k in resident) + ring
 
 
 def piece_bytes(plan: PartitionPlan, subgroup: int | None) -> list[int]:
@@ -309,8 +308,9 @@ def disk_traffic(
     micro-batch reads a block's shard for its forward and again for its backward (the root unit once, held
     from forward to backward), and the step writes back the trainable shards."""
     # every piece's three states, each read and written whole pages (not the file's header)
-    resident = split.resident_pieces if split is not None else 0
-    opt = sum(piece_bytes(plan, subgroup)[resident:]) if policy.offload_optimizer == "nvme" else 0
+    resident = set(split.resident) if split is not None else set()
+    sizes = piece_bytes(plan, subgroup) if policy.offload_optimizer == "nvme" else []
+    opt = sum(n for k, n in enumerate(sizes) if k not in resident)
     opt_r, opt_w = opt + micro_batches * grads, opt + micro_batches * grads
     if not policy.params_on_disk:
         return opt_r, opt_w

@@ -66,8 +66,8 @@ def piece_spans(numel: int, piece: int | None) -> list[tuple[int, int]]:
 class SwappedStates:
     """Every unit's states in one swap file laid out as its checkpoint shard, stepped piece by piece.
 
-    The first `resident` pieces of the walk (the host budget's, policy.disk_split) live in RAM for good: never
-    read or written during a step, synced into the file only for a checkpoint. The others stream through the
+    The `resident` pieces (the host budget's, host_budget.disk_split: spread over the walk) live in RAM for
+    good: never read or written during a step, synced into the file only for a checkpoint. The others stream through the
     ring; a ring buffer keeps the bytes of the piece it last held, so a piece still there is not read again,
     and reads run ahead of the walk into idle buffers; prefetch() starts the next walk's first pieces while
     backward computes.
@@ -75,7 +75,7 @@ class SwappedStates:
 
     def __init__(
         self, shards: list[torch.Tensor], swap_dir: Path, download, *, threads: int, request_bytes: int,
-        piece: int | None = None, source=None, resident: int = 0,
+        piece: int | None = None, source=None, resident: tuple[int, ...] = (),
     ):  # fmt: skip
         source = source or shards.__getitem__  # unit i's live shard, for its initial master
         self.pieces = [(i, lo, hi) for i, s in enumerate(shards) for lo, hi in piece_spans(s.numel(), piece)]
@@ -94,12 +94,13 @@ class SwappedStates:
         self.file = SwapFile(
             swap_dir / f"rank{rank}" / "optimizer.swap", self.layout.nbytes, threads, request_bytes
         )
-        self.resident = max(0, min(resident, len(self.pieces)))
-        self.home = [0]  # resident piece k's byte offset in `kept`
-        for k in range(self.resident):
-            self.home.append(self.home[-1] + 3 * self.part[k])
-        self.kept = AlignedBuffer(self.home[-1]) if self.resident else None
-        streamed = self.part[self.resident :]
+        self.resident = frozenset(k for k in resident if 0 <= k < len(self.pieces))
+        self.home: dict[int, int] = {}  # resident piece k's byte offset in `kept`
+        end = 0
+        for k in sorted(self.resident):
+            self.home[k], end = end, end + 3 * self.part[k]
+        self.kept = AlignedBuffer(end) if self.resident else None
+        streamed = [p for k, p in enumerate(self.part) if k not in self.resident]
         self.n_buffers = ring_size(len(streamed)) if streamed else 0
         self.buffers = [AlignedBuffer(3 * max(streamed)) for _ in range(self.n_buffers)]
         self.pending: list[list] = [[] for _ in self.buffers]  # futures of the I/O in flight on each buffer
@@ -112,7 +113,7 @@ class SwappedStates:
         head.bytes.copy_(torch.frombuffer(bytearray(self.layout.header), dtype=torch.uint8))
         self.file.wait(self.file.write(head.bytes, 0))
         for k, (i, lo, hi) in enumerate(self.pieces):  # initial master from the live shard, zero moments
-            buf = None if k < self.resident else self._free_buffer(exclude=())
+            buf = None if k in self.resident else self._free_buffer(exclude=())
             master, m, v = self._views(buf, k)
             download(source(i)[lo:hi], master)
             m.zero_()
@@ -185,7 +186,7 @@ class SwappedStates:
             if ahead <= 0 or (i + d >= n and not wrap):
                 return
             j = (i + d) % n
-            if j < self.resident:
+            if j in self.resident:
                 continue
             ahead -= 1
             if j in self.holds or j == i:
@@ -212,7 +213,7 @@ class SwappedStates:
         """Piece i's states, resident while the block runs; written back after it (asynchronously) unless
         `write_back=False` (only read: the buffer keeps the bytes). The pieces after it are read meanwhile
         (`following` is accepted for callers that name the next piece; the walk's order is the pieces')."""
-        if i < self.resident:  # in RAM for good: no I/O; the disk reads the next streamed pieces meanwhile
+        if i in self.resident:  # in RAM for good: no I/O; the disk reads the next streamed pieces meanwhile
             self._read_ahead(i, None)
             yield self._views(None, i)
             return
@@ -257,7 +258,7 @@ class SwappedStates:
         next one read ahead) and written back; read only; or written only (read=False, whatever the buffers
         hold: a measurement's, not a step's). bench-io's and bench_nvme's measure of the tier's own I/O."""
         n = len(self.pieces)
-        for k in range(self.resident, n):
+        for k in (k for k in range(n) if k not in self.resident):
             if read:
                 with self.open(k, k + 1 if k + 1 < n else None, write_back=write):
                     pass
@@ -269,7 +270,7 @@ class SwappedStates:
         """Copy the swap file, which is a checkpoint shard, to `path` (fsynced); returns its sha256. The
         resident pieces are written into the swap file first (their only writes: a checkpoint's cost)."""
         self._drain()
-        for k in range(self.resident):
+        for k in sorted(self.resident):
             self.file.wait(self._write_resident(k))
         out = SwapFile(path, self.layout.nbytes, self.file.threads, self.file.request, swap=False)
         try:
@@ -299,7 +300,7 @@ class SwappedStates:
             digest = copy_file(src, self.file, self.layout.nbytes)
         finally:
             src.close(remove=False)
-        for k in range(self.resident):  # the resident pieces from the copied file
+        for k in sorted(self.resident):  # the resident pieces from the copied file
             self.file.wait([f for region, off in self._ranges(None, k) for f in self.file.read(region, off)])
         return digest
 

@@ -143,7 +143,7 @@ class DiskTier(HostTier):
     def __init__(
         self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
         request_mb: int, piece: int | None = None, params: SwappedShards | None = None, grads_on_disk: bool = True,
-        resident: int = 0,
+        resident: tuple[int, ...] = (),
     ):  # fmt: skip
         super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
         self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece

@@ -159,7 +159,7 @@ class ZeroEngine(EngineReports):
             tier = DiskTier(
                 staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb,
                 piece=subgroup_of(self.zero), params=self.param_disk, grads_on_disk=self.split.grads_on_disk,
-                resident=self.split.resident_pieces,
+                resident=self.split.resident,
             )  # fmt: skip
         else:
             tier = HostTier(

@@ -54,10 +54,12 @@ class StepTime:
 def predict(
     pe: PolicyEstimate, plan_pieces: list[int], rates: Rates, micro_batches: int, shard: int
 ) -> StepTime:
-    """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), the
-    first `pe.split.resident_pieces` of which stay in RAM; `shard`: the rank's trainable parameters."""
+    """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), those
+    in `pe.split.resident` stay in RAM; `shard`: the rank's trainable parameters."""
     rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
-    streamed = sum(plan_pieces[pe.split.resident_pieces :]) if pe.policy.offload_optimizer == "nvme" else 0
+    resident = set(pe.split.resident)
+    streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)
+    streamed = streamed if pe.policy.offload_optimizer == "nvme" else 0
     grads = pe.disk_grads if pe.split.grads_on_disk else 0
     # the step phase reads the streamed states and the gradient file and writes the states back; the rest
     # of the disk's bytes (parameter reads, gradient landings) belong to forward and backward

@@ -306,7 +306,10 @@ def predicted_step(cfg: Config, est, result: dict) -> dict:
     pieces, shard = step_time.plan_inputs(cfg.model, cfg.zero, est.world_size)
     pe = next(p for p in est.policies if p.policy.name == result["estimate"]["policy"]
               and p.policy.activation_checkpointing == cfg.train.activation_checkpointing)  # fmt: skip
-    st = step_time.predict(pe, pieces[pe.policy.stage], rates, cfg.train.grad_accum, shard[pe.policy.stage])
+    st = step_time.predict(
+        pe, pieces[pe.policy.stage], rates, cfg.train.grad_accum, shard[pe.policy.stage],
+        cfg.zero.offload_optimizer.overlap_step, shared_cores=True,
+    )  # fmt: skip
     med = result.get("step_time_median_s")
     return {"forward_backward_s": st.forward_backward_s, "optimizer_s": st.optimizer_s, "step_s": st.step_s,
             "bound": st.bound, "compute_s_per_micro_batch": rates.compute_s,

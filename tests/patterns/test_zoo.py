@@ -66,7 +66,10 @@ SLICE = [(p, s) for p in PATTERNS for s in (1, 2, 3)] + [("moe", 0), ("moe_idle_
 # Stage 3 with parameters and optimizer states on disk (zero3-nvme): its gathers read shards from a swap file
 # and issue their all-gathers late, and its step writes the shards back; every pattern must still match.
 DISK = "3-nvme"
-DISK_SLICE = [(p, DISK) for p in PATTERNS]
+# ... and with the overlapped step (zero.offload_optimizer.overlap_step): the walk runs while the next forward
+# gathers, each gather waiting for its unit's update; the same numbers
+OVERLAP = "3-nvme-overlap"
+DISK_SLICE = [(p, s) for p in PATTERNS for s in (DISK, OVERLAP)]
 FULL = [(p, s) for p in PATTERNS for s in STAGES] + DISK_SLICE
 GRID = [(w, a, p, s) for w in WORLDS for a in ACCUMS for p, s in FULL]
 
@@ -89,13 +92,14 @@ def cell_cfg(pattern: str, stage: int | str, accum: int) -> dict:
     # persistence threshold 64 keeps norms and biases in persistent units and gathers the matrices at stage
     # 3; a 3000-element bucket splits the model into several units, so reduction overlaps backward.
     zero = {"stage": stage, "param_persistence_threshold": 64, "reduce_bucket_size": 3000}
-    if stage in (3, DISK) and pattern in models.WHOLE_MODEL_UNIT:  # blocks some rank skips: one unit
+    if stage in (3, DISK, OVERLAP) and pattern in models.WHOLE_MODEL_UNIT:  # blocks some rank skips: one unit
         zero["block_classes"] = [models.WHOLE_MODEL_UNIT[pattern]]
-    if stage == DISK:
+    if stage in (DISK, OVERLAP):
         global SWAP_DIR
         SWAP_DIR = SWAP_DIR or _swap_dir()
         zero |= {"stage": 3, "offload_param": {"device": "nvme"},
-                 "offload_optimizer": {"device": "nvme", "nvme_path": SWAP_DIR, "host_budget": "min"}}  # fmt: skip
+                 "offload_optimizer": {"device": "nvme", "nvme_path": SWAP_DIR, "host_budget": "min",
+                                       "overlap_step": stage == OVERLAP}}  # fmt: skip
     return tiny_cfg(
         model={
             "name": f"python:tests.patterns.models:{pattern}",
@@ -288,9 +292,9 @@ def test_slice(zoo: Zoo, pattern: str, stage: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_slice_on_disk(zoo: Zoo, pattern: str) -> None:
-    zoo.check(SLICE_WORLD, SLICE_ACCUM, pattern, DISK, DISK_SLICE)
+@pytest.mark.parametrize(("pattern", "stage"), DISK_SLICE, ids=[f"{p}-{s}" for p, s in DISK_SLICE])
+def test_slice_on_disk(zoo: Zoo, pattern: str, stage: str) -> None:
+    zoo.check(SLICE_WORLD, SLICE_ACCUM, pattern, stage, DISK_SLICE)
 
 
 @pytest.mark.slow

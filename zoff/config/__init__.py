@@ -195,6 +195,15 @@ def check_grad_device(zero: ZeroConfig) -> None:
     oo = zero.offload_optimizer
     if oo.grad_device == "nvme" and oo.device != "nvme":
         raise ConfigError("zero.offload_optimizer.grad_device: nvme needs zero.offload_optimizer.device nvme")
+    if oo.overlap_step and not (
+        zero.stage == 3 and oo.device == "nvme" and zero.offload_param.device == "nvme"
+    ):
+        raise ConfigError(
+            "zero.offload_optimizer.overlap_step: needs zero.stage 3 with zero.offload_optimizer.device and "
+            "zero.offload_param.device nvme (zero3-nvme)"
+        )
+    if oo.overlap_step and oo.delay_update:
+        raise ConfigError("zero.offload_optimizer.overlap_step: not with delay_update (choose one)")
     if oo.delay_update and oo.grad_device == "nvme":
         raise ConfigError(
             "zero.offload_optimizer.grad_device: delay_update needs the gradient shard in memory (cpu or "

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -107,6 +108,7 @@ class SwapFile:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io-read")
         self.wpool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zoff-io-write")
         self.read_bytes = self.written_bytes = 0
+        self._count = threading.Lock()
         self.wait_s = 0.0  # time the caller spent blocked on this file's I/O (the step's "disk wait")
         self.read_wait_s = 0.0  # the part of it spent on reads, where the caller knows they are reads
 
@@ -117,8 +119,9 @@ class SwapFile:
             t0 = time.perf_counter()
             wait(futures)
             dt = time.perf_counter() - t0
-            self.wait_s += dt
-            self.read_wait_s += dt if reads else 0.0
+            with self._count:  # (the overlapped step waits on one file from two threads)
+                self.wait_s += dt
+                self.read_wait_s += dt if reads else 0.0
 
     def _chunks(self, buf: torch.Tensor, offset: int) -> list[tuple[memoryview, int]]:
         assert offset % ALIGN == 0 and buf.numel() % ALIGN == 0, "swap regions are 4096-aligned"

@@ -67,6 +67,7 @@ class UnitGatherer(GatherChecks):
         self._guard_depth = 0
         self._graph_pending = False
         self.internal = False
+        self.wait_ready = None  # the overlapped step: wait_ready(u) returns once unit u's update is in
         self.gather_counts = [0] * len(plan.all_units)
         by_block: dict[str, list[int]] = {}
         for u in plan.all_units:
@@ -173,6 +174,10 @@ class UnitGatherer(GatherChecks):
         self.peak_gathered = max(self.peak_gathered, self.gathered_bytes())
 
     def _start(self, u: int) -> None:
+        if (
+            self.wait_ready is not None
+        ):  # (blocking, not skipping: every rank starts the same gathers in order)
+            self.wait_ready(u)
         self.gather_counts[u] += 1  # every rank must issue the same gathers (check_same_gathers)
         full = self.full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())

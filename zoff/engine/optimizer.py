@@ -11,6 +11,7 @@ forward/backward proceeds with parameters one step stale; `finish()` joins it an
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -129,6 +130,8 @@ class ShardOptimizer:
         direct = tier.direct and sixteen and separate and not self.delay and not on_disk
         self.out16 = list(shards) if direct else None
         self.step_count = 0
+        self.last_background_s = 0.0  # how long the last background update ran
+        self.on_background_end = None  # called from the thread when it ends (even by an error)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -143,8 +146,12 @@ class ShardOptimizer:
         lr: float,
         on_unit: Callable[[int, int | None, torch.Tensor | None], None] | None = None,
         runs: list[list[StepRun]] | None = None,
+        background: bool = False,
     ) -> bool:
         """Update the masters from the (clipped, unscaled) gradient shards.
+
+        `background`: the update runs in a thread with `on_unit` called from it (the engine's overlapped
+        step, zero.offload_optimizer.overlap_step); finish() joins it. Returns True then, as for DPU.
 
         `runs` (default: every run at this step's count) says what to update at which Adam step. Returns True
         when the update runs in the background (DPU past its warm-up of synchronous steps): the caller
@@ -156,8 +163,9 @@ class ShardOptimizer:
         grads = self.tier.to_kernel(grads)
         self.step_count += 1
         runs = runs or all_runs(self.runs, self.step_count)
-        if self.delay and self.step_count > self.warmup:
-            self._thread = threading.Thread(target=self._run, args=(grads, lr, runs), daemon=True)
+        if background or (self.delay and self.step_count > self.warmup):
+            on = on_unit if background else None
+            self._thread = threading.Thread(target=self._run, args=(grads, lr, runs, on), daemon=True)
             self._thread.start()
             return True
         self._update(grads, lr, runs, on_unit)
@@ -172,11 +180,16 @@ class ShardOptimizer:
             err, self._error = self._error, None
             raise RuntimeError("zoff: the delayed CPU optimizer step failed") from err
 
-    def _run(self, grads: list[torch.Tensor], lr: float, runs: list[list[StepRun]]) -> None:
+    def _run(self, grads: list[torch.Tensor], lr: float, runs: list[list[StepRun]], on_unit=None) -> None:
+        t0 = time.perf_counter()
         try:
-            self._update(grads, lr, runs)
+            self._update(grads, lr, runs, on_unit)
         except BaseException as e:  # surfaced by finish() on the main thread
             self._error = e
+        finally:
+            self.last_background_s = time.perf_counter() - t0
+            if self.on_background_end is not None:
+                self.on_background_end()
 
     def _update(
         self,

@@ -11,6 +11,7 @@ swap file). RAM: the shards being gathered, not the partition.
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
@@ -55,6 +56,8 @@ class SwappedShards:
             swap_dir / f"rank{rank}" / "params.swap", max(end, ALIGN), threads, request_bytes
         )
         self.writes: deque[tuple[AlignedBuffer, list[Future]]] = deque()
+        # the overlapped step writes back from its walk thread while gathers read here: one queue, locked
+        self._lock = threading.Lock()
 
     def holds(self, u: int) -> bool:
         return u in self.offset
@@ -79,14 +82,16 @@ class SwappedShards:
             raise ValueError(f"parameter swap write of unit {u} at element {lo} (+{n}) is not page-aligned")
         buf = AlignedBuffer(n * size)  # its tail past n (zeros) lands in the region's own padding
         buf.view(self.dtype, 0, n).copy_(src.reshape(-1))
-        self.writes.append((buf, self.file.write(buf.bytes, start)))
-        while len(self.writes) > MAX_WRITES:
-            self.file.wait(self.writes.popleft()[1])
+        with self._lock:
+            self.writes.append((buf, self.file.write(buf.bytes, start)))
+            while len(self.writes) > MAX_WRITES:
+                self.file.wait(self.writes.popleft()[1])
 
     def flush(self) -> None:
         """Wait for every write-back (before a read, and at the end of a step)."""
-        while self.writes:
-            self.file.wait(self.writes.popleft()[1])
+        with self._lock:
+            while self.writes:
+                self.file.wait(self.writes.popleft()[1])
 
     def disk_bytes(self) -> int:
         return self.file.nbytes

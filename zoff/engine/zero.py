@@ -25,6 +25,7 @@ from zoff.engine.grad_store import ResidentGrads
 from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
+from zoff.engine.overlap import UnitReadiness
 from zoff.engine.param_swap import SwappedShards
 from zoff.engine.policy import (
     Policy,
@@ -119,6 +120,11 @@ class ZeroEngine(EngineReports):
             slot_blocks=self.blocks.slot_blocks(self.plan),
         )  # fmt: skip
         self.blocks.listeners.append(self.reducer.block_done)
+        self.overlap = None  # the overlapped step (overlap.py): the walk runs while the next forward does
+        if zero.offload_optimizer.overlap_step and self.gatherer is not None:
+            self.overlap = UnitReadiness(len(self.plan.units))
+            self.gatherer.wait_ready = self._wait_unit
+            self.optimizer.on_background_end = self.overlap.end
         self._published = 0
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
@@ -176,6 +182,7 @@ class ZeroEngine(EngineReports):
     # ---------------------------------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Backward of one micro-batch; `sync` on the last micro-batch of a step averages the gradients."""
+        self.optimizer.finish()  # an overlapped step's walk reads the gradient shards this backward rewrites
         self.reducer.begin(sync)
         if self.gatherer is not None:
             self.gatherer.check_same_gathers()  # the forward's gathers, before backward's could hang on them
@@ -201,6 +208,7 @@ class ZeroEngine(EngineReports):
         the next forward sees parameters one step stale (ZeRO-Offload's delayed parameter update).
         """
         self.last_flush_s = 0.0
+        self.optimizer.finish()  # (an overlapped step's walk is joined already, by backward)
         self.flush()
         if self.gatherer is not None:
             self.gatherer.release_all()
@@ -224,6 +232,8 @@ class ZeroEngine(EngineReports):
         # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
         publish = lambda u, lo, master: self._publish(u, lo, master, copy, handles)  # noqa: E731
         runs = self._step_runs(unused)
+        if self.overlap is not None:
+            return self._overlapped_step(grads, lr, runs, copy, norm, t0)
         # True: a delayed (DPU) update runs in the background and is published next step
         in_flight = self.optimizer.step(grads, lr, on_unit=publish, runs=runs)
         t1 = time.perf_counter()
@@ -238,6 +248,40 @@ class ZeroEngine(EngineReports):
         self.last_step_times |= {k: v - self._disk_at_start.get(k, 0) for k, v in now.items()}
         self.last_step_comm = dict(self.comm.stats.elements)
         return StepResult(norm, stepped=True)
+
+    def _overlapped_step(self, grads, lr: float, runs, copy: bool, norm: float, t0: float) -> StepResult:
+        """The walk in the background (overlap.py); here only what must be on this thread: the persistent
+        units' all-gathers (collectives), each once its update is in. The forward waits per unit."""
+        self.overlap.begin()
+
+        def on_unit(u: int, lo: int | None, master: torch.Tensor | None) -> None:
+            if lo is None:
+                self.overlap.unit_done(u)
+            else:
+                self._publish(u, lo, master, copy, [])  # a shard or the swap file: no collective
+
+        self.optimizer.step(grads, lr, on_unit=on_unit, runs=runs, background=True)
+        t1 = time.perf_counter()
+        handles = []
+        for u, unit in enumerate(self.plan.units):
+            if self.policy.gathers_after_step(unit.persistent):
+                self._wait_unit(u)
+                handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
+        for h in handles:
+            h.wait()
+        self._published = self.optimizer.step_count
+        self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1,
+                                "last_walk_s": self.optimizer.last_background_s}  # fmt: skip
+        now = self._disk_counters()
+        self.last_step_times |= {k: v - self._disk_at_start.get(k, 0) for k, v in now.items()}
+        self.last_step_comm = dict(self.comm.stats.elements)
+        return StepResult(norm, stepped=True)
+
+    def _wait_unit(self, u: int) -> None:
+        """Before unit u's shard is read (a gather, an all-gather): its update in the walk is done."""
+        self.overlap.wait(u)
+        if self.optimizer._error is not None:
+            self.optimizer.finish()  # raises the walk's error, here rather than on stale parameters
 
     def _global_norm_sq(self) -> tuple[float, float, list[int]]:
         """(the global squared gradient norm, overflow flags, slots no rank gave a gradient) in one all-reduce.

@@ -341,7 +341,9 @@ def step_timing(cfg: Config, est: Estimate, local_ranks: int, compute_s: float |
     pieces, shard = step_time.plan_inputs(cfg.model, cfg.zero, est.world_size)
     gbs = cfg.train.global_batch_size
     micro = cfg.train.grad_accum if gbs is None else max(1, gbs // (cfg.data.batch_size * est.world_size))
-    steps = step_time.predict_all(est, rates, pieces, shard, micro)
+    shared = not torch.cuda.is_available()  # a CPU-only host: compute and the CPU Adam share the cores
+    overlap = cfg.zero.offload_optimizer.overlap_step
+    steps = step_time.predict_all(est, rates, pieces, shard, micro, overlap, shared)
     ac = cfg.train.activation_checkpointing
     return rates, {p: st for p, st in steps.items() if p.activation_checkpointing == ac}
 

@@ -52,10 +52,14 @@ class StepTime:
 
 
 def predict(
-    pe: PolicyEstimate, plan_pieces: list[int], rates: Rates, micro_batches: int, shard: int
-) -> StepTime:
+    pe: PolicyEstimate, plan_pieces: list[int], rates: Rates, micro_batches: int, shard: int,
+    overlap: bool = False, shared_cores: bool = True,
+) -> StepTime:  # fmt: skip
     """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), those
-    in `pe.split.resident` stay in RAM; `shard`: the rank's trainable parameters."""
+    in `pe.split.resident` stay in RAM; `shard`: the rank's trainable parameters. `overlap`: the overlapped
+    step (zero3-nvme, overlap_step), whose walk runs beside the next forward (a third of the compute): that
+    phase is the longer of the walk's disk and the forward's compute plus the Adam where they share the cores
+    (a CPU-only host), or the longest of the three where they do not."""
     rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
     resident = set(pe.split.resident)
     streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)
@@ -72,6 +76,14 @@ def predict(
     fb_disk = fb_read / rbw + fb_written / wbw
     adam = shard * rates.adam_s_per_param
     opt_disk = step_read / rbw + step_written / wbw
+    if overlap and pe.policy.offload_param == "nvme" and pe.policy.stage == 3:
+        forward = (
+            compute / 3
+        )  # (forward is a third of a micro-batch's forward + backward; the walk meets one)
+        cpu = forward + adam if shared_cores else max(forward, adam)
+        backward = max(compute - forward, fb_disk)  # (the forward's own reads: within the walk's disk time)
+        which = "cores" if cpu >= opt_disk else "disk"
+        return StepTime(backward, max(cpu, opt_disk), f"backward, then forward with the step: {which}")
     return StepTime(
         max(compute, fb_disk), max(adam, opt_disk),
         f"{'compute' if compute >= fb_disk else 'disk'} / {'adam' if adam >= opt_disk else 'disk'}",
@@ -79,11 +91,14 @@ def predict(
 
 
 def predict_all(
-    est: Estimate, rates: Rates, plan_pieces: dict[int, list[int]], shard: dict[int, int], micro: int
-):
+    est: Estimate, rates: Rates, plan_pieces: dict[int, list[int]], shard: dict[int, int], micro: int,
+    overlap: bool = False, shared_cores: bool = True,
+):  # fmt: skip
     """{policy: StepTime} for every offload policy of the estimate (plan_pieces and shard by stage)."""
     return {
-        pe.policy: predict(pe, plan_pieces[pe.policy.stage], rates, micro, shard[pe.policy.stage])
+        pe.policy: predict(
+            pe, plan_pieces[pe.policy.stage], rates, micro, shard[pe.policy.stage], overlap, shared_cores
+        )  # fmt: skip
         for pe in est.policies
         if pe.policy.offload_optimizer != "none"
     }

@@ -447,6 +447,7 @@ def test_dump_has_every_section_fully_resolved():
             "staging_mb": 64,
             "grad_device": "auto",
             "host_budget": "auto",
+            "overlap_step": False,
             "delay_update": False,
             "delay_update_warmup": 0,
         },

@@ -248,10 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     result["returncode"], result["wall_s"], result["run_dir"] = proc.returncode, wall, str(run_dir)
     result["status"] = "ok" if proc.returncode == 0 else "failed"
     result.update(measure(sampler, run_dir, result, baseline))
-    if a.floor_depths and result["status"] == "ok":
-        result["floor"] = measure_floor(a, cfg, overrides, result, con)
-    if result["status"] == "ok" and result.get("bench_io"):
-        result["prediction"] = predicted_step(cfg, est, result)
+    # the floor and the prediction after the run: a failure there is recorded beside the run's figures
+    try:
+        if a.floor_depths and result["status"] == "ok":
+            result["floor"] = measure_floor(a, cfg, overrides, result, con)
+        if result["status"] == "ok" and result.get("bench_io"):
+            result["prediction"] = predicted_step(cfg, est, result)
+    except Exception as e:  # noqa: BLE001  (the run's own measurements are written whatever happens here)
+        result["floor_error"] = f"{type(e).__name__}: {e}"
+        con.print(f"[red]floor or prediction failed: {result['floor_error']}")
     print(title(result))
     sys.stdout.write(render(result))
     _write(a.out, result, con)

@@ -27,6 +27,7 @@ from pathlib import Path
 IN_RAM = [
     "zero.offload_optimizer.device=cpu",
     "zero.offload_param.device=cpu",
+    "zero.offload_optimizer.overlap_step=false",  # (the disk tier's: no walk to overlap with states in RAM)
     "checkpoint.enabled=false",
     "train.log_every=1",
     "train.eval_batches=1",

@@ -48,7 +48,6 @@ def _adam(data: dict, n: int) -> dict:
 def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
     """(benchmark, zoff, peer beside it, where it lives in the page, JSON name)."""
     bm, eng, adam, off, ck, nv = (d[n] for n in NAMES)
-    est = bm["estimate"]
     a16, a64 = _adam(adam, 16 << 20), _adam(adam, 64 << 20)
     cpu_vs_torch = [j["summary"]["offload_vs_stage2_optimizer"]["median"] for j in off["jobs"]]
     hidden = [j["summary"]["dpu"]["hidden_fraction"]["median"] for j in off["jobs"]]
@@ -56,12 +55,11 @@ def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
         (
             f"{bm['params'] / 1e9:.1f}B GPT, {bm['nproc']} rank, `zero3-nvme`, on a {bm['machine']['ram_bytes'] / GIB:.1f} GiB "
             "machine",
-            f"model states {bm['model_state_to_ram']:.2f}x RAM; whole job's peak RSS "
-            f"**{bm['peak_rss_job_bytes'] / GIB:.1f} GiB**",
-            f"`zoff estimate`: disk {est['disk_read_bytes_per_step'] / GIB:.1f} / "
-            f"{est['disk_written_bytes_per_step'] / GIB:.1f} GiB read / written per step; measured "
-            f"{bm['disk_io_per_step']['ranks']['read_per_step'] / GIB:.1f} / "
-            f"{bm['disk_io_per_step']['ranks']['write_per_step'] / GIB:.1f}",
+            f"model states {bm['model_state_to_ram']:.2f}x RAM; step **{bm['floor']['step_to_floor']:.2f}x** "
+            f"its floor; whole job's peak RSS **{bm['peak_rss_job_bytes'] / GIB:.1f} GiB**",
+            f"the floor, measured in the same job: max(compute + CPU Adam of the same layers with every state in "
+            f"RAM, scaled: {bm['floor']['compute_adam_s']:.0f} s; the step's disk bytes at the disk's best "
+            f"bandwidth: {bm['floor']['disk_s']:.0f} s)",
             "beyond-memory-a-34b-model-on-a-24-gib-machine",
             "bench_beyond_memory",
         ),

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+import stat
 import threading
 import time
 from concurrent import futures
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.errors import os_error
+from zoff.errors import UserError, os_error
 
 ALIGN = 4096
 
@@ -57,9 +58,20 @@ class SwapFile:
         a swap file (copy_file), with no warnings about the disk tier."""
         self.path, self.nbytes = path, aligned(nbytes)
         self.request = max(ALIGN, aligned(request_bytes))
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if swap:
+            # Swap folders are often shared scratch disks: never write through a name someone else planted. The
+            # rank's folder must be a real folder of this user's; whatever is at the file's name (a stale swap
+            # file, a link, a hard link to someone's file) loses its name, and a new file is made, O_EXCL and
+            # O_NOFOLLOW: no existing inode is ever opened, truncated or written.
+            private_folder(path.parent)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
         # a swap file is private to the run; a checkpoint file is as readable as the others beside it (umask)
-        self._open(os.O_RDWR | os.O_CREAT | os.O_TRUNC, warn=swap, mode=0o600 if swap else 0o666)
+        self._open(flags, warn=swap, mode=0o600 if swap else 0o666)
         fs = filesystem_type(path.parent)
         if swap and fs in ("tmpfs", "ramfs"):
             print(f"zoff: warning: {path.parent} is on {fs}, in memory: the disk tier saves no RAM there")
@@ -183,6 +195,24 @@ def copy_file(src: SwapFile, dst: SwapFile, nbytes: int) -> str:
     finally:  # a failed request (a full disk): nothing of this copy stays in flight on either file
         futures.wait([f for f in reads + [f for w in writes for f in w] if not f.done()])
     return digest.hexdigest()
+
+
+def private_folder(folder: Path) -> None:
+    """Make (0700) or accept `folder` for this run's swap files: a real folder, not a link, owned by this user;
+    a UserError naming it otherwise (a link planted on a shared disk would send the swap elsewhere)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(folder)
+    except OSError as e:
+        raise os_error(e, f"zoff: cannot make the swap folder {folder}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UserError(
+            f"zoff: {folder} is a link or not a folder; the disk tier swaps only into a real folder"
+        )
+    if st.st_uid != os.getuid():
+        raise UserError(
+            f"zoff: {folder} belongs to another user (uid {st.st_uid}); remove it or use another path"
+        )
 
 
 def filesystem_type(path: Path) -> str:

@@ -173,12 +173,10 @@ def tied_names(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _run_config(ckpt: Path) -> Config:
-    import yaml
-
-    from zoff.config import config_from_dict
+    from zoff.config import config_from_dict, read_yaml_text
 
     source = ckpt / "config.yaml"
-    return config_from_dict(yaml.safe_load(source.read_text()), source=str(source))
+    return config_from_dict(read_yaml_text(source, source.read_text), source=str(source))
 
 
 def convert(

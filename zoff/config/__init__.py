@@ -83,11 +83,22 @@ def _zero_from_name(name: str) -> dict:
     return {"auto": True} if name == "auto" else {"recipe": name}
 
 
+# A config is a few hundred values; YAML aliases can make a 500-byte file expand to billions (nine nested
+# aliases of nine references each), which any walk over it would take hours for.
+MAX_YAML_VALUES = 100_000
+
+
 def _read_yaml(path: Path) -> Any:
     if not path.is_file():
         raise UserError(f"{path}: config file not found")
+    return read_yaml_text(path, lambda: path.read_text())
+
+
+def read_yaml_text(path: Path, text) -> Any:
+    """YAML from `text()` (safe loading), bounded: at most MAX_YAML_VALUES values after aliases, 100 deep,
+    no cycles; a UserError naming `path` otherwise."""
     try:
-        return _acyclic(yaml.safe_load(path.read_text()), str(path))
+        return _acyclic(yaml.safe_load(text()), str(path), 0, [MAX_YAML_VALUES])
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -99,18 +110,23 @@ def _read_yaml(path: Path) -> Any:
         raise UserError(f"{path}: YAML nested too deeply") from None
 
 
-def _acyclic(obj: Any, where: str, depth: int = 0) -> Any:
-    """YAML aliases can make a mapping contain itself; such a config (or a 100-deep one) is refused."""
+def _acyclic(obj: Any, where: str, depth: int = 0, budget: list[int] | None = None) -> Any:
+    """YAML aliases can make a mapping contain itself, or expand a small file into billions of values; such a
+    config (or a 100-deep one) is refused."""
+    budget = [MAX_YAML_VALUES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise UserError(f"{where}: YAML expands to more than {MAX_YAML_VALUES:,} values (aliases repeated?)")
     if depth > 100:
         raise UserError(
             f"{where}: YAML nested too deeply or refers to itself (an alias inside its own anchor)"
         )
     if isinstance(obj, dict):
         for v in obj.values():
-            _acyclic(v, where, depth + 1)
+            _acyclic(v, where, depth + 1, budget)
     elif isinstance(obj, list):
         for v in obj:
-            _acyclic(v, where, depth + 1)
+            _acyclic(v, where, depth + 1, budget)
     return obj
 
 

@@ -69,8 +69,11 @@ DISK = "3-nvme"
 # ... and with the overlapped step (zero.offload_optimizer.overlap_step): the walk runs while the next forward
 # gathers, each gather waiting for its unit's update; the same numbers
 OVERLAP = "3-nvme-overlap"
-DISK_SLICE = [(p, s) for p in PATTERNS for s in (DISK, OVERLAP)]
-FULL = [(p, s) for p in PATTERNS for s in STAGES] + DISK_SLICE
+# by default a few patterns that stress the walk's order (checkpointed recompute, data-dependent experts, a
+# weight read outside its block, whole-model units); every pattern in -m grid
+OVERLAP_DEFAULT = ("ckpt_block", "moe", "functional_tie", "layer_drop")
+DISK_SLICE = [(p, DISK) for p in PATTERNS] + [(p, OVERLAP) for p in OVERLAP_DEFAULT]
+FULL = [(p, s) for p in PATTERNS for s in (*STAGES, DISK, OVERLAP)]
 GRID = [(w, a, p, s) for w in WORLDS for a in ACCUMS for p, s in FULL]
 
 # A collective waiting longer than this is an error (healthy cells take about a second); the parent gives a

@@ -84,8 +84,8 @@ def test_a_bad_compute_time_is_one_line_exit_2() -> None:
 
 
 def test_the_probe_needs_the_builtin_gpt() -> None:
-    from zoff.planning.step_time import probe_compute
+    from zoff.planning.step_time import probe_engine
 
     cfg = config_from_dict({"model": {"name": "python:tests.fixtures_models:tied_frozen"}})
     with pytest.raises(ValueError, match="builtin GPT only"):
-        probe_compute(cfg.model, cfg.data, cfg.train, 1)
+        probe_engine(cfg.model, cfg.data, cfg.train, cfg.zero, 1)

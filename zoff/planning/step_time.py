@@ -57,9 +57,11 @@ def predict(
 ) -> StepTime:  # fmt: skip
     """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), those
     in `pe.split.resident` stay in RAM; `shard`: the rank's trainable parameters. `overlap`: the overlapped
-    step (zero3-nvme, overlap_step), whose walk runs beside the next forward (a third of the compute): that
-    phase is the longer of the walk's disk and the forward's compute plus the Adam where they share the cores
-    (a CPU-only host), or the longest of the three where they do not."""
+    step (zero3-nvme, overlap_step), whose walk runs beside the next forward (a third of the compute): where
+    the CPU Adam has cores of its own (a GPU host) that phase is the longest of the walk's disk, the Adam and
+    the forward; on a CPU-only host (`shared_cores`) the forward and the walk share the cores and the disk, and
+    the step is modelled as the serial one (measured on the 3.4B demo: 49 s overlapped against 50.7 s serial,
+    the walk slowed from 20 to 26 s by the forward beside it)."""
     rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
     resident = set(pe.split.resident)
     streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)
@@ -76,7 +78,7 @@ def predict(
     fb_disk = fb_read / rbw + fb_written / wbw
     adam = shard * rates.adam_s_per_param
     opt_disk = step_read / rbw + step_written / wbw
-    if overlap and pe.policy.offload_param == "nvme" and pe.policy.stage == 3:
+    if overlap and not shared_cores and pe.policy.offload_param == "nvme" and pe.policy.stage == 3:
         forward = (
             compute / 3
         )  # (forward is a third of a micro-batch's forward + backward; the walk meets one)
@@ -107,40 +109,62 @@ def predict_all(
 # ------------------------------------------------------------------------------------------------ probes
 
 
-def probe_compute(
-    model_cfg: ModelConfig, data_cfg: DataConfig, train_cfg: TrainConfig, local_ranks: int, reps: int = 3
-) -> float:
-    """One micro-batch's forward + backward of the configured builtin GPT on one rank of this box, in
-    seconds: timed at depths 1 and 2 (median of `reps` after a warm-up) and scaled per layer."""
-    from zoff.models import build_model, enable_activation_checkpointing
+def probe_engine(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    train_cfg: TrainConfig,
+    zero: ZeroConfig,
+    local_ranks: int,
+    steps: int = 2,
+) -> tuple[float, float]:
+    """(forward + backward seconds per micro-batch, CPU Adam seconds per parameter) of zoff's own engine on
+    this box: the configured builtin GPT at depths 1 and 2, stage 3 with every state in host memory
+    (zero3-offload: the gathers, hooks, reductions and fused CPU Adam of the disk tier's run, without its
+    disk), the rank's share of the cores, one warm-up step then the median of `steps`; scaled per layer.
+    A bare forward/backward of the model misses the engine's own work: 35% short at the 3.4B demo's shape."""
+    from zoff.config import OffloadOptimizerConfig, OffloadParamConfig
+    from zoff.engine import build_engine
+    from zoff.models import enable_activation_checkpointing, meta_model
 
     if model_cfg.name != "gpt":
         raise ValueError("the compute probe builds the builtin GPT only; give --compute-s for other models")
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    dtype = DTYPES[train_cfg.precision]
-    times = []
+    in_ram = dataclasses.replace(
+        zero, stage=3, offload_optimizer=OffloadOptimizerConfig(device="cpu"),
+        offload_param=OffloadParamConfig(device="cpu"),
+    )  # fmt: skip
+    fb, adam = [], []
     try:
         for depth in (1, 2):
-            torch.manual_seed(0)
-            model = build_model(dataclasses.replace(model_cfg, n_layer=depth)).to(device, dtype)
+            model = meta_model(dataclasses.replace(model_cfg, n_layer=depth))
             if train_cfg.activation_checkpointing:
                 enable_activation_checkpointing(model)
-            x = torch.randint(0, model_cfg.vocab_size, (data_cfg.batch_size, data_cfg.seq_len), device=device)
+            eng = build_engine(model, in_ram, train_cfg_optim(), precision=train_cfg.precision,
+                               grad_clip=train_cfg.grad_clip)  # fmt: skip
+            x = torch.randint(0, model_cfg.vocab_size, (data_cfg.batch_size, data_cfg.seq_len))
             runs = []
-            for _ in range(reps + 1):
+            for _ in range(steps + 1):
+                eng.zero_grad()
                 t0 = time.perf_counter()
-                model(x).float().logsumexp(-1).mean().backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                runs.append(time.perf_counter() - t0)
-            times.append(statistics.median(runs[1:]))
-            del model
+                eng.backward(eng.model(x).float().logsumexp(-1).mean())
+                t1 = time.perf_counter()
+                eng.step(1e-5)
+                runs.append((t1 - t0, time.perf_counter() - t1))
+            fb.append(statistics.median(r[0] for r in runs[1:]))
+            adam.append(statistics.median(r[1] for r in runs[1:]) / eng.plan.numel)
+            eng.close()
     finally:
         torch.set_num_threads(threads)
-    per_layer = max(0.0, times[1] - times[0])
-    return times[0] - per_layer + model_cfg.n_layer * per_layer
+    per_layer = max(0.0, fb[1] - fb[0])
+    return fb[0] - per_layer + model_cfg.n_layer * per_layer, adam[1]
+
+
+def train_cfg_optim():
+    """The optimizer section the probe steps with (its values do not change the time)."""
+    from zoff.config import OptimConfig
+
+    return OptimConfig()
 
 
 def probe_adam(precision: str, local_ranks: int, numel: int = 16 << 20, reps: int = 3) -> float:
@@ -170,11 +194,11 @@ def measure_rates(
 
     read, write, disk_src = disk_bandwidth(zero.offload_optimizer.nvme_path)
     if compute_s is None:
-        compute_s = probe_compute(model_cfg, data_cfg, train_cfg, local_ranks)
-        c_src = "compute: probed here (n_layer 1 and 2, scaled per layer)"
+        compute_s, adam = probe_engine(model_cfg, data_cfg, train_cfg, zero, local_ranks)
+        c_src = "compute: zoff's engine probed here (n_layer 1 and 2 in RAM, scaled per layer)"
     else:
+        adam = probe_adam(train_cfg.precision, local_ranks)
         c_src = "compute: --compute-s"
-    adam = probe_adam(train_cfg.precision, local_ranks)
     sources = (c_src, f"CPU Adam: probed here ({1e9 * adam:.2f} ns/param)", f"disk: {disk_src}")
     return Rates(compute_s, adam, read, write, sources)
 

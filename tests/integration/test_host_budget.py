@@ -17,7 +17,7 @@ from tests.harness import run_zoff, tiny_cfg
 from tests.integration.test_nvme import _engine_run
 from zoff.config import config_from_dict
 from zoff.engine import build_engine
-from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes, spread
+from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes
 from zoff.engine.policy import Policy, disk_traffic, grad_buffer_bytes, piece_bytes, subgroup_of
 from zoff.engine.state_swap import ring_size
 from zoff.errors import ConfigError, UserError
@@ -193,9 +193,12 @@ def test_a_run_resumes_bit_for_bit_at_another_budget(swap: Path, tmp_path: Path)
             assert torch.equal(again["params"][name], p), (other, name)
 
 
-def test_resident_pieces_are_spread_over_the_walk() -> None:
-    """So that the CPU Adam steps a resident piece while the disk reads the streamed ones after it."""
-    assert spread(10, 4) == (2, 4, 7, 9)
-    assert spread(5, 0) == () and spread(5, 5) == (0, 1, 2, 3, 4)
-    gaps = [b - a for a, b in zip(spread(513, 230), spread(513, 230)[1:])]
-    assert len(spread(513, 230)) == 230 and set(gaps) == {2, 3}  # one or two streamed between kept ones
+def test_the_budget_keeps_the_walks_first_pieces() -> None:
+    """Kept first, the resident pieces' parameter write-backs run while the disk has nothing else to do."""
+    from zoff.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "gpt-3b-nvme.yaml", ["model.n_layer=4"])
+    plan = memory.engine_plan(memory.meta_model(cfg.model), 3, 1, cfg.zero)
+    split = disk_split(plan, Policy.of(cfg.zero), cfg.zero, "bf16", False, 4 << 30)
+    assert 0 < split.resident_pieces < split.pieces
+    assert split.resident == tuple(range(split.resident_pieces))

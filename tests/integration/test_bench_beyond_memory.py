@@ -73,6 +73,11 @@ def test_bench_beyond_memory_tiny_gpt(disk_dir):
     check(r)
     assert r["estimate"]["policy"] == "zero3-nvme"
     assert not list((disk_dir / "swap").rglob("*.swap")), "swap files left behind"
+    # the floor, measured in the same job, and zoff estimate --time's prediction beside the step
+    assert "floor_error" not in r, r.get("floor_error")
+    assert r["floor"]["compute"]["depths"] == [2, 4] and r["floor"]["floor_s"] > 0
+    assert r["floor"]["step_to_floor"] == r["step_time_median_s"] / r["floor"]["floor_s"]
+    assert r["prediction"]["step_s"] == r["prediction"]["forward_backward_s"] + r["prediction"]["optimizer_s"]
 
 
 @pytest.mark.grid  # the default suite's time budget: the GPT case runs the same script there

@@ -202,17 +202,25 @@ def private_folder(folder: Path) -> None:
     a UserError naming it otherwise (a link planted on a shared disk would send the swap elsewhere)."""
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = os.lstat(folder)
     except OSError as e:
         raise os_error(e, f"zoff: cannot make the swap folder {folder}: {e.strerror}") from None
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise UserError(f"zoff: {problem}")
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why an existing `folder` is no place for this run's swap files (a link, not a folder, another user's);
+    None when it is fine or does not exist yet (zoff train's pre-flight asks before the engine makes it)."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return None
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise UserError(
-            f"zoff: {folder} is a link or not a folder; the disk tier swaps only into a real folder"
-        )
+        return f"{folder} is a link or not a folder; the disk tier swaps only into a real folder"
     if st.st_uid != os.getuid():
-        raise UserError(
-            f"zoff: {folder} belongs to another user (uid {st.st_uid}); remove it or use another path"
-        )
+        return f"{folder} belongs to another user (uid {st.st_uid}); remove it or use another path"
+    return None
 
 
 def filesystem_type(path: Path) -> str:

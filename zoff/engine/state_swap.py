@@ -12,7 +12,7 @@ The step walks the file in pieces: a unit, or a sub-group of at most io.subgroup
 A piece is three reads (its master, exp_avg and exp_avg_sq ranges) into one page-aligned buffer; up to five
 buffers rotate (ring_size): the piece being stepped, the next ones being read, the previous ones being written. Host
 memory: ring_size x the largest streamed piece's states, plus the pieces the host budget keeps in RAM
-(zero.offload_optimizer.host_budget, policy.disk_split), which the step never reads or writes.
+(zero.offload_optimizer.host_budget, host_budget.disk_split), which the step never reads or writes.
 """
 
 from __future__ import annotations
@@ -156,12 +156,24 @@ class SwappedStates:
         return b
 
     def _write(self, b: int, i: int) -> None:
-        tail = 4 * self.numel[i]
-        self.pending[b] = []
+        self.pending[b] = self._write_ranges(b, i)
+        self.contents[b] = i
+
+    def _write_ranges(self, b: int | None, i: int) -> list:
+        """Write piece i from buffer b (None: its resident home); the futures."""
+        tail, out = 4 * self.numel[i], []
         for region, off in self._ranges(b, i):
             region[tail:].zero_()  # the page's rest is the file's padding: zeros, so files are reproducible
-            self.pending[b] += self.file.write(region, off)
-        self.contents[b] = i
+            out += self.file.write(region, off)
+        return out
+
+    def _read_into(self, b: int | None, i: int) -> list:
+        """Start reading piece i into buffer b (None: its resident home); the futures."""
+        futures = [f for region, off in self._ranges(b, i) for f in self.file.read(region, off)]
+        if b is not None:
+            self.pending[b] = futures
+            self.contents[b], self.holds[i] = i, b
+        return futures
 
     def _fetch(self, i: int, exclude=()) -> int:
         """The buffer piece i is (being) read into: held already, still in a buffer, or read now."""
@@ -173,8 +185,7 @@ class SwappedStates:
                 self.holds[i] = b
                 return b
         b = self._free_buffer(exclude)
-        self.pending[b] = [f for region, off in self._ranges(b, i) for f in self.file.read(region, off)]
-        self.contents[b], self.holds[i] = i, b
+        self._read_into(b, i)
         return b
 
     def _read_ahead(self, i: int, current: int | None, wrap: bool = False) -> None:
@@ -199,9 +210,7 @@ class SwappedStates:
             idle = [b for b in range(self.n_buffers) if b != current and b not in held and self._idle(b)]
             if not idle:
                 return
-            b = min(idle, key=lambda b: self.used[b])
-            self.pending[b] = [f for region, off in self._ranges(b, j) for f in self.file.read(region, off)]
-            self.contents[b], self.holds[j] = j, b
+            self._read_into(min(idle, key=lambda b: self.used[b]), j)
 
     def _drain(self) -> None:
         for b in range(self.n_buffers):
@@ -271,7 +280,7 @@ class SwappedStates:
         resident pieces are written into the swap file first (their only writes: a checkpoint's cost)."""
         self._drain()
         for k in sorted(self.resident):
-            self.file.wait(self._write_resident(k))
+            self.file.wait(self._write_ranges(None, k))
         out = SwapFile(path, self.layout.nbytes, self.file.threads, self.file.request, swap=False)
         try:
             digest = copy_file(self.file, out, self.layout.nbytes)
@@ -301,16 +310,8 @@ class SwappedStates:
         finally:
             src.close(remove=False)
         for k in sorted(self.resident):  # the resident pieces from the copied file
-            self.file.wait([f for region, off in self._ranges(None, k) for f in self.file.read(region, off)])
+            self.file.wait(self._read_into(None, k))
         return digest
-
-    def _write_resident(self, k: int) -> list:
-        tail = 4 * self.numel[k]
-        out = []
-        for region, off in self._ranges(None, k):
-            region[tail:].zero_()
-            out += self.file.write(region, off)
-        return out
 
     def resident_bytes(self, shards: list[torch.Tensor]) -> int:
         return sum(b.nbytes for b in self.buffers) + (self.kept.nbytes if self.kept is not None else 0)

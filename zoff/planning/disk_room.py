@@ -15,6 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from zoff.config import Config
+from zoff.engine.disk_io import folder_problem
 from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (
@@ -48,13 +49,9 @@ def check_swap_path(cfg: Config, model: nn.Module) -> None:
         if not os.access(path, os.W_OK | os.X_OK):
             raise UserError(f"{key}: {path} is not writable")
         for rank in range(cfg.launch.nproc_per_node * cfg.launch.min_nodes):  # a rank folder planted there
-            folder = path / f"rank{rank}"
-            if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-                raise UserError(
-                    f"{key}: {folder} is a link or not a folder; the disk tier swaps only into a real folder"
-                )
-            if folder.exists() and folder.stat().st_uid != os.getuid():
-                raise UserError(f"{key}: {folder} belongs to another user; remove it or use another path")
+            problem = folder_problem(path / f"rank{rank}")
+            if problem is not None:
+                raise UserError(f"{key}: {problem}")
         need, free = cfg.launch.nproc_per_node * per_rank, shutil.disk_usage(path).free
         if need > free:
             raise UserError(

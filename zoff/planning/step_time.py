@@ -122,7 +122,7 @@ def probe_engine(
     (zero3-offload: the gathers, hooks, reductions and fused CPU Adam of the disk tier's run, without its
     disk), the rank's share of the cores, one warm-up step then the median of `steps`; scaled per layer.
     A bare forward/backward of the model misses the engine's own work: 35% short at the 3.4B demo's shape."""
-    from zoff.config import OffloadOptimizerConfig, OffloadParamConfig
+    from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig
     from zoff.engine import build_engine
     from zoff.models import enable_activation_checkpointing, meta_model
 
@@ -140,7 +140,7 @@ def probe_engine(
             model = meta_model(dataclasses.replace(model_cfg, n_layer=depth))
             if train_cfg.activation_checkpointing:
                 enable_activation_checkpointing(model)
-            eng = build_engine(model, in_ram, train_cfg_optim(), precision=train_cfg.precision,
+            eng = build_engine(model, in_ram, OptimConfig(), precision=train_cfg.precision,
                                grad_clip=train_cfg.grad_clip)  # fmt: skip
             x = torch.randint(0, model_cfg.vocab_size, (data_cfg.batch_size, data_cfg.seq_len))
             runs = []
@@ -158,13 +158,6 @@ def probe_engine(
         torch.set_num_threads(threads)
     per_layer = max(0.0, fb[1] - fb[0])
     return fb[0] - per_layer + model_cfg.n_layer * per_layer, adam[1]
-
-
-def train_cfg_optim():
-    """The optimizer section the probe steps with (its values do not change the time)."""
-    from zoff.config import OptimConfig
-
-    return OptimConfig()
 
 
 def probe_adam(precision: str, local_ranks: int, numel: int = 16 << 20, reps: int = 3) -> float:

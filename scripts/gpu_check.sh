@@ -8,7 +8,9 @@
 # every ZeRO recipe, and the CPU Adam benchmark. Each step's output goes to DIR/<step>.log; the table goes to
 # stdout, DIR/summary.md and DIR/summary.json. Exit 0 if every step passed, 1 if one failed, 2 for a usage
 # error or a machine without CUDA. --dry-run prints the environment and the commands, runs nothing.
-# PYTHON picks the interpreter (default: python); it must import torch and zoff.
+# PYTHON picks the interpreter (default: python); it must import torch and zoff. GPU_CHECK_STEP_S bounds each
+# step (default 600 s; exit 124 in the table when a step runs past it): a hung collective costs one step,
+# not the machine's lease. ZOFF_COMMIT names the commit where the tree has no .git (a copied checkout).
 set -uo pipefail
 
 usage="usage: scripts/gpu_check.sh [--dry-run] [--out DIR]"
@@ -72,8 +74,11 @@ steps+=("train-zero2-nvme|zoff train zero2-nvme (world $world)|mkdir -p $(q "$ou
 steps+=("offload-device-bytes|offload: device bytes vs the estimate|$pytest -s -m cuda tests/gpu/test_cuda_paths.py -k test_offload_keeps_no_gradient_shard_on_the_device")
 steps+=("bench-adam|CPU Adam benchmark (host)|$(q "$py") scripts/bench_adam.py --sizes 16M,64M --rounds 5 --out $(q "$out/bench_adam.json")")
 
-commit=$(git rev-parse --short HEAD 2>/dev/null) || commit=unknown
-[[ $commit != unknown ]] && ! git diff --quiet HEAD 2>/dev/null && commit+="-dirty"  # local edits are not HEAD
+if commit=$(git rev-parse --short HEAD 2>/dev/null); then
+    ! git diff --quiet HEAD 2>/dev/null && commit+="-dirty"  # local edits are not HEAD
+else
+    commit=${ZOFF_COMMIT:-unknown}
+fi
 header="$(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname), GPU: $gpus, torch $torch_v, CUDA $cuda_v, commit $commit"
 
 if ((dry)); then
@@ -101,8 +106,9 @@ for s in "${steps[@]}"; do
     [[ $slug == train-* ]] && rm -rf "${out:?}/$slug"  # a fresh run dir: no stale metrics or checkpoints
     printf '%-45s ' "$name" >&2
     t0=$(date +%s.%N)
-    bash -c "$cmd" >"$log" 2>&1
+    timeout -k 10 "${GPU_CHECK_STEP_S:-600}" bash -c "$cmd" >"$log" 2>&1
     rc=$?
+    ((rc == 124)) && echo "gpu_check: step stopped after GPU_CHECK_STEP_S=${GPU_CHECK_STEP_S:-600} s" >>"$log"
     secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.0f", b - a }')
     # The one-line result: pytest's summary line, the run's summary.json, or the benchmark's ratios.
     case $slug in

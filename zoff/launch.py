@@ -40,13 +40,30 @@ def threads_per_rank(launch: LaunchConfig, local_world: int) -> int:
     return launch.threads_per_rank or max(1, cores_available() // max(1, local_world))
 
 
+TORCH_STOP_GRACE_S = 30  # torch < 2.12: PContext.close's fixed wait before SIGKILL, which no setting changes
+
+
 def check_torch() -> None:
     """The torch this launcher needs (pyproject.toml says why), checked before anything is written."""
-    if "shutdown_timeout" not in ElasticConfig.__dataclass_fields__:
+    if "signals_to_handle" not in ElasticConfig.__dataclass_fields__:
         raise UserError(
-            f"zoff needs torch 2.12 or later (this is {torch.__version__}): its elastic launcher is the first "
-            "that waits for a stop's checkpoint and lets a second signal kill the ranks"
+            f"zoff needs torch 2.11 or later (this is {torch.__version__}): its elastic launcher is the first "
+            "that lets a second signal kill the ranks"
         )
+
+
+def stop_grace_note(lc: LaunchConfig) -> str | None:
+    """What a stop really gets on a torch whose launcher has no shutdown_timeout (2.11), or None.
+
+    torch 2.11 gives the ranks a fixed 30 s between the stop signal and SIGKILL: a checkpoint that takes
+    longer is cut off, so the start-up says so rather than promising launch.shutdown_timeout_s.
+    """
+    if "shutdown_timeout" in ElasticConfig.__dataclass_fields__ or lc.shutdown_timeout_s <= TORCH_STOP_GRACE_S:
+        return None
+    return (
+        f"zoff: torch {torch.__version__} gives stopped ranks {TORCH_STOP_GRACE_S} s to checkpoint before "
+        f"SIGKILL, not launch.shutdown_timeout_s={lc.shutdown_timeout_s} (torch 2.12 or later honours it)"
+    )
 
 
 def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
@@ -77,9 +94,13 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         max_restarts=lc.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
-        shutdown_timeout=lc.shutdown_timeout_s,  # on SIGTERM/SIGINT, ranks finish the step and checkpoint first
         signals_to_handle=StopSignals.LEFT_TO_TORCH,  # SIGTERM and SIGINT are StopSignals' (below)
+        # on SIGTERM/SIGINT, ranks finish the step and checkpoint first (torch 2.11 has a fixed 30 s)
+        **({"shutdown_timeout": lc.shutdown_timeout_s} if "shutdown_timeout" in ElasticConfig.__dataclass_fields__ else {}),
     )
+    note = stop_grace_note(lc)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
     # torch 2.13 reuses the rendezvous store across restarts without a per-attempt prefix, so a restarted
     # rank can read the previous attempt's addresses and hang or be refused; a fresh store per attempt avoids it.

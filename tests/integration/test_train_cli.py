@@ -168,7 +168,7 @@ def test_plan_and_summary_compare_model_states_with_plain_data_parallelism(run2)
 
 
 def test_a_torch_older_than_the_launcher_needs_is_one_line(tmp_path, monkeypatch):
-    """torch < 2.12: its elastic LaunchConfig has no shutdown_timeout; zoff says so instead of a TypeError."""
+    """torch < 2.11: its elastic LaunchConfig has no signals_to_handle; zoff says so instead of a TypeError."""
     import dataclasses
 
     import zoff.cli
@@ -182,7 +182,7 @@ def test_a_torch_older_than_the_launcher_needs_is_one_line(tmp_path, monkeypatch
         nproc_per_node: int
 
     monkeypatch.setattr(zoff.launch, "ElasticConfig", OldLaunchConfig)
-    with pytest.raises(UserError, match=r"zoff needs torch 2\.12 or later \(this is "):
+    with pytest.raises(UserError, match=r"zoff needs torch 2\.11 or later \(this is "):
         zoff.launch.launch(config_from_dict({}), tmp_path)
     # zoff train checks it before the run directory is made
     monkeypatch.setattr(
@@ -193,3 +193,23 @@ def test_a_torch_older_than_the_launcher_needs_is_one_line(tmp_path, monkeypatch
     with pytest.raises(SystemExit) as exited:
         zoff.cli.main()
     assert exited.value.code == 2 and not (tmp_path / "run").exists()
+
+
+def test_torch_2_11_stop_grace_is_said_at_start(monkeypatch):
+    """torch 2.11's launcher has no shutdown_timeout: a stop gets its fixed 30 s, and the start-up says so."""
+    import dataclasses
+
+    import zoff.launch
+
+    @dataclasses.dataclass
+    class LaunchConfig211:  # torch 2.11: signals_to_handle, no shutdown_timeout
+        min_nodes: int
+        signals_to_handle: str = ""
+
+    lc = config_from_dict({"launch": {"shutdown_timeout_s": 300}}).launch
+    assert zoff.launch.stop_grace_note(lc) is None  # this torch honours the setting
+    monkeypatch.setattr(zoff.launch, "ElasticConfig", LaunchConfig211)
+    zoff.launch.check_torch()  # accepted
+    note = zoff.launch.stop_grace_note(lc)
+    assert note and "30 s to checkpoint before SIGKILL, not launch.shutdown_timeout_s=300" in note
+    assert zoff.launch.stop_grace_note(config_from_dict({"launch": {"shutdown_timeout_s": 20}}).launch) is None

@@ -10,7 +10,7 @@
 # error or a machine without CUDA. --dry-run prints the environment and the commands, runs nothing.
 # PYTHON picks the interpreter (default: python); it must import torch and zoff. GPU_CHECK_STEP_S bounds each
 # step (default 600 s; exit 124 in the table when a step runs past it): a hung collective costs one step,
-# not the machine's lease. ZOFF_COMMIT names the commit where the tree has no .git (a copied checkout).
+# not the machine's lease. ZOFF_COMMIT names the commit of a copied tree (its .git, if any, may be another's).
 set -uo pipefail
 
 usage="usage: scripts/gpu_check.sh [--dry-run] [--out DIR]"
@@ -74,10 +74,13 @@ steps+=("train-zero2-nvme|zoff train zero2-nvme (world $world)|mkdir -p $(q "$ou
 steps+=("offload-device-bytes|offload: device bytes vs the estimate|$pytest -s -m cuda tests/gpu/test_cuda_paths.py -k test_offload_keeps_no_gradient_shard_on_the_device")
 steps+=("bench-adam|CPU Adam benchmark (host)|$(q "$py") scripts/bench_adam.py --sizes 16M,64M --rounds 5 --out $(q "$out/bench_adam.json")")
 
-if commit=$(git rev-parse --short HEAD 2>/dev/null); then
+# ZOFF_COMMIT first: a copied tree can carry a .git that is not the copy's commit.
+if [[ -n ${ZOFF_COMMIT:-} ]]; then
+    commit=$ZOFF_COMMIT
+elif commit=$(git rev-parse --short HEAD 2>/dev/null); then
     ! git diff --quiet HEAD 2>/dev/null && commit+="-dirty"  # local edits are not HEAD
 else
-    commit=${ZOFF_COMMIT:-unknown}
+    commit=unknown
 fi
 header="$(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname), GPU: $gpus, torch $torch_v, CUDA $cuda_v, commit $commit"
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.harness import (
+    BACKEND,
     assert_close_losses,
     assert_close_params,
     reference_run,
@@ -59,6 +60,7 @@ def _bucketed_rank_many(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
     return zoff_rank_many(rank, world, cfgs)
 
 
+@pytest.mark.skipif(BACKEND == "nccl", reason="over NCCL both runs take the bucket path: nothing to compare")
 def test_bucketed_reduction_equals_direct(gpt_runs) -> None:
     """NCCL's path (copy into pooled buckets, one flat reduce-scatter) sums in the same order as gloo's
     per-parameter sends, so the two give the same bits; this keeps the bucket code tested on CPU."""
@@ -75,7 +77,8 @@ def test_bucketed_reduction_equals_direct(gpt_runs) -> None:
 
 @pytest.fixture(scope="module")
 def user_runs() -> tuple[list[dict], dict]:
-    return run_zoff_many([_user(s) for s in STAGES], 2), reference_run(config_from_dict(_user(0)), 2)
+    world = worlds_under_test((2,))[0]  # gpu_check.sh: one rank per GPU (NCCL refuses two ranks on one)
+    return run_zoff_many([_user(s) for s in STAGES], world), reference_run(config_from_dict(_user(0)), world)
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -133,23 +133,6 @@ print("; ".join(vs) + (" (targets: %d/%d pass)" % (sum(t.values()), len(t)) if t
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$res" "$cmd" >>"$rows"
 done
 
-# Render the table with python (JSON and markdown escaping are not bash's strengths).
-"$py" - "$out" "$header" <<'EOF'
-import json, sys
-from pathlib import Path
-out, header = Path(sys.argv[1]), sys.argv[2]
-keys = ("step", "exit", "seconds", "result", "command")
-steps = [dict(zip(keys, ln.split("\t"))) for ln in (out / "steps.tsv").read_text().splitlines()]
-for s in steps:
-    s["exit"], s["seconds"] = int(s["exit"]), int(s["seconds"])
-ok = all(s["exit"] == 0 for s in steps)
-cell = lambda v: str(v).replace("|", "\\|")
-md = [f"zoff gpu_check: {header}", "", "| step | exit | s | result |", "|---|---:|---:|---|"]
-md += [f"| {cell(s['step'])} | {s['exit']} | {s['seconds']} | {cell(s['result'])} |" for s in steps]
-md += ["", f"{'all steps passed' if ok else 'FAILED: see the logs in ' + str(out)}"]
-(out / "summary.md").write_text("\n".join(md) + "\n")
-(out / "summary.json").write_text(json.dumps({"header": header, "passed": ok, "steps": steps}, indent=2) + "\n")
-print("\n".join(md))
-sys.exit(0 if ok else 1)
-EOF
+# The table: summary.json and summary.md (scripts/gpu_check_report.py, which also renders docs/gpus.md).
+"$py" scripts/gpu_check_report.py "$out" "$header"
 exit $(($? == 0 ? 0 : 1))  # 1 also where the table itself could not be written

@@ -58,7 +58,10 @@ def stop_grace_note(lc: LaunchConfig) -> str | None:
     torch 2.11 gives the ranks a fixed 30 s between the stop signal and SIGKILL: a checkpoint that takes
     longer is cut off, so the start-up says so rather than promising launch.shutdown_timeout_s.
     """
-    if "shutdown_timeout" in ElasticConfig.__dataclass_fields__ or lc.shutdown_timeout_s <= TORCH_STOP_GRACE_S:
+    if (
+        "shutdown_timeout" in ElasticConfig.__dataclass_fields__
+        or lc.shutdown_timeout_s <= TORCH_STOP_GRACE_S
+    ):
         return None
     return (
         f"zoff: torch {torch.__version__} gives stopped ranks {TORCH_STOP_GRACE_S} s to checkpoint before "
@@ -96,7 +99,11 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         start_method="spawn",
         signals_to_handle=StopSignals.LEFT_TO_TORCH,  # SIGTERM and SIGINT are StopSignals' (below)
         # on SIGTERM/SIGINT, ranks finish the step and checkpoint first (torch 2.11 has a fixed 30 s)
-        **({"shutdown_timeout": lc.shutdown_timeout_s} if "shutdown_timeout" in ElasticConfig.__dataclass_fields__ else {}),
+        **(
+            {"shutdown_timeout": lc.shutdown_timeout_s}
+            if "shutdown_timeout" in ElasticConfig.__dataclass_fields__
+            else {}
+        ),
     )
     note = stop_grace_note(lc)
     if note:

@@ -88,18 +88,27 @@ def test_the_estimate_shows_the_split_and_the_disk_bytes_it_leaves(swap: Path) -
             "offload_optimizer": {"device": "nvme", "nvme_path": str(swap), "io": {"threads": 2, "request_mb": 1}}}  # fmt: skip
     base = config_from_dict(tiny_cfg(zero=zero, model=MODEL), ["zero.offload_optimizer.host_budget=min"])
     plan = memory.engine_plan(memory.meta_model(base.model), 2, 1, base.zero)
-    part = f"{_partial_budget(plan, base.zero, 'fp32', True)}B"
+    at_min = memory.estimate(base.model, base.data, base.train, base.zero, 1, 1, "cpu").get(Policy(2, "nvme"))
+    # on a CPU host the budget holds the rank's "device" bytes too (parameters, buffers, activations)
+    reserved = memory.host_reserved(at_min.gpu, at_min.cpu, "cpu")
+    assert reserved >= sum(at_min.gpu.values()) > 0
+    part = f"{_partial_budget(plan, base.zero, 'fp32', True) + reserved}B"
     rows = {}
     for budget in ("min", part, "auto"):
         cfg = config_from_dict(
             tiny_cfg(zero=zero, model=MODEL), [f"zero.offload_optimizer.host_budget={budget}"]
         )
         row = memory.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 1, "cpu").get(Policy(2, "nvme"))
-        eng = build_engine(memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=0.5, grad_accum=2)
+        assert memory.rank_split(cfg, 1, 1, "cpu") == row.split  # what zoff train hands the engine
+        eng = build_engine(
+            memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=0.5, grad_accum=2,
+            host_reserved=row.split.reserved,
+        )  # fmt: skip
         assert row.split == eng.split, budget
         assert row.cpu["optimizer_states"] == eng.memory_report()["cpu_optimizer_states"]
         eng.close()
         rows[budget] = row
+    assert rows[part].split.reserved == rows["auto"].split.reserved == reserved
     assert rows["min"].split.resident_pieces == 0
     assert 0 < rows[part].split.resident_pieces < rows[part].split.pieces
     assert rows["min"].disk_read > rows[part].disk_read > rows["auto"].disk_read == 0
@@ -110,6 +119,33 @@ def test_the_estimate_shows_the_split_and_the_disk_bytes_it_leaves(swap: Path) -
     assert (rows[part].disk_read, rows[part].disk_written) == disk_traffic(
         plan, Policy(2, "nvme"), subgroup_of(cfg.zero), "fp32", 2, grads, split
     )
+
+
+def test_the_rank_s_other_host_memory_counts_against_the_budget(swap: Path) -> None:
+    """host_reserved (on a CPU host the device working set) comes off the budget before the states: a budget
+    that holds every state alone keeps fewer beside it, and one that holds only the working set beside it
+    streams every state (no error: the size holds the tier's working set); the plan line says so."""
+    cfg = config_from_dict(
+        tiny_cfg(
+            zero={
+                "stage": 2,
+                "reduce_bucket_size": 3000,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
+            },
+            model=MODEL,
+        )
+    )
+    plan = memory.engine_plan(memory.meta_model(cfg.model), 2, 1, cfg.zero)
+    sizes = piece_bytes(plan, subgroup_of(cfg.zero))
+    working = ring_size(len(sizes)) * max(sizes) + grad_buffer_bytes(plan, 4)
+    budget = working + sum(sizes)  # every state, beside the working set
+    split = disk_split(plan, Policy(2, "nvme"), cfg.zero, "fp32", True, budget)
+    assert split.all_resident and split.reserved == 0
+    fewer = disk_split(plan, Policy(2, "nvme"), cfg.zero, "fp32", True, budget, reserved=working)
+    assert 0 < fewer.resident_pieces < split.resident_pieces and fewer.reserved == working
+    none = disk_split(plan, Policy(2, "nvme"), cfg.zero, "fp32", True, working, reserved=10 * budget)
+    assert none.resident_pieces == 0 and none.budget == working and none.grads_on_disk
+    assert "counted against it" in none.describe()
 
 
 def test_auto_is_the_host_less_its_margin_split_over_the_ranks() -> None:

@@ -24,7 +24,8 @@ def build_engine(model: nn.Module, zero: ZeroConfig, optim: OptimConfig, **optio
     """Wrap `model` for the ZeRO policy in `zero`; call on every rank after the process group is up.
 
     `options` are ZeroEngine's keywords: precision ("fp32"), grad_clip (0), grad_accum (1), device (cpu),
-    comm (this process's group). An invalid policy is a ConfigError naming the key. Also switches this
+    comm (this process's group), host_reserved (0: the rank's host bytes besides the disk tier's, which
+    zero.offload_optimizer.host_budget holds too). An invalid policy is a ConfigError naming the key. Also switches this
     process's allocator to mmap large buffers (pool.mmap_large_allocations): without it a stage-3 rank's peak
     memory grows with the freed gathers; constructing ZeroEngine directly skips that.
     """

@@ -54,6 +54,7 @@ class DiskSplit:
     budget: int | None = None  # bytes per rank; None: min (only the working set)
     resident_bytes: int = 0  # the resident pieces' states
     states_bytes: int = 0  # every piece's states (the optimizer's swap file, less its header)
+    reserved: int = 0  # of the budget, the rank's host memory besides the disk tier's (see disk_split)
 
     @property
     def resident_pieces(self) -> int:
@@ -66,6 +67,8 @@ class DiskSplit:
     def describe(self) -> str:
         """One line for the start-up plan and `zoff estimate`: where the budget put the states and gradients."""
         budget = "min (only the working set)" if self.budget is None else f"{human(self.budget)} per rank"
+        if self.budget is not None and self.reserved:
+            budget += f" ({human(self.reserved)} of the rank's other host memory counted against it)"
         grads = "on disk" if self.grads_on_disk else "in RAM"
         return (
             f"host budget {budget}: {human(self.resident_bytes)} of {human(self.states_bytes)} of optimizer "
@@ -76,7 +79,7 @@ class DiskSplit:
 
 def disk_split(
     plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, accumulating: bool,
-    budget: int | None,
+    budget: int | None, reserved: int = 0,
 ) -> DiskSplit:  # fmt: skip
     """How the disk tier spends `budget` bytes of RAM per rank (host_budget_bytes): first on optimizer states
     (each byte kept saves a byte read and a byte written in the step itself), the walk's first pieces; the
@@ -84,8 +87,12 @@ def disk_split(
     write happens during backward, its read in the step). What must be in RAM whatever the budget (the ring
     for streamed pieces, the gradient buffers or a gradient shard grad_device cpu or delay_update keeps in
     RAM) is the working set; a size below it is a UserError naming the key (auto falls back to min: the
-    estimate then says whether that fits). Placement only: every tier
-    computes the same numbers."""
+    estimate then says whether that fits).
+
+    `reserved`: the rank's other host memory, which the budget holds as well (planning.memory's
+    host_reserved: on a CPU-only host the "device" working set, parameters offloaded to CPU, pinned staging),
+    so that the whole rank stays within the budget; the tier keeps what is left, and only its working set
+    when that is less. Placement only: every tier computes the same numbers."""
     oo = zero.offload_optimizer
     if policy.offload_optimizer != "nvme":
         return DiskSplit()
@@ -97,12 +104,14 @@ def disk_split(
     buffers = grad_buffer_bytes(plan, itemsize)
     if budget is None:
         return DiskSplit((), len(sizes), not ram_forced, None, 0, sum(sizes))
-    states = sum(sizes)
-    if not disk_forced and states + shard <= budget:
-        return DiskSplit(tuple(range(len(sizes))), len(sizes), False, budget, sum(sizes), sum(sizes))
+    states, left = sum(sizes), budget - reserved
+    if not disk_forced and states + shard <= left:
+        return DiskSplit(tuple(range(len(sizes))), len(sizes), False, budget, states, states, reserved)
     grads = shard if ram_forced else buffers
-    if states + grads <= budget:
-        return DiskSplit(tuple(range(len(sizes))), len(sizes), not ram_forced, budget, sum(sizes), sum(sizes))
+    if states + grads <= left:
+        return DiskSplit(
+            tuple(range(len(sizes))), len(sizes), not ram_forced, budget, states, states, reserved
+        )
     ring = ring_size(len(sizes)) * max(sizes)
     room = budget - grads - ring
     if room < 0 and oo.host_budget.strip().lower() == "auto":  # a small host: the working set, as min
@@ -114,12 +123,13 @@ def disk_split(
             f"set, {human(grads + ring)} (the ring of sub-group buffers {human(ring)} and the {what} "
             f"{human(grads)}); give at least that, or min"
         )
+    room -= reserved  # below the working set: the working set alone (every state streamed)
     resident = 0  # the walk's first pieces (see below for why not spread over it)
     while resident < len(sizes) and sizes[resident] <= room:
         room -= sizes[resident]
         resident += 1
     kept = sum(sizes[:resident])
-    return DiskSplit(tuple(range(resident)), len(sizes), not ram_forced, budget, kept, sum(sizes))
+    return DiskSplit(tuple(range(resident)), len(sizes), not ram_forced, budget, kept, states, reserved)
 
 
 # Why the first pieces and not pieces spread over the walk (where the CPU Adam would step a resident piece

@@ -58,6 +58,7 @@ class ZeroEngine(EngineReports):
         grad_accum: int = 1,
         comm: Comm | None = None,
         device: torch.device | None = None,
+        host_reserved: int = 0,
     ):
         self.comm = comm or Comm()
         self.stage = zero.stage
@@ -70,10 +71,12 @@ class ZeroEngine(EngineReports):
         self.accum_dtype = torch.float32 if policy.shard_accum_fp32(grad_accum > 1) else self.dtype
         self.rank = policy.rank_in_partition(self.comm.rank)  # stage 0: one partition that every rank owns
         self.plan = engine_plan(model, self.stage, self.comm.world, zero)
-        # the disk tier's host budget: what of its states (and gradients) stays in RAM (a pure value)
+        # the disk tier's host budget: what of its states (and gradients) stays in RAM (a pure value);
+        # host_reserved is the rest of the rank's host memory, which the budget holds too (the trainer passes
+        # what `zoff estimate` computes: planning.memory.rank_split)
         self.split = disk_split(
             self.plan, policy, zero, precision, grad_accum > 1,
-            host_budget_bytes(zero.offload_optimizer, mem_total(), _local_ranks(self.comm.world)),
+            host_budget_bytes(zero.offload_optimizer, mem_total(), _local_ranks(self.comm.world)), host_reserved,
         )  # fmt: skip
         self.model, self.deferred = prepare_model(model, self.device, self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")

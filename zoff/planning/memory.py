@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
-from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
+from zoff.config import Config, DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes, mem_total
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (  # the policy table and its memory terms, which the engine reads as well
@@ -242,17 +242,26 @@ def estimate(
     out = []
     for pol in POLICIES:
         plan = plans[{2: 1}.get(pol.stage, pol.stage)]  # stages 1 and 2 share one plan
-        split = disk_split(plan, pol, zero_cfg, precision, accumulating, budget)
-        gpu, cpu = model_states(
-            plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision, pol), device_type=device_type,
-            fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
-            delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
-            subgroup=subgroup_of(zero_cfg), split=split,
-        )  # fmt: skip
-        cpu["staging"] = host_staging(pol, zero_cfg, device_type)
+
+        def states(split: DiskSplit, plan=plan, pol=pol) -> tuple[dict[str, int], dict[str, int]]:
+            gpu, cpu = model_states(
+                plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision, pol), device_type=device_type,
+                fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
+                delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
+                subgroup=subgroup_of(zero_cfg), split=split,
+            )  # fmt: skip
+            cpu["staging"] = host_staging(pol, zero_cfg, device_type)
+            gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
+            gpu["activations"] = acts[pol.activation_checkpointing].peak
+            return gpu, cpu
+
+        gpu, cpu = states(DiskSplit())
+        split = disk_split(
+            plan, pol, zero_cfg, precision, accumulating, budget, host_reserved(gpu, cpu, device_type)
+        )
+        if split != DiskSplit():
+            gpu, cpu = states(split)
         pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, device_type)
-        gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
-        gpu["activations"] = acts[pol.activation_checkpointing].peak
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
         grads = grad_disk_bytes(plan, pol, split, accumulating, precision)
         disk = disk_bytes(plan, pol, precision, grads)
@@ -271,6 +280,23 @@ def estimate(
         total, trainable, world, gpus_per_node, nodes, precision, acts[False].method, tuple(out),
         {"cpu_bytes_per_node": gpus_per_node * fp32_model, "gpu_bytes": on_device}, tuple(notes),
     )  # fmt: skip
+
+
+def host_reserved(gpu: dict[str, int], cpu: dict[str, int], device_type: str) -> int:
+    """A rank's host memory besides the disk tier's, which zero.offload_optimizer.host_budget holds too:
+    on a CPU-only host its "device" bytes (parameters, gather buffers, activations: the host is the device),
+    and everywhere the parameter shards offloaded to CPU and the pinned staging buffers (per-rank dicts of
+    one policy's estimate, before the split)."""
+    device = sum(gpu.values()) if device_type == "cpu" else 0
+    return device + cpu.get("params", 0) + cpu.get("staging", 0)
+
+
+def rank_split(cfg: Config, world: int, local_ranks: int, device_type: str) -> DiskSplit:
+    """The split `zoff estimate` prints for cfg's policy at this world: what the engine of a rank of the run
+    gets (build_engine's host_reserved is its .reserved), so train and estimate place the same bytes."""
+    nodes = max(1, world // max(1, local_ranks))
+    est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, max(1, local_ranks), nodes, device_type)
+    return est.get(Policy.of(cfg.zero, cfg.train.activation_checkpointing)).split
 
 
 def suggest_policy(est: Estimate, budget: Budget) -> tuple[PolicyEstimate | None, str]:

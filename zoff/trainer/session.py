@@ -58,6 +58,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         grad_accum=accum,
         device=device,
         comm=comm,
+        host_reserved=_host_reserved(cfg, comm.world, device),
     )
     if cfg.data.format == "text":
         corpus, stream = load_corpus(cfg.data, cfg.train.seed), GlobalBatches
@@ -176,6 +177,17 @@ def _disk_text(mem: dict[str, int], fmt) -> str:
         if mem.get(k)
     ]
     return f"; disk {' and '.join(parts)}" if parts else ""
+
+
+def _host_reserved(cfg: Config, world: int, device: torch.device) -> int:
+    """The rank's host memory besides the disk tier's, as `zoff estimate` computes it: the host budget holds it
+    too, so a run's RSS stays within zero.offload_optimizer.host_budget (plus the interpreter)."""
+    if cfg.zero.offload_optimizer.device != "nvme":
+        return 0
+    from zoff.planning.memory import rank_split  # (planning reads the engine; only the disk tier needs it)
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank_split(cfg, world, local, device.type).reserved
 
 
 def model_state_bytes(engine: ZeroEngine) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""bench_beyond_memory.py with the disk tier's host budget forced to 2 GiB: every optimizer state but 1.3 GiB
-of the 3.4B demo's 38 GiB on disk (issue 32's "budget forced small" figures). Its own JSON, same table.
+"""bench_beyond_memory.py with the rank's host budget forced to 2 GiB: on this CPU host the model's working
+memory (gathered blocks, activations) takes most of it, so every optimizer state of the 3.4B demo streams from
+disk (issue 32's "budget forced small" figures). Its own JSON, same table.
 
     python scripts/bench_beyond_memory_2g.py [bench_beyond_memory.py's flags]
     python scripts/bench_beyond_memory_2g.py --render

@@ -7,6 +7,7 @@ every component downstream receives its own section and trusts it.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from importlib import resources
 from pathlib import Path
@@ -269,6 +270,9 @@ def _check_cross_section(cfg: Config) -> None:
         len(parts) == 2 and int(parts[0]) > int(parts[1])
     ):
         raise ConfigError(f"launch.nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX, got {nn!r}")
+    iface = cfg.launch.interface
+    if iface is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}", iface):
+        raise ConfigError(f"launch.interface: expected a network interface name such as eth0, got {iface!r}")
     ep = cfg.launch.rdzv_endpoint
     if ep is not None:
         host, _, port = ep.rpartition(":")

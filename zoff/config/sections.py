@@ -206,7 +206,12 @@ class LaunchConfig:
     nproc_per_node: int = field(default=2, metadata=_rng(1, 1024))
     nnodes: str = "1"  # N or MIN:MAX
     node_rank: int = field(default=0, metadata=_rng(0))
-    rdzv_endpoint: str | None = None  # HOST:PORT; None runs a standalone rendezvous on this node
+    rdzv_endpoint: str | None = (
+        None  # HOST:PORT; None runs a standalone rendezvous on this node (loopback only)
+    )
+    # across nodes: the network interface (e.g. eth1) the ranks' gloo/NCCL sockets use; None: the libraries'
+    # choice. A single node always uses loopback.
+    interface: str | None = None
     max_restarts: int = field(default=0, metadata=_rng(0))
     threads_per_rank: int | None = field(default=None, metadata=_rng(1))  # None: cores / local ranks
     timeout_s: float = field(default=600.0, metadata=_rng(1.0))  # a collective waiting longer is an error

@@ -81,7 +81,7 @@ def train(
         print(why, flush=True)
     out_dir = Path(run_dir or cfg.log.run_dir) if (run_dir or cfg.log.run_dir) else None
     if resume is not None:
-        _check_resume(resume, cfg, out_dir)
+        resume = _check_resume(resume, cfg, out_dir)
     if out_dir is None:
         out_dir = Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     from zoff.planning.disk_room import check_checkpoint_room
@@ -215,13 +215,19 @@ def convert(
         "--base",
         help="A run started from model.path whose base folder moved: where it is now (its checksum is checked)",
     ),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Let the checkpoint's config name code to run (model.name python:..., a Hub model's own code); "
+        "off: a received checkpoint is data",
+    ),
 ) -> None:
     """Merge a sharded checkpoint into one state dict with exactly model.state_dict()'s keys.
 
     A checkpoint of a run started from model.path reads its frozen weights from that folder."""
     from zoff.checkpoint.convert import convert as run
 
-    files = run(checkpoint, out, fmt, dtype, max_shard_size, merge, base)
+    files = run(checkpoint, out, fmt, dtype, max_shard_size, merge, base, trust_remote_code)
     print(f"zoff: wrote {len(files)} file(s) to {out}")
 
 
@@ -331,9 +337,12 @@ def _preflight(cfg: Config) -> nn.Module:
     return model
 
 
-def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> None:
-    """Find and fully verify the checkpoint now: a bad one is a one-line error before any rank starts."""
-    from zoff.checkpoint.format import find_checkpoint, read_manifest
+def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> str | None:
+    """Find and fully verify the checkpoint now: a bad one is a one-line error before any rank starts.
+
+    auto: the newest intact checkpoint, every newer one skipped with a line saying why; returns what the
+    ranks load (that folder; None: none yet, start fresh)."""
+    from zoff.checkpoint.format import find_checkpoint, newest_intact, read_manifest
 
     if resume == "auto":
         if cfg.checkpoint.dir is None and run_dir is None:
@@ -341,13 +350,22 @@ def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> None:
                 "--resume auto: needs --run-dir (or checkpoint.dir) to know where checkpoints are"
             )
         ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-        path = find_checkpoint("auto", ckpt_dir)
+        path, skipped = newest_intact(ckpt_dir, verify=True)
+        for line in skipped:
+            print(f"zoff: --resume auto: {line}", flush=True)
+        if path is None and skipped:
+            raise UserError(
+                f"--resume auto: no intact checkpoint in {ckpt_dir} ({len(skipped)} skipped, above); "
+                "start afresh without --resume, or repair one"
+            )
         if path is None:
             print(f"zoff: no checkpoint in {ckpt_dir}: starting fresh", flush=True)
-            return
-    else:
-        path = find_checkpoint(resume, Path("."))
+            return None
+        print(f"zoff: --resume auto: resuming from {path}", flush=True)
+        return str(path)
+    path = find_checkpoint(resume, Path("."))
     read_manifest(path, verify=True)
+    return resume
 
 
 def _make_run_dir(run_dir: Path) -> Path:

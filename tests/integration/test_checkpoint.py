@@ -64,7 +64,9 @@ def test_layout_and_manifest(saved: Path) -> None:
     ]  # fmt: skip
     m = json.loads((step / "manifest.json").read_text())
     assert (m["format_version"], m["step"], m["world_size"], m["zero_stage"]) == (2, 4, 2, 2)
-    assert set(m["files"]) == set(names) - {"manifest.json", "config.yaml"}
+    assert set(m["files"]) == set(names) - {"manifest.json"}  # config.yaml is checksummed too
+    modes = {(step / n).stat().st_mode & 0o777 for n in names if n != "manifest.json"}
+    assert len(modes) == 1, modes  # one mode for every file (0666 less the umask)
     wte = next(p for p in m["params"] if "wte.weight" in p["names"])
     assert wte["shape"] == [256, 32] and "lm_head.weight" in wte["names"]
     assert sum(piece["length"] for piece in wte["pieces"]) == 256 * 32

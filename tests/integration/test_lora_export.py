@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.harness import spawn, tiny_cfg, zoff_rank
 from zoff.checkpoint.base_ref import weights_digest
+from zoff.checkpoint.format import file_entry
 from zoff.models.lora import base_name, is_adapter, resolve_targets
 
 peft = pytest.importorskip("peft")
@@ -171,6 +172,9 @@ def _moved_base(trained, name: str, change) -> Path:
     cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
     cfg["model"]["path"] = str(change(trained["root"] / f"base-{name}"))
     (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
+    manifest = json.loads((ckpt / "manifest.json").read_text())  # as if saved so: config.yaml is checksummed
+    manifest["files"].update(file_entry(ckpt / "config.yaml"))
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
     return ckpt
 
 

@@ -58,3 +58,33 @@ def test_a_rank_folder_that_is_a_link_is_refused(swap: Path, tmp_path: Path) -> 
         "tier swaps only into a real folder"
     ]
     assert list(elsewhere.iterdir()) == [] and not (tmp_path / "run").exists()
+
+
+def test_a_swap_folder_others_can_write_is_refused_unless_allowed(tmp_path: Path) -> None:
+    """Others who can write the swap folder (not sticky, unlike /tmp) could replace the rank folders."""
+    swap = tmp_path / "shared"
+    swap.mkdir()
+    os.chmod(swap, 0o777)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"zero: {{stage: 2, offload_optimizer: {{device: nvme, nvme_path: {swap}}}}}\n"
+        "model: {n_layer: 2, n_head: 2, d_model: 32, seq_len: 16}\n"
+        "data: {name: synthetic, seq_len: 16, batch_size: 2}\nlaunch: {nproc_per_node: 1}\ntrain: {max_steps: 1}\n"
+    )
+    cmd = [sys.executable, "-m", "zoff", "train", str(cfg), "log.progress=false"]
+    p = subprocess.run([*cmd, f"--run-dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"zoff: error: zero.offload_optimizer.nvme_path: {swap} is writable by other users (mode 777, not "
+        "sticky): others could swap the rank folders for theirs; use a folder of your own, or set "
+        "zero.offload_optimizer.allow_shared_path: true"
+    ]
+    assert list(swap.iterdir()) == [] and not (tmp_path / "run").exists()
+    os.chmod(swap, 0o1777)  # sticky, as /tmp: accepted
+    p = subprocess.run([*cmd, f"--run-dir={tmp_path / 'run2'}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    os.chmod(swap, 0o777)
+    p = subprocess.run(
+        [*cmd, "zero.offload_optimizer.allow_shared_path=true", f"--run-dir={tmp_path / 'run3'}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]

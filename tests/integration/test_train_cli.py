@@ -212,4 +212,6 @@ def test_torch_2_11_stop_grace_is_said_at_start(monkeypatch):
     zoff.launch.check_torch()  # accepted
     note = zoff.launch.stop_grace_note(lc)
     assert note and "30 s to checkpoint before SIGKILL, not launch.shutdown_timeout_s=300" in note
-    assert zoff.launch.stop_grace_note(config_from_dict({"launch": {"shutdown_timeout_s": 20}}).launch) is None
+    assert (
+        zoff.launch.stop_grace_note(config_from_dict({"launch": {"shutdown_timeout_s": 20}}).launch) is None
+    )

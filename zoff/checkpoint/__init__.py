@@ -31,6 +31,7 @@ from zoff.checkpoint.format import (
     fsync_dir,
     read_manifest,
     read_whole,
+    replace_folder,
     rng_states,
     set_rng_states,
     step_dir_name,
@@ -76,6 +77,7 @@ def save_checkpoint(
     if rank == 0:
         files.update(write_tensors(tmp / "extra.safetensors", _extra_tensors(engine, frozen=base is None)))
         (tmp / "config.yaml").write_text(config_yaml)
+        files.update(file_entry(tmp / "config.yaml"))  # covered by the checksums like every other file
         files.update(
             write_model_files(tmp, engine.model)
         )  # an hf: model's config.json: export needs no model.path
@@ -91,9 +93,10 @@ def save_checkpoint(
         fsync_dir(tmp)
         if (
             final.exists()
-        ):  # a checkpoint of the same step (a rerun): replace it only now that the new one is whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        ):  # a checkpoint of the same step (a rerun): replaced only now that the new one is whole
+            replace_folder(tmp, final)
+        else:
+            os.rename(tmp, final)
         fsync_dir(ckpt_dir)
         write_text_atomic(ckpt_dir / "latest", final.name + "\n")
     _barrier(engine)

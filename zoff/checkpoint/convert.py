@@ -48,8 +48,9 @@ class _Source:
     state_dict: those the checkpoint does not hold (the frozen weights of a run started from a model.path)
     come from that base folder, read parameter by parameter through the model's init_parameter."""
 
-    def __init__(self, ckpt: Path, manifest: dict, base: Path | None = None):
+    def __init__(self, ckpt: Path, manifest: dict, base: Path | None = None, trust_code: bool = False):
         self.ckpt, self.manifest, self.base = ckpt, manifest, base  # base: where the base folder is now
+        self.trust_code = trust_code  # --trust-remote-code: the checkpoint's config may name code to run
         self.params = {n: p for p in manifest["params"] for n in p["names"]}
         self.readers = Readers(ckpt)
         extra = self.readers.get("extra.safetensors")
@@ -65,7 +66,7 @@ class _Source:
     def cfg(self) -> Config:
         """The run's config (config.yaml in the checkpoint folder)."""
         if self._cfg is None:
-            self._cfg = _run_config(self.ckpt)
+            self._cfg = _run_config(self.ckpt, self.trust_code)
             if self.base is not None:  # --base: the folder moved; its checksum is still checked
                 model = dataclasses.replace(self._cfg.model, path=str(self.base))
                 self._cfg = dataclasses.replace(self._cfg, model=model)
@@ -172,11 +173,28 @@ def tied_names(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in by_id.values() for name in names}
 
 
-def _run_config(ckpt: Path) -> Config:
+def _run_config(ckpt: Path, trust_code: bool = False) -> Config:
+    """The run's config.yaml (its checksum verified with the manifest): data, never a choice of code. A
+    model.name python:... (a module to import) or model.config.trust_remote_code (a Hub model's own code) is
+    refused unless the user passes --trust-remote-code, the explicit yes zoff train needs too."""
     from zoff.config import config_from_dict, read_yaml_text
 
     source = ckpt / "config.yaml"
-    return config_from_dict(read_yaml_text(source, source.read_text), source=str(source))
+    raw = read_yaml_text(source, source.read_text)
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if not trust_code and isinstance(model, dict):
+        name, extra = model.get("name"), model.get("config")
+        if isinstance(name, str) and name.startswith("python:"):
+            raise UserError(
+                f"{source}: model.name {name[:80]!r} names Python code to import; zoff convert runs code a "
+                "checkpoint names only with --trust-remote-code"
+            )
+        if isinstance(extra, dict) and extra.get("trust_remote_code"):
+            raise UserError(
+                f"{source}: model.config.trust_remote_code asks to run the model repository's own code; zoff "
+                "convert runs code a checkpoint names only with --trust-remote-code"
+            )
+    return config_from_dict(raw, source=str(source))
 
 
 def convert(
@@ -187,6 +205,7 @@ def convert(
     max_shard_size: str | None = None,
     merge: bool = False,
     base: Path | None = None,
+    trust_code: bool = False,
 ) -> list[Path]:
     """Write the consolidated state dict (keys exactly model.state_dict()'s) to `out`; returns files written.
 
@@ -209,7 +228,7 @@ def convert(
     if base is not None and not (base.expanduser() / "config.json").is_file():
         raise UserError(f"--base: {base} is not a Hugging Face model folder (no config.json)")
     ckpt = find_checkpoint(str(checkpoint), Path("."), label="CHECKPOINT")
-    source = _Source(ckpt, read_manifest(ckpt, verify=True), base)
+    source = _Source(ckpt, read_manifest(ckpt, verify=True), base, trust_code)
     if base is not None and source.manifest.get("base") is None:
         raise UserError(f"--base: {ckpt} was not trained from a model.path folder; it holds every weight")
     _check_lora_request(source, fmt, merge)

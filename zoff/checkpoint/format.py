@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -32,8 +33,25 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dic
     return file_entry(path)
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 def file_entry(path: Path) -> dict[str, dict]:
-    """A written file's manifest entry (size and sha256), fsynced first: what load_checkpoint verifies."""
+    """A written file's manifest entry (size and sha256), fsynced first: what load_checkpoint verifies.
+
+    Every checkpoint file gets the same mode, 0666 less the umask, as any file the user writes (safetensors
+    creates its files 0600, the others followed the umask: docs/checkpoints.md)."""
+    os.chmod(path, 0o666 & ~umask())
     with open(path, "rb") as f:
         os.fsync(f.fileno())
         digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -77,22 +95,57 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Complete checkpoints (a manifest is present), oldest first."""
     if not ckpt_dir.is_dir():
         return []
-    return sorted(p for p in ckpt_dir.glob("step_*") if (p / "manifest.json").is_file())
+    return sorted(
+        p for p in ckpt_dir.glob("step_*") if not p.is_symlink() and (p / "manifest.json").is_file()
+    )
+
+
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
+
+
+def plain_name(name: str) -> bool:
+    """A file name a checkpoint may use: no folder part, no '..', no hidden or absolute path."""
+    return isinstance(name, str) and bool(PLAIN_NAME.fullmatch(name)) and ".." not in name
+
+
+def _pointed(ckpt_dir: Path) -> Path | None:
+    """The folder `latest` names, if it is a plain name of a folder inside ckpt_dir (else None: ignored)."""
+    pointer = ckpt_dir / "latest"
+    if pointer.is_symlink() or not pointer.is_file() or pointer.stat().st_size > 256:
+        return None
+    name = pointer.read_text(errors="replace").strip()
+    cand = ckpt_dir / name
+    return cand if plain_name(name) and cand.is_dir() and not cand.is_symlink() else None
+
+
+def newest_intact(ckpt_dir: Path, verify: bool) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint in ckpt_dir whose manifest reads and whose files check out (every checksum with
+    `verify`, else every size), and one line per newer one skipped, naming why."""
+    cands = complete_checkpoints(ckpt_dir)
+    pointed = _pointed(ckpt_dir)
+    if pointed is not None and pointed in cands:  # `latest` first (it may name an older step: a rerun)
+        cands = [c for c in cands if c != pointed] + [pointed]
+    skipped = []
+    for cand in reversed(cands):
+        try:
+            manifest = read_manifest(cand, verify=verify)
+            if not verify:
+                for name, meta in manifest["files"].items():
+                    check_size(cand / name, meta)
+            return cand, skipped
+        except UserError as e:
+            skipped.append(f"skipped {cand.name}: {e}")
+    return None, skipped
 
 
 def find_checkpoint(resume: str, ckpt_dir: Path, label: str = "--resume") -> Path | None:
-    """`auto`: the latest complete checkpoint in ckpt_dir or None; else the given folder (or a checkpoint dir).
+    """`auto`: the newest intact checkpoint in ckpt_dir (newest_intact, sizes checked) or None; else the
+    given folder (or a checkpoint dir).
 
     `label` names the argument in errors (--resume, or convert's CHECKPOINT).
     """
     if resume == "auto":
-        pointer = ckpt_dir / "latest"
-        if pointer.is_file():
-            cand = ckpt_dir / pointer.read_text().strip()
-            if (cand / "manifest.json").is_file():
-                return cand
-        done = complete_checkpoints(ckpt_dir)
-        return done[-1] if done else None
+        return newest_intact(ckpt_dir, verify=False)[0]
     path = Path(resume)
     if not path.exists():
         raise UserError(f"{label}: {path} does not exist")
@@ -142,6 +195,9 @@ def _manifest_problem(m: dict) -> str | None:
         for v in files.values()
     ):
         return "'files' must map file names to their bytes and sha256"
+    outside = next((n for n in files if not plain_name(n)), None)
+    if outside is not None:  # ../x, /etc/passwd, sub/dir: a reader must never leave the folder
+        return f"file name {outside[:60]!r} is not a plain name inside the checkpoint folder"
     if not isinstance(m.get("scaler"), dict) or not isinstance(m.get("trainer"), dict):
         return "'scaler' or 'trainer' is missing"
     params = m.get("params")
@@ -167,12 +223,17 @@ def _manifest_problem(m: dict) -> str | None:
     return None
 
 
-def verify_file(path: Path, meta: dict) -> None:
-    if not path.is_file():
+def check_size(path: Path, meta: dict) -> None:
+    """The file is a regular file (not a planted link) of the manifest's size."""
+    if path.is_symlink() or not path.is_file():
         raise UserError(f"{path}: missing checkpoint file")
     size = path.stat().st_size
     if size != meta["bytes"]:
         raise UserError(f"{path}: truncated or resized ({size} bytes, manifest says {meta['bytes']})")
+
+
+def verify_file(path: Path, meta: dict) -> None:
+    check_size(path, meta)
     with open(path, "rb") as f:
         if hashlib.file_digest(f, "sha256").hexdigest() != meta["sha256"]:
             raise UserError(f"{path}: checksum mismatch (corrupted file)")
@@ -268,6 +329,26 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def replace_folder(new: Path, final: Path) -> None:
+    """Put folder `new` at `final`, which exists: swapped in one step (renameat2 RENAME_EXCHANGE) where the
+    file system can, so no moment leaves `final` missing; else the old one is moved aside first and removed
+    only after the new one is in place. Then the old contents are deleted."""
+    import ctypes
+    import shutil
+
+    aside = final.with_name(f".old-{final.name}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    swap = getattr(libc, "renameat2", None)
+    at_fdcwd, rename_exchange = -100, 2
+    if swap is not None and swap(at_fdcwd, bytes(new), at_fdcwd, bytes(final), rename_exchange) == 0:
+        shutil.rmtree(new)  # (holds the old checkpoint now)
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(final, aside)
+    os.rename(new, final)
+    shutil.rmtree(aside)
 
 
 def fsync_dir(path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Literal
 
 from zoff.config.schema import range_meta, to_dict
 
-_rng = range_meta
+_rng = range_meta  # every size key has an upper bound too: a hostile config must not allocate or loop unboundedly
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class LoraConfig:
     """LoRA adapters through peft (zoff/models/lora.py): r 0 is off. The base stays frozen (partitioned and
     offloadable at stage 3 like any frozen weight); only the adapters train and get optimizer state."""
 
-    r: int = field(default=0, metadata=_rng(0))  # the adapters' rank; 0: no adapters
+    r: int = field(default=0, metadata=_rng(0, 65536))  # the adapters' rank; 0: no adapters
     alpha: float = field(default=16.0, metadata=_rng(0.0, gt=True))  # scale alpha / r
     dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))
     # module names (suffixes) to adapt, as peft's target_modules; "all-linear": every Linear but the output head
@@ -30,11 +30,11 @@ class LoraConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "gpt"  # builtin name, or python:pkg.module:factory (the factory receives this section)
-    n_layer: int = field(default=4, metadata=_rng(1))
-    n_head: int = field(default=4, metadata=_rng(1))
-    d_model: int = field(default=128, metadata=_rng(1))
-    vocab_size: int = field(default=256, metadata=_rng(2))
-    seq_len: int = field(default=128, metadata=_rng(1))  # the model's maximum context
+    n_layer: int = field(default=4, metadata=_rng(1, 4096))
+    n_head: int = field(default=4, metadata=_rng(1, 4096))
+    d_model: int = field(default=128, metadata=_rng(1, 1 << 18))
+    vocab_size: int = field(default=256, metadata=_rng(2, 1 << 24))
+    seq_len: int = field(default=128, metadata=_rng(1, 1 << 24))  # the model's maximum context
     dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))
     tie_embeddings: bool = True
     args: dict = field(default_factory=dict)  # free-form keyword arguments for python: factories
@@ -46,12 +46,15 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     name: Literal["stdlib-source", "text", "synthetic", "jsonl", "parquet", "hf"] = "stdlib-source"
-    seq_len: int = field(default=128, metadata=_rng(1))
-    batch_size: int = field(default=8, metadata=_rng(1))  # per-rank micro-batch
+    seq_len: int = field(default=128, metadata=_rng(1, 1 << 24))
+    batch_size: int = field(default=8, metadata=_rng(1, 1 << 20))  # per-rank micro-batch
     paths: list[str] = field(default_factory=list)  # files or globs for name: text, jsonl, parquet, hf
     val_fraction: float = field(default=0.05, metadata=_rng(0.0, 0.5))
-    max_bytes: int = field(default=0, metadata=_rng(0))  # 0: no cap on the corpus size
-    synthetic_tokens: int = field(default=200_000, metadata=_rng(1))
+    max_bytes: int = field(default=0, metadata=_rng(0, 1 << 50))  # 0: no cap on the corpus size
+    synthetic_tokens: int = field(default=200_000, metadata=_rng(1, 1 << 40))
+    # jsonl: the longest line read (a longer one is a bad record: skipped and counted when fine-tuning, an
+    # error naming the line for pretraining), so one huge line cannot take the host's memory
+    max_line_bytes: int = field(default=16 << 20, metadata=_rng(1024, 1 << 34))
     text_field: str = "text"  # jsonl, parquet, hf: the field (column) holding each document's text
     tokenizer: str = "bytes"  # bytes, or a local Hugging Face tokenizer directory
     hf_dataset: dict = field(default_factory=dict)  # name hf: keyword arguments of datasets.load_dataset
@@ -84,7 +87,7 @@ class OptimizerIoConfig(IoConfig):
 
     # the optimizer steps its shard in sub-groups of at most this much state (master + moments): RAM holds
     # three of them (stepped, read ahead, written back), whatever the size of a unit
-    subgroup_mb: int = field(default=96, metadata=_rng(1))
+    subgroup_mb: int = field(default=96, metadata=_rng(1, 1 << 20))
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,14 @@ class OffloadOptimizerConfig:
     device: Literal["none", "cpu", "nvme"] = "none"
     # nvme: the directory of the swap files (a local disk; a per-rank folder is made under it)
     nvme_path: str | None = None
+    # a swap folder others can write (and not sticky, as /tmp is) lets them swap the rank folders for their
+    # own: refused unless this says the folder is yours to share (both nvme_paths)
+    allow_shared_path: bool = False
     io: OptimizerIoConfig = field(default_factory=OptimizerIoConfig)
     pin_memory: bool = True  # page-lock the staging buffers (GPU only): DMA at full speed, async with compute
     # Gradient shards go down and parameter shards up through this many MiB of staging buffers per rank; the
     # fp32 master and moments stay pageable (pinning them would lock 12 B/param/N of host memory).
-    staging_mb: int = field(default=64, metadata=_rng(1))
+    staging_mb: int = field(default=64, metadata=_rng(1, 1 << 20))
     # Where the reduced gradient shard lives (it leaves the device as each reduction finishes): auto is the
     # optimizer's own tier (cpu: host memory; nvme: a gradient swap file, so RAM stays bounded by buffers,
     # at 2 B/param/N more disk traffic each way per micro-batch, 4 when accumulating); cpu keeps it in host
@@ -116,7 +122,7 @@ class OffloadOptimizerConfig:
     # then overlaps compute instead of following it. Costs the forward cores that the CPU Adam shares.
     overlap_step: bool = False
     delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
-    delay_update_warmup: int = field(default=0, metadata=_rng(0))
+    delay_update_warmup: int = field(default=0, metadata=_rng(0, 1 << 40))
 
     @property
     def grads_on_disk(self) -> bool:
@@ -147,14 +153,14 @@ class ZeroConfig:
     # Sizes are in elements, as in the ZeRO papers; a bucket holds one dtype.
     # Stages 2/3 keep MAX_IN_FLIGHT + 1 pooled buckets of up to this size for the whole run: 25M fp32
     # elements would hold 300 MB per rank; 5M holds 60 MB and measured no slower over gloo.
-    reduce_bucket_size: int = field(default=5_000_000, metadata=_rng(1))
+    reduce_bucket_size: int = field(default=5_000_000, metadata=_rng(1, 1 << 40))
     # Accepted for DeepSpeed configs but not used: parameters are all-gathered per unit, as the gradients
     # were reduced (reduce_bucket_size), straight from each rank's shard with no staging bucket.
-    allgather_bucket_size: int = field(default=25_000_000, metadata=_rng(1))
+    allgather_bucket_size: int = field(default=25_000_000, metadata=_rng(1, 1 << 40))
     # Stage 3 gathers up to this many elements ahead of need. 3M rather than 5M: no slower over gloo here
     # (per-round ratio 1.01, 57M GPT) and 16 MB less per rank in fp32; GPUs with NCCL may want more.
-    prefetch_bucket_size: int = field(default=3_000_000, metadata=_rng(0))
-    param_persistence_threshold: int = field(default=10_000, metadata=_rng(0))
+    prefetch_bucket_size: int = field(default=3_000_000, metadata=_rng(0, 1 << 40))
+    param_persistence_threshold: int = field(default=10_000, metadata=_rng(0, 1 << 40))
     # Stage 3 gathers one unit per block: by default the repeated layers (and HF's _no_split_modules). Module
     # classes named here are blocks too, gathered whole whenever they run: name the layer that holds
     # data-dependent parts (a MoE layer whose experts some rank's tokens skip) so every rank gathers them.
@@ -172,30 +178,30 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    warmup_steps: int = field(default=20, metadata=_rng(0))
+    warmup_steps: int = field(default=20, metadata=_rng(0, 1 << 40))
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = field(default=0.1, metadata=_rng(0.0, 1.0))
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int = field(default=200, metadata=_rng(1))
-    grad_accum: int = field(default=1, metadata=_rng(1))
-    global_batch_size: int | None = field(default=None, metadata=_rng(1))
+    max_steps: int = field(default=200, metadata=_rng(1, 1 << 40))
+    grad_accum: int = field(default=1, metadata=_rng(1, 1 << 20))
+    global_batch_size: int | None = field(default=None, metadata=_rng(1, 1 << 20))
     grad_clip: float = field(default=1.0, metadata=_rng(0.0))  # 0 disables clipping
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = field(default=0, metadata=_rng(0))
-    log_every: int = field(default=10, metadata=_rng(1))
-    eval_every: int = field(default=0, metadata=_rng(0))  # 0: only at the end
-    eval_batches: int = field(default=4, metadata=_rng(1))
+    seed: int = field(default=0, metadata=_rng(0, (1 << 63) - 1))
+    log_every: int = field(default=10, metadata=_rng(1, 1 << 40))
+    eval_every: int = field(default=0, metadata=_rng(0, 1 << 40))  # 0: only at the end
+    eval_batches: int = field(default=4, metadata=_rng(1, 1 << 20))
     activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None  # default: <run_dir>/checkpoints
-    every_steps: int = field(default=0, metadata=_rng(0))  # 0: only at the end
-    keep_last: int = field(default=2, metadata=_rng(1))
+    every_steps: int = field(default=0, metadata=_rng(0, 1 << 40))  # 0: only at the end
+    keep_last: int = field(default=2, metadata=_rng(1, 1 << 20))
     # false: never save, not even at the end or on preemption (a run whose disk has no room for a copy of its
     # states); resuming from an existing checkpoint still works
     enabled: bool = True
@@ -205,23 +211,27 @@ class CheckpointConfig:
 class LaunchConfig:
     nproc_per_node: int = field(default=2, metadata=_rng(1, 1024))
     nnodes: str = "1"  # N or MIN:MAX
-    node_rank: int = field(default=0, metadata=_rng(0))
+    node_rank: int = field(default=0, metadata=_rng(0, 1 << 20))
     rdzv_endpoint: str | None = (
         None  # HOST:PORT; None runs a standalone rendezvous on this node (loopback only)
     )
     # across nodes: the network interface (e.g. eth1) the ranks' gloo/NCCL sockets use; None: the libraries'
     # choice. A single node always uses loopback.
     interface: str | None = None
-    max_restarts: int = field(default=0, metadata=_rng(0))
-    threads_per_rank: int | None = field(default=None, metadata=_rng(1))  # None: cores / local ranks
-    timeout_s: float = field(default=600.0, metadata=_rng(1.0))  # a collective waiting longer is an error
-    shutdown_timeout_s: int = field(default=300, metadata=_rng(1))  # preempted ranks' time to checkpoint
+    max_restarts: int = field(default=0, metadata=_rng(0, 1 << 20))
+    threads_per_rank: int | None = field(default=None, metadata=_rng(1, 4096))  # None: cores / local ranks
+    timeout_s: float = field(
+        default=600.0, metadata=_rng(1.0, 1e7)
+    )  # a collective waiting longer is an error
+    shutdown_timeout_s: int = field(
+        default=300, metadata=_rng(1, 10_000_000)
+    )  # preempted ranks' time to checkpoint
     # Elastic rendezvous (torch's c10d last_call_timeout and keep_alive_interval): once MIN nodes of MIN:MAX
     # have joined, how long to wait for more before starting; and how often each node proves it is alive (a
     # node silent for 3 intervals is dead, and the others re-form without it). Shorter: a shrinking restart
     # starts sooner; cost: nodes that join late miss the round, and more heartbeats hit the store.
-    rdzv_last_call_s: int = field(default=30, metadata=_rng(1))
-    rdzv_keep_alive_s: int = field(default=5, metadata=_rng(1))
+    rdzv_last_call_s: int = field(default=30, metadata=_rng(1, 1 << 20))
+    rdzv_keep_alive_s: int = field(default=5, metadata=_rng(1, 1 << 20))
 
     @property
     def min_nodes(self) -> int:

@@ -12,7 +12,6 @@ a different number of ranks sees exactly the same samples (elastic restarts depe
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sysconfig
 from collections.abc import Iterable, Iterator
@@ -156,7 +155,7 @@ def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str | bytes]:
             yield f.read_bytes()
     elif cfg.name == "jsonl":
         for f in files:
-            yield from _jsonl(f, cfg.text_field)
+            yield from _jsonl(f, cfg.text_field, cfg.max_line_bytes)
     elif cfg.name == "parquet":
         for f in files:
             yield from _parquet(f, cfg.text_field)
@@ -164,19 +163,17 @@ def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str | bytes]:
         yield from _hf_dataset(cfg)
 
 
-def _jsonl(path: Path, key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            text = obj.get(key) if isinstance(obj, dict) else None
-            if not isinstance(text, str):
-                raise UserError(f"{path}:{lineno}: no text field '{key}' (data.text_field)")
-            yield text
+def _jsonl(path: Path, key: str, max_line_bytes: int) -> Iterator[str]:
+    """Pretraining text from JSON Lines: a bad line stops the run, naming the file and line (jsonl.py)."""
+    from zoff.data.jsonl import Bad, jsonl
+
+    for lineno, obj in jsonl(path, max_line_bytes):
+        if isinstance(obj, Bad):
+            raise UserError(f"{path}:{lineno}: {obj}")
+        text = obj.get(key) if isinstance(obj, dict) else None
+        if not isinstance(text, str):
+            raise UserError(f"{path}:{lineno}: no text field '{key}' (data.text_field)")
+        yield text
 
 
 def _parquet(path: Path, key: str) -> Iterator[str]:

@@ -4,7 +4,6 @@ names the file and line or row for messages about a bad record."""
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ def read_records(cfg: DataConfig, files: list[Path]) -> Iterator[tuple[str, obje
     """(where, record) pairs; a record that is not even an object comes as a BadRecord."""
     if cfg.name == "jsonl":
         for f in files:
-            yield from _jsonl_records(f)
+            yield from _jsonl_records(f, cfg.max_line_bytes)
     elif cfg.name == "parquet":
         for f in files:
             yield from _parquet_records(f, record_fields(cfg))
@@ -38,14 +37,11 @@ def read_records(cfg: DataConfig, files: list[Path]) -> Iterator[tuple[str, obje
         yield from _hf_records(cfg, record_fields(cfg))
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    yield f"{path}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{lineno}", BadRecord(f"not valid JSON ({e.msg})")
+def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[tuple[str, object]]:
+    from zoff.data.jsonl import Bad, jsonl
+
+    for lineno, obj in jsonl(path, max_line_bytes):
+        yield f"{path}:{lineno}", BadRecord(str(obj)) if isinstance(obj, Bad) else obj
 
 
 def _missing(have: list[str], fields: dict[str, str], where: object) -> None:

@@ -223,6 +223,18 @@ def folder_problem(folder: Path) -> str | None:
     return None
 
 
+def shared_folder_problem(folder: Path) -> str | None:
+    """Why a swap folder is open to other users: writable by group or others without the sticky bit (with it,
+    as on /tmp, no one else can rename or remove this user's rank folders), or None."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return f"{folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, not sticky)"
+    return None
+
+
 def filesystem_type(path: Path) -> str:
     """The type of the filesystem holding `path` (the longest mount point above it in /proc/self/mounts)."""
     try:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.optim.optimizer as torch_optimizer
 
-from zoff.cache import cache_dir
+from zoff.cache import cache_dir, private_dir
 from zoff.optim.adam_reference import adam_step_reference
 
 __all__ = ["CPUAdam", "backend_info", "cpu_adam_step"]
@@ -68,8 +68,19 @@ def build_dir() -> Path:
     return cache_dir() / "ext" / f"{torch.__version__.replace('+', '_')}-{key.hexdigest()[:16]}"
 
 
+def _digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _import_built(directory: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(_NAME, directory / f"{_NAME}.so")
+    """Import the built library, only if it is the one this process's build recorded in `ok` (its sha256):
+    the folder's name is the hash of the source and build flags (build_dir), its contents are checked."""
+    lib = directory / f"{_NAME}.so"
+    recorded = (directory / "ok").read_text().split()
+    if not recorded or not lib.is_file() or lib.is_symlink() or _digest(lib) != recorded[0]:
+        raise ImportError(f"{lib} is not the library built there (its sha256 differs from the record)")
+    spec = importlib.util.spec_from_file_location(_NAME, lib)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {directory / (_NAME + '.so')}")
     module = importlib.util.module_from_spec(spec)
@@ -81,7 +92,9 @@ def _build(directory: Path) -> Any:
     """Compile (or reuse) the extension under an exclusive file lock; raises on failure."""
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
+    problem = private_dir(directory)  # code is loaded from here: only a folder nobody else can write
+    if problem is not None:
+        raise _UntrustedCache(f"{problem}: compiled code is not loaded from it")
     ok, failed = directory / "ok", directory / "failed.txt"
     if ok.exists():
         try:
@@ -113,10 +126,16 @@ def _build(directory: Path) -> Any:
                 failed.write_text(f"{type(exc).__name__}: {exc}")
                 raise
             failed.unlink(missing_ok=True)
-            ok.write_text(f"built {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            ok.write_text(
+                f"{_digest(directory / f'{_NAME}.so')} built {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            )
             return module
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+class _UntrustedCache(RuntimeError):
+    """The cache folder could be written by someone else: nothing is built or loaded there."""
 
 
 class _SharedBuildError(RuntimeError):
@@ -157,9 +176,9 @@ def _extension() -> Any | None:
             _state["reason"] = "fused C++ kernel loaded"
         except Exception as exc:  # noqa: BLE001 - any failure means: show it, then fall back
             text = str(exc)
-            if not isinstance(exc, _SharedBuildError):
+            if not isinstance(exc, (_SharedBuildError, _UntrustedCache)):
                 print(f"zoff: building the fused CPU Adam extension failed:\n{text}", file=sys.stderr)
-            _state["reason"] = f"build failed: {_summary(text)}"
+            _state["reason"] = text if isinstance(exc, _UntrustedCache) else f"build failed: {_summary(text)}"
             print(
                 f"zoff: warning: fused CPU Adam unavailable ({_state['reason']}); using the PyTorch fallback",
                 file=sys.stderr,

@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from zoff.config import Config
-from zoff.engine.disk_io import folder_problem
+from zoff.engine.disk_io import folder_problem, shared_folder_problem
 from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (
@@ -48,6 +48,12 @@ def check_swap_path(cfg: Config, model: nn.Module) -> None:
             )
         if not os.access(path, os.W_OK | os.X_OK):
             raise UserError(f"{key}: {path} is not writable")
+        shared = shared_folder_problem(path)
+        if shared is not None and not cfg.zero.offload_optimizer.allow_shared_path:
+            raise UserError(
+                f"{key}: {shared}: others could swap the rank folders for theirs; use a folder of your own, or "
+                "set zero.offload_optimizer.allow_shared_path: true"
+            )
         for rank in range(cfg.launch.nproc_per_node * cfg.launch.min_nodes):  # a rank folder planted there
             problem = folder_problem(path / f"rank{rank}")
             if problem is not None:

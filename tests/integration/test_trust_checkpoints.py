@@ -143,3 +143,51 @@ def test_a_planted_link_is_not_a_checkpoint_file(run, tmp_path) -> None:
         from zoff.checkpoint.format import read_manifest
 
         read_manifest(step, verify=True)
+
+
+def _edit_manifest(step: Path, edit) -> None:
+    manifest = json.loads((step / "manifest.json").read_text())
+    edit(manifest)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [(lambda m: m["params"][0].update(pieces=[]), "its pieces hold 0 of its"),
+     (lambda m: m["params"][0]["pieces"][0].update(param_start=10**12), "leave a gap at element 0"),
+     (lambda m: m["params"][0].update(shape=[10**7, 10**7]), "larger than any model's parameter"),
+     (lambda m: m["params"][0]["pieces"].append(dict(m["params"][0]["pieces"][0])), "overlap")],
+    ids=["no-pieces", "param-start-past-the-end", "400TB-shape", "overlapping-pieces"],
+)  # fmt: skip
+def test_pieces_must_tile_each_parameter_exactly(run, tmp_path, edit, needle) -> None:
+    """A parameter with no pieces converted to zeros with exit 0; a piece past its end or a 400 TB shape gave
+    a traceback."""
+    step = _copy(run, tmp_path) / "checkpoints" / "step_00000006"
+    _edit_manifest(step, edit)
+    out = tmp_path / "o.safetensors"
+    _one_line_exit_2(_zoff("convert", str(step), str(out)), "corrupted manifest", needle)
+    assert not out.exists()
+
+
+def test_a_config_that_is_not_utf8_is_one_line(run, tmp_path) -> None:
+    step = _copy(run, tmp_path) / "checkpoints" / "step_00000006"
+    (step / "config.yaml").write_bytes(b"model:\n  name: \xff\xfe\n")
+    _rehash(step, "config.yaml")
+    _one_line_exit_2(_zoff("convert", str(step), str(tmp_path / "out"), "--format", "hf"), "not UTF-8 text")
+
+
+def test_convert_neither_deletes_nor_follows_a_temporary_name_it_did_not_make(run, tmp_path) -> None:
+    step = run / "checkpoints" / "step_00000006"
+    out = tmp_path / "o.safetensors"
+    precious = tmp_path / ".o.safetensors.tmp"
+    precious.write_text("someone's file")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("victim")
+    (tmp_path / ".o2.safetensors.tmp").symlink_to(victim)
+    for target in (out, tmp_path / "o2.safetensors"):
+        p = _zoff("convert", str(step), str(target))
+        assert p.returncode == 0, p.stderr
+    assert precious.read_text() == "someone's file" and victim.read_text() == "victim"
+    assert not [
+        p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p != precious and not p.is_symlink()
+    ]

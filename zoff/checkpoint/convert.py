@@ -180,7 +180,7 @@ def _run_config(ckpt: Path, trust_code: bool = False) -> Config:
     from zoff.config import config_from_dict, read_yaml_text
 
     source = ckpt / "config.yaml"
-    raw = read_yaml_text(source, source.read_text)
+    raw = read_yaml_text(source, lambda: _utf8(source))
     model = raw.get("model") if isinstance(raw, dict) else None
     if not trust_code and isinstance(model, dict):
         name, extra = model.get("name"), model.get("config")
@@ -195,6 +195,15 @@ def _run_config(ckpt: Path, trust_code: bool = False) -> Config:
                 "convert runs code a checkpoint names only with --trust-remote-code"
             )
     return config_from_dict(raw, source=str(source))
+
+
+def _utf8(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def convert(
@@ -240,14 +249,15 @@ def convert(
         src = MergedSource(source, source.model())
     elif fmt != "peft" and source.from_base:
         source.model()  # a missing or changed base folder is reported before anything is written
-    tmp = out.with_name(f".{out.name}.tmp")
-    _remove(tmp)
+    # A private folder of its own (mkdtemp: a new name, 0700) beside OUT: a leftover or planted `.OUT.tmp`
+    # is neither deleted nor followed, and OUT appears whole or not at all.
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
+        tmp = work / out.name
         written = _write(src, source, tmp, out, fmt, target, limit)
-    except BaseException:
-        _remove(tmp)
-        raise
-    os.replace(tmp, out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return written
 
 
@@ -292,13 +302,6 @@ def _write(
     tmp.mkdir(parents=True)
     stem = "model" if fmt == "safetensors" else "pytorch_model"
     return _write_weights(src, src.keys, tmp, out, fmt, target, limit, stem=stem, numbered=True)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink()
 
 
 def _write_weights(

@@ -217,6 +217,9 @@ def _manifest_problem(m: dict) -> str | None:
         )  # fmt: skip
         if not ok:
             return f"entry {str(p)[:60]!r} of 'params' is malformed"
+        gap = _coverage_problem(p)
+        if gap:
+            return f"parameter {p['names'][0][:80]!r}: {gap}"
     keys = m.get("state_dict_keys", [])
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         return "'state_dict_keys' must be a list of names"
@@ -230,6 +233,25 @@ def check_size(path: Path, meta: dict) -> None:
     size = path.stat().st_size
     if size != meta["bytes"]:
         raise UserError(f"{path}: truncated or resized ({size} bytes, manifest says {meta['bytes']})")
+
+
+MAX_PARAM_ELEMENTS = 1 << 40  # a parameter of more elements is no model's (4 TiB in fp32)
+
+
+def _coverage_problem(p: dict) -> str | None:
+    """Why a parameter's pieces do not tile it exactly (a gap would convert to zeros, a piece past its end
+    would read or write out of bounds), or None."""
+    numel = math.prod(p["shape"])
+    if numel > MAX_PARAM_ELEMENTS:
+        return f"shape {p['shape'][:8]} is larger than any model's parameter"
+    pos = 0
+    for start, length in sorted((q["param_start"], q["length"]) for q in p["pieces"]):
+        if start != pos:
+            return f"its pieces {'overlap' if start < pos else 'leave a gap'} at element {pos}"
+        pos += length
+    if pos != numel:
+        return f"its pieces hold {pos} of its {numel} elements"
+    return None
 
 
 def verify_file(path: Path, meta: dict) -> None:

@@ -191,3 +191,30 @@ def test_convert_neither_deletes_nor_follows_a_temporary_name_it_did_not_make(ru
     assert not [
         p for p in tmp_path.iterdir() if p.name.endswith(".tmp") and p != precious and not p.is_symlink()
     ]
+
+
+def test_convert_onto_a_full_or_missing_disk_is_one_line_and_leaves_nothing(
+    run, tmp_path, monkeypatch
+) -> None:
+    import errno
+
+    import zoff.checkpoint.convert as conv
+    from zoff.errors import os_error
+
+    step = run / "checkpoints" / "step_00000006"
+    _one_line_exit_2(_zoff("convert", str(step), "/proc/o.safetensors"), "cannot write it")
+
+    def full(src, source, tmp, *rest):
+        tmp.write_bytes(b"partial")
+        raise os_error(
+            OSError(errno.ENOSPC, "No space left on device"),
+            f"zoff: cannot write {tmp}: No space left on device",
+        )
+
+    monkeypatch.setattr(conv, "_write", full)
+    out = tmp_path / "o.safetensors"
+    with pytest.raises(
+        UserError, match=r"o\.safetensors: cannot write it \(cannot write .*No space left on device\)$"
+    ):
+        conv.convert(step, out)
+    assert list(tmp_path.iterdir()) == []  # no OUT, no temporary folder

@@ -251,13 +251,17 @@ def convert(
         source.model()  # a missing or changed base folder is reported before anything is written
     # A private folder of its own (mkdtemp: a new name, 0700) beside OUT: a leftover or planted `.OUT.tmp`
     # is neither deleted nor followed, and OUT appears whole or not at all.
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        tmp = work / out.name
-        written = _write(src, source, tmp, out, fmt, target, limit)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        try:
+            tmp = work / out.name
+            written = _write(src, source, tmp, out, fmt, target, limit)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    except OSError as e:  # a full or read-only disk: one line, and nothing of OUT left behind
+        why = e.strerror or str(e).removeprefix("zoff: ")
+        raise UserError(f"{out}: cannot write it ({why})") from None
     return written
 
 

@@ -100,3 +100,13 @@ def test_the_cap_is_a_config_key_with_bounds(tmp_path: Path) -> None:
         capture_output=True, text=True,
     )  # fmt: skip
     assert p.returncode == 2 and "data.max_line_bytes" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_corrupt_tokenizer_folder_is_one_line(tmp_path: Path) -> None:
+    """tokenizers raises a bare Exception on a damaged tokenizer.json: zoff names the key and the folder."""
+    pytest.importorskip("tokenizers")
+    from zoff.data.tokenize import load_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"garbage": ')
+    with pytest.raises(UserError, match=r"^data\.tokenizer: .*: cannot load its tokenizer \(expected"):
+        load_tokenizer(str(tmp_path))

@@ -132,7 +132,13 @@ def load_tokenizer(spec: str) -> Tokenizer:
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise UserError(f"data.tokenizer: '{spec}' is neither 'bytes' nor a tokenizer directory")
-    return HFTokenizer(path)
+    try:
+        return HFTokenizer(path)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tokenizers and transformers raise bare Exceptions on bad files
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(f"data.tokenizer: {path}: cannot load its tokenizer ({first})") from None
 
 
 # ------------------------------------------------------------------------------------------------ cache

@@ -442,6 +442,7 @@ def test_dump_has_every_section_fully_resolved():
         "offload_optimizer": {
             "device": "cpu",
             "nvme_path": None,
+            "allow_shared_path": False,
             "io": {"threads": 4, "request_mb": 8, "subgroup_mb": 96},
             "pin_memory": True,
             "staging_mb": 64,

@@ -73,14 +73,18 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _import_built(directory: Path) -> Any:
-    """Import the built library, only if it is the one this process's build recorded in `ok` (its sha256):
-    the folder's name is the hash of the source and build flags (build_dir), its contents are checked."""
+def verified_library(directory: Path) -> Path:
+    """The built library, only if it is the one the build recorded in `ok` (its sha256): the folder's name is
+    the hash of the source and build flags (build_dir), its contents are checked here; ImportError otherwise."""
     lib = directory / f"{_NAME}.so"
     recorded = (directory / "ok").read_text().split()
     if not recorded or not lib.is_file() or lib.is_symlink() or _digest(lib) != recorded[0]:
         raise ImportError(f"{lib} is not the library built there (its sha256 differs from the record)")
-    spec = importlib.util.spec_from_file_location(_NAME, lib)
+    return lib
+
+
+def _import_built(directory: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(_NAME, verified_library(directory))
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {directory / (_NAME + '.so')}")
     module = importlib.util.module_from_spec(spec)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import uuid
@@ -22,6 +21,14 @@ from torch.distributed.launcher.api import elastic_launch
 
 from zoff.config import Config, LaunchConfig, config_from_dict
 from zoff.errors import UserError
+from zoff.network import (
+    LOOPBACK,
+    LOOPBACK_ENV,
+    LOOPBACK_RDZV,
+    init_process_group,
+    network_env,
+    register_loopback_rendezvous,
+)
 from zoff.trainer import regather
 
 
@@ -70,61 +77,6 @@ def stop_grace_note(lc: LaunchConfig) -> str | None:
     )
 
 
-LOOPBACK = "127.0.0.1"
-LOOPBACK_RDZV = "zoff-loopback"  # the standalone rendezvous handler (below)
-# Set for the ranks of a single-node run: rank 0's process-group store listens on loopback only (worker()).
-LOOPBACK_ENV = "ZOFF_LOOPBACK"
-
-
-def loopback_listener(port: int = 0) -> tuple[int, int]:
-    """A TCP socket listening on 127.0.0.1:`port` (0: any free port): (its file descriptor for
-    TCPStore(master_listen_fd=...), which owns it from then on, its port). torch's own stores bind every interface:
-    anyone on the network could read and write a single-node run's store, which has no authentication."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, port))
-    sock.listen(1024)
-    port = sock.getsockname()[1]
-    return sock.detach(), port
-
-
-def _loopback_rendezvous(params):
-    """torch's c10d rendezvous (the same handler and backend as rdzv_backend c10d) on a store that listens on
-    loopback only: a single-node run needs nobody from outside."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-
-    fd, port = loopback_listener()
-    store = dist.TCPStore(
-        LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=fd, timeout=timedelta(seconds=60)
-    )
-
-    class LoopbackBackend(C10dRendezvousBackend):
-        name = property(lambda self: LOOPBACK_RDZV)  # torch checks the backend's name against the launcher's
-
-    return create_handler(store, LoopbackBackend(store, params.run_id), params)
-
-
-def _register_loopback_rendezvous() -> None:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    if not rendezvous_handler_registry._registry.get(LOOPBACK_RDZV):
-        rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_rendezvous)
-
-
-def network_env(lc: LaunchConfig) -> dict[str, str]:
-    """Where the ranks' gloo and NCCL sockets listen: the loopback interface on a single node, the interface
-    launch.interface names across nodes (else the libraries' own choice); a variable the user set wins."""
-    iface = "lo" if lc.rdzv_endpoint is None else lc.interface
-    if iface is None:
-        return {}
-    return {
-        k: v
-        for k, v in {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}.items()
-        if k not in os.environ
-    }
-
-
 def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
     """Run `cfg` on launch.nproc_per_node local workers (and more nodes via rendezvous); raise on failure."""
     check_torch()
@@ -170,7 +122,7 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
     os.environ.update(network_env(lc))
     if standalone:
-        _register_loopback_rendezvous()
+        register_loopback_rendezvous()
         os.environ[LOOPBACK_ENV] = "1"
     else:
         os.environ.pop(LOOPBACK_ENV, None)
@@ -241,24 +193,7 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    timeout = timedelta(seconds=pg_timeout_s(backend, cfg.launch.timeout_s))
-    if os.environ.get(LOOPBACK_ENV) == "1":  # one node: rank 0's store on loopback, not every interface
-        rank, world, port = (
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ["MASTER_PORT"]),
-        )
-        store = dist.TCPStore(
-            LOOPBACK,
-            port,
-            world,
-            rank == 0,
-            timeout,
-            master_listen_fd=loopback_listener(port)[0] if rank == 0 else None,
-        )
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    else:
-        dist.init_process_group(backend, timeout=timeout)
+    init_process_group(backend, timedelta(seconds=pg_timeout_s(backend, cfg.launch.timeout_s)))
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         resume = "auto"  # a restarted group continues from the latest complete checkpoint by itself
     try:

@@ -14,7 +14,7 @@ import pytest
 
 from zoff.config import config_from_dict
 from zoff.errors import ConfigError
-from zoff.launch import network_env
+from zoff.network import network_env
 
 REPO = Path(__file__).resolve().parents[2]
 LISTEN = "0A"

@@ -17,6 +17,7 @@ LAYERS = [
     ["zoff.engine"],
     ["zoff.checkpoint", "zoff.planning"],
     ["zoff.trainer"],
+    ["zoff.network"],
     ["zoff.launch"],
     ["zoff.cli"],
     ["zoff.__main__"],

@@ -224,8 +224,10 @@ def estimate(
     nodes: int = 1,
     device_type: str = "cuda",
     host_bytes: int | None = None,
+    only: Policy | None = None,
 ) -> Estimate:
-    """Every policy's per-rank device bytes and per-node host bytes for this config on gpus_per_node x nodes.
+    """Every policy's per-rank device bytes and per-node host bytes for this config on gpus_per_node x nodes
+    (`only`: that one policy's, for a run's start-up).
 
     host_bytes: a node's memory, which zero.offload_optimizer.host_budget auto divides among its ranks for
     the disk tier (default: this host's MemTotal)."""
@@ -240,7 +242,7 @@ def estimate(
     host = mem_total() if host_bytes is None else host_bytes
     budget = host_budget_bytes(zero_cfg.offload_optimizer, host, gpus_per_node)
     out = []
-    for pol in POLICIES:
+    for pol in (only,) if only is not None else POLICIES:
         plan = plans[{2: 1}.get(pol.stage, pol.stage)]  # stages 1 and 2 share one plan
 
         def states(split: DiskSplit, plan=plan, pol=pol) -> tuple[dict[str, int], dict[str, int]]:
@@ -295,8 +297,11 @@ def rank_split(cfg: Config, world: int, local_ranks: int, device_type: str) -> D
     """The split `zoff estimate` prints for cfg's policy at this world: what the engine of a rank of the run
     gets (build_engine's host_reserved is its .reserved), so train and estimate place the same bytes."""
     nodes = max(1, world // max(1, local_ranks))
-    est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, max(1, local_ranks), nodes, device_type)
-    return est.get(Policy.of(cfg.zero, cfg.train.activation_checkpointing)).split
+    policy = Policy.of(cfg.zero, cfg.train.activation_checkpointing)
+    est = estimate(
+        cfg.model, cfg.data, cfg.train, cfg.zero, max(1, local_ranks), nodes, device_type, only=policy
+    )
+    return est.get(policy).split
 
 
 def suggest_policy(est: Estimate, budget: Budget) -> tuple[PolicyEstimate | None, str]:

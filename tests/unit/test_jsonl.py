@@ -74,11 +74,13 @@ def test_an_overlong_line_is_never_held_whole(tmp_path: Path, monkeypatch) -> No
 
 
 def test_pretraining_text_stops_on_a_bad_line_naming_it(tmp_path: Path) -> None:
+    from zoff.config import config_from_dict
     from zoff.data import _jsonl
 
     p = _file(tmp_path, b'{"text": "fine"}', b'{"text": "\xff\xfe"}')
-    with pytest.raises(UserError, match=r"d\.jsonl:2: invalid UTF-8 at byte 10$"):
-        list(_jsonl(p, "text", 1 << 20))
+    cfg = config_from_dict({"data": {"name": "jsonl", "paths": [str(p)]}}).data
+    with pytest.raises(UserError, match=r"d\.jsonl:2: invalid UTF-8 at byte 10 \(data.bad_records: skip"):
+        list(_jsonl(cfg, p))
 
 
 def test_fine_tuning_counts_bad_lines_as_bad_records(tmp_path: Path) -> None:

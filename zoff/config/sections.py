@@ -52,9 +52,14 @@ class DataConfig:
     val_fraction: float = field(default=0.05, metadata=_rng(0.0, 0.5))
     max_bytes: int = field(default=0, metadata=_rng(0, 1 << 50))  # 0: no cap on the corpus size
     synthetic_tokens: int = field(default=200_000, metadata=_rng(1, 1 << 40))
-    # jsonl: the longest line read (a longer one is a bad record: skipped and counted when fine-tuning, an
-    # error naming the line for pretraining), so one huge line cannot take the host's memory
+    # jsonl: the longest line read (a longer one is a bad record, see bad_records), so one huge line cannot
+    # take the host's memory
     max_line_bytes: int = field(default=16 << 20, metadata=_rng(1024, 1 << 34))
+    # a record that cannot be read (an overlong or not-JSON line, invalid UTF-8 for a tokenizer that decodes
+    # text, a missing field, a malformed conversation): error stops before any rank starts, naming it; skip
+    # leaves it out and reports the count and the first; auto is error for pretraining text, skip for
+    # chat/instruction records
+    bad_records: Literal["auto", "error", "skip"] = "auto"
     text_field: str = "text"  # jsonl, parquet, hf: the field (column) holding each document's text
     tokenizer: str = "bytes"  # bytes, or a local Hugging Face tokenizer directory
     hf_dataset: dict = field(default_factory=dict)  # name hf: keyword arguments of datasets.load_dataset

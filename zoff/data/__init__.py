@@ -22,6 +22,7 @@ import torch
 
 from zoff.config import DataConfig
 from zoff.data.batch import MicroBatch
+from zoff.data.jsonl import Bad
 from zoff.data.tokenize import cache_key, cache_root, cached_corpus, load_tokenizer
 from zoff.errors import UserError
 
@@ -45,7 +46,7 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     parts = {
         "source": cfg.name, "files": [_stat(f) for f in files], "text_field": cfg.text_field,
         "hf_dataset": cfg.hf_dataset, "tokenizer": tok.fingerprint, "max_bytes": cfg.max_bytes,
-        "val_fraction": cfg.val_fraction,
+        "val_fraction": cfg.val_fraction, "bad_records": cfg.bad_records,
     }  # fmt: skip
     root = cache_root(cfg.cache_dir)
     docs = lambda: _split(_capped(_documents(cfg, files), cfg.max_bytes), cfg.val_fraction)  # noqa: E731
@@ -61,6 +62,8 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         f"{what}: {len(got.train):,} train / {len(got.val):,} val {unit}, "
         f"{'tokenized now' if got.built else 'cached'} in {root / 'tokens'}"
     )
+    if got.meta.get("bad_records"):
+        desc += f"; skipped {got.meta['bad_records']:,} bad records, the first: {got.meta['first_bad']}"
     return Corpus(got.train, got.val, desc, tok.vocab_size, tok.eos_id)
 
 
@@ -150,33 +153,62 @@ def _stat(f: Path) -> tuple[str, int, int]:
 
 
 def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str | bytes]:
+    """The documents, in order; a bad one is an error or, with data.bad_records: skip, a Bad value that the
+    tokenization counts and leaves out."""
     if cfg.name in ("stdlib-source", "text"):
-        for f in files:  # bytes: the byte tokenizer keeps them exact; others decode them
-            yield f.read_bytes()
+        for f in files:  # bytes: the byte tokenizer keeps them exact; a tokenizer of text decodes them
+            raw = f.read_bytes()
+            if cfg.tokenizer == "bytes":
+                yield raw
+                continue
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # not text with replacement characters trained on
+                yield _bad(cfg, f"{f}: invalid UTF-8 at byte {e.start}")
     elif cfg.name == "jsonl":
         for f in files:
-            yield from _jsonl(f, cfg.text_field, cfg.max_line_bytes)
+            yield from _jsonl(cfg, f)
     elif cfg.name == "parquet":
         for f in files:
-            yield from _parquet(f, cfg.text_field)
+            yield from _texts(cfg, str(f), _parquet(f, cfg.text_field))
     else:
-        yield from _hf_dataset(cfg)
+        yield from _texts(cfg, f"data.hf_dataset {cfg.hf_dataset.get('path')}", _hf_dataset(cfg))
 
 
-def _jsonl(path: Path, key: str, max_line_bytes: int) -> Iterator[str]:
-    """Pretraining text from JSON Lines: a bad line stops the run, naming the file and line (jsonl.py)."""
-    from zoff.data.jsonl import Bad, jsonl
+def _texts(cfg: DataConfig, where: str, values: Iterable[object]) -> Iterator[str]:
+    """A column's texts: an empty cell is no document; a value that is not text is a bad record."""
+    for row, t in enumerate(values):
+        if isinstance(t, str):
+            yield t
+        elif t is not None:
+            yield _bad(
+                cfg, f"{where}: row {row}: data.text_field '{cfg.text_field}' holds {type(t).__name__}"
+            )
 
-    for lineno, obj in jsonl(path, max_line_bytes):
+
+def _jsonl(cfg: DataConfig, path: Path) -> Iterator[str]:
+    """Pretraining text from JSON Lines (jsonl.py bounds and checks each line)."""
+    from zoff.data.jsonl import jsonl
+
+    for lineno, obj in jsonl(path, cfg.max_line_bytes):
+        text = obj.get(cfg.text_field) if isinstance(obj, dict) else None
         if isinstance(obj, Bad):
-            raise UserError(f"{path}:{lineno}: {obj}")
-        text = obj.get(key) if isinstance(obj, dict) else None
-        if not isinstance(text, str):
-            raise UserError(f"{path}:{lineno}: no text field '{key}' (data.text_field)")
-        yield text
+            yield _bad(cfg, f"{path}:{lineno}: {obj}")
+        elif not isinstance(text, str):
+            yield _bad(cfg, f"{path}:{lineno}: no text field '{cfg.text_field}' (data.text_field)")
+        else:
+            yield text
 
 
-def _parquet(path: Path, key: str) -> Iterator[str]:
+def _bad(cfg: DataConfig, why: str) -> Bad:
+    """A bad pretraining document: the error that stops the run (data.bad_records auto or error), or the
+    Bad value the tokenization counts and skips."""
+    if cfg.bad_records == "skip":
+        return Bad(why)
+    raise UserError(f"{why} (data.bad_records: skip leaves such records out)")
+
+
+def _parquet(path: Path, key: str) -> Iterator[object]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -190,10 +222,10 @@ def _parquet(path: Path, key: str) -> Iterator[str]:
             f"{path}: no column '{key}' (data.text_field); columns: {', '.join(pf.schema_arrow.names)}"
         )
     for batch in pf.iter_batches(columns=[key], batch_size=1024):
-        yield from (t for t in batch.column(0).to_pylist() if t is not None)
+        yield from batch.column(0).to_pylist()
 
 
-def _hf_dataset(cfg: DataConfig) -> Iterator[str]:
+def _hf_dataset(cfg: DataConfig) -> Iterator[object]:
     try:
         import datasets
     except ImportError:
@@ -212,13 +244,16 @@ def _hf_dataset(cfg: DataConfig) -> Iterator[str]:
             f"data.text_field: the dataset has no column '{cfg.text_field}' (columns: {', '.join(ds.column_names)})"
         )
     for batch in ds.select_columns([cfg.text_field]).iter(batch_size=1024):
-        yield from (t for t in batch[cfg.text_field] if t is not None)
+        yield from batch[cfg.text_field]
 
 
 def _capped(docs: Iterable[str | bytes], max_bytes: int) -> Iterator[str | bytes]:
     """Stop after max_bytes of text (0: no cap); the last document is cut at the cap."""
     size = 0
     for d in docs:
+        if isinstance(d, Bad):  # counted by the tokenization, never trained on
+            yield d
+            continue
         raw = d if isinstance(d, bytes) else d.encode()
         if max_bytes and size + len(raw) > max_bytes:
             raw = raw[: max_bytes - size]
@@ -232,8 +267,13 @@ def _capped(docs: Iterable[str | bytes], max_bytes: int) -> Iterator[str | bytes
 def _split(docs: Iterable[str | bytes], val_fraction: float) -> Iterator[tuple[bool, str | bytes]]:
     """Every k-th document goes to validation, so both splits sample the whole corpus, not its tail."""
     k = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
-    for i, d in enumerate(docs):
+    i = 0
+    for d in docs:
+        if isinstance(d, Bad):  # takes no place: the split of the good documents does not move
+            yield False, d
+            continue
         yield bool(k and i % k == k - 1), d
+        i += 1
 
 
 def _synthetic(cfg: DataConfig, seed: int) -> Corpus:

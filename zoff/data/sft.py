@@ -88,6 +88,7 @@ def load_sft_corpus(cfg: DataConfig, seed: int, pack: bool) -> SFTCorpus:
         "hf_dataset": cfg.hf_dataset, "tokenizer": tok.fingerprint, "format": cfg.format,
         "fields": record_fields(cfg), "train_on_prompt": cfg.train_on_prompt, "overlong": cfg.overlong,
         "seq_len": cfg.seq_len, "pack": pack, "val_fraction": cfg.val_fraction, "pad_id": enc.pad_id,
+        "bad_records": cfg.bad_records,
     }  # fmt: skip
     root = cache_root(cfg.cache_dir) / "sft"
     got, built = _cached(root, cache_key(parts), lambda: _build(cfg, enc, files, what, pack))
@@ -252,6 +253,8 @@ def _build(cfg: DataConfig, enc: _Encoder, files: list[Path], what: str, pack: b
             if not (y != IGNORE).any():
                 raise BadRecord("no trained token")
         except BadRecord as e:
+            if cfg.bad_records == "error":
+                raise UserError(f"{where}: {e} (data.bad_records: skip leaves such records out)") from None
             st["bad"] += 1
             st["first_bad"] = st["first_bad"] or f"{where}: {e}"
             continue

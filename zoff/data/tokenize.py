@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from zoff.cache import cache_dir as zoff_cache_dir
+from zoff.data.jsonl import Bad
 from zoff.errors import UserError
 
 BYTES_EOS = 0  # the NUL byte never occurs in text, so byte-level corpora keep a 256-token vocabulary
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 ENCODE_BATCH = 512  # documents per encode call: the Rust tokenizer parallelises over them
 NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 
@@ -200,9 +201,17 @@ def _build(
     tmp.mkdir()
     t0 = time.perf_counter()
     eos = np.asarray([tok.eos_id], dtype=tok.dtype)
-    counts, n_docs = {True: 0, False: 0}, 0
+    counts, n_docs, bad = {True: 0, False: 0}, 0, []
+
+    def good(pairs: Iterable[tuple[bool, str | bytes]]) -> Iterator[tuple[bool, str | bytes]]:
+        for pair in pairs:
+            if isinstance(pair[1], Bad):  # data.bad_records: skip
+                bad.append(str(pair[1]))
+            else:
+                yield pair
+
     with open(tmp / "train.bin", "wb") as ftrain, open(tmp / "val.bin", "wb") as fval:
-        for batch in _batches(docs, ENCODE_BATCH):
+        for batch in _batches(good(docs), ENCODE_BATCH):
             for (is_val, _), ids in zip(batch, tok.encode([d for _, d in batch])):
                 f = fval if is_val else ftrain
                 f.write(ids.astype(tok.dtype, copy=False).tobytes())
@@ -211,7 +220,8 @@ def _build(
                 n_docs += 1
     if n_docs == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"data: {what} holds no documents")
+        skipped = f" ({len(bad):,} bad records skipped; the first: {bad[0]})" if bad else ""
+        raise UserError(f"data: {what} holds no documents{skipped}")
     if counts[True] == 0 and val_fraction > 0:  # one document (or too few): its tail is the validation split
         cut = int(counts[False] * (1 - val_fraction))
         _move_tail(tmp / "train.bin", tmp / "val.bin", cut * tok.dtype.itemsize)
@@ -219,7 +229,7 @@ def _build(
     meta = {
         "dtype": tok.dtype.name, "train_tokens": counts[False], "val_tokens": counts[True], "documents": n_docs,
         "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.name, "source": what,
-        "seconds": round(time.perf_counter() - t0, 3),
+        "seconds": round(time.perf_counter() - t0, 3), "bad_records": len(bad), "first_bad": bad[0] if bad else "",
     }  # fmt: skip
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     os.rename(tmp, entry)

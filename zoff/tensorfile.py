@@ -48,17 +48,18 @@ class SafetensorsReader:
             raise UserError(f"{path}: not a safetensors file (bad header length)")
         try:
             header = json.loads(os.pread(self.fd, n, 8))
+            if not isinstance(header, dict):
+                raise ValueError("not a JSON object")
             self.base = 8 + n
             self.meta = {k: v for k, v in header.items() if k != "__metadata__"}
             for k, v in self.meta.items():
-                if v["dtype"] not in ST_DTYPES:
-                    raise ValueError(f"tensor {k!r} has dtype {v['dtype']}, which zoff does not read")
-                lo, hi = v["data_offsets"]
-                if not 0 <= lo <= hi or hi + self.base > size:
-                    raise ValueError(f"tensor {k!r} lies past the end of the file")
+                _check_entry(k, v, size - self.base)
+        except RecursionError:  # JSON nested past the parser's depth (json recurses once per level)
+            self.close()
+            raise UserError(f"{path}: corrupted safetensors header (nested too deep)") from None
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             self.close()
-            raise UserError(f"{path}: corrupted safetensors header ({e})") from None
+            raise UserError(f"{path}: corrupted safetensors header ({str(e)[:200]})") from None
 
     def keys(self) -> list[str]:
         return list(self.meta)
@@ -97,6 +98,26 @@ class SafetensorsReader:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _check_entry(key: str, v: object, data_bytes: int) -> None:
+    """One header entry is a dtype zoff reads, a shape of non-negative integers and a byte range inside the
+    data that holds exactly that shape: every later read and view can then trust it."""
+    if not isinstance(v, dict) or not isinstance(v.get("dtype"), str) or v["dtype"] not in ST_DTYPES:
+        dtype = v.get("dtype") if isinstance(v, dict) else v
+        raise ValueError(f"tensor {key!r} has dtype {str(dtype)[:40]}, which zoff does not read")
+    shape, offsets = v.get("shape"), v.get("data_offsets")
+    ints = lambda xs, n=None: (  # noqa: E731
+        isinstance(xs, list) and (n is None or len(xs) == n)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
+    )  # fmt: skip
+    if not ints(shape) or len(shape) > 64:
+        raise ValueError(f"tensor {key!r} has shape {str(shape)[:80]}, not a list of sizes")
+    if not ints(offsets, 2) or not offsets[0] <= offsets[1] <= data_bytes:
+        raise ValueError(f"tensor {key!r} lies past the end of the file")
+    item = torch.empty(0, dtype=ST_DTYPES[v["dtype"]]).element_size()
+    if _numel(shape) * item != offsets[1] - offsets[0]:
+        raise ValueError(f"tensor {key!r}: shape {shape} does not fill its {offsets[1] - offsets[0]} bytes")
 
 
 @dataclass(frozen=True)

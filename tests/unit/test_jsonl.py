@@ -112,3 +112,12 @@ def test_a_corrupt_tokenizer_folder_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"garbage": ')
     with pytest.raises(UserError, match=r"^data\.tokenizer: .*: cannot load its tokenizer \(expected"):
         load_tokenizer(str(tmp_path))
+
+
+def test_an_escaped_lone_surrogate_is_a_bad_line_and_a_pair_is_text(tmp_path: Path) -> None:
+    """json.loads turns "\\ud800" into a str that cannot be encoded: a crash in tokenization, found by fuzzing."""
+    p = _file(tmp_path, b'{"text": "a\\ud800b"}', b'{"text": "\\ud83d\\ude00 ok"}', b'{"t": ["\\uDFFF"]}')
+    got = list(jsonl(p, max_line_bytes=1024))
+    assert isinstance(got[0][1], Bad) and "lone UTF-16 surrogate" in got[0][1]
+    assert got[1][1] == {"text": "\U0001f600 ok"}
+    assert isinstance(got[2][1], Bad)

@@ -43,8 +43,36 @@ def jsonl(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]]:
             if not text.strip():
                 continue
             try:
-                yield lineno, json.loads(text)
+                obj = json.loads(text)
             except json.JSONDecodeError as e:
                 yield lineno, Bad(f"not valid JSON ({e.msg})")
+                continue
             except RecursionError:
                 yield lineno, Bad("JSON nested too deep")
+                continue
+            # json turns an escaped lone surrogate ("\ud800") into a str no codec can encode: found only where
+            # the line has such an escape, so clean lines cost one substring search
+            if b"\\ud" in line.lower() and _has_lone_surrogate(obj):
+                yield (
+                    lineno,
+                    Bad("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"),
+                )
+                continue
+            yield lineno, obj
+
+
+def _has_lone_surrogate(obj: object) -> bool:
+    stack = [obj]  # iterative: the parse above already bounded the depth, this bounds the stack too
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False

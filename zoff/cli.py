@@ -71,8 +71,10 @@ def train(
     )  # fmt: skip
     cfg = load_config(config, list(overrides or []) + extra)
     from zoff.launch import check_torch
+    from zoff.network import node_address
 
     check_torch()
+    node_address(cfg.launch)  # the interface and the endpoint resolve, before anything starts
     model = _preflight(cfg)
     if cfg.zero.auto:
         from zoff.planning.estimate import choose_policy  # torch-free start for the other commands

@@ -22,12 +22,13 @@ from torch.distributed.launcher.api import elastic_launch
 from zoff.config import Config, LaunchConfig, config_from_dict
 from zoff.errors import UserError
 from zoff.network import (
+    BOUND_STORE_ENV,
     LOOPBACK,
-    LOOPBACK_ENV,
-    LOOPBACK_RDZV,
+    RDZV_BACKEND,
     init_process_group,
     network_env,
-    register_loopback_rendezvous,
+    node_address,
+    register_rendezvous,
 )
 from zoff.trainer import regather
 
@@ -95,11 +96,11 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         nproc_per_node=nproc,
         logs_specs=logs,
         run_id=f"zoff-{uuid.uuid4().hex[:8]}" if standalone else f"zoff-{run_dir.name}",
-        # a single node listens on loopback only (its rendezvous, stores and sockets); nodes reach each other
-        # through torch's c10d rendezvous at the endpoint the user gives
+        # every listener bound to one address (network.py): loopback on a single node; across nodes the
+        # endpoint's for the rendezvous store, this node's (launch.interface or the route) for the rest
         rdzv_endpoint=f"{LOOPBACK}:0" if standalone else lc.rdzv_endpoint,
-        rdzv_backend=LOOPBACK_RDZV if standalone else "c10d",
-        local_addr=LOOPBACK if standalone else None,
+        rdzv_backend=RDZV_BACKEND,
+        local_addr=node_address(lc),
         rdzv_configs={
             "timeout": 900,
             "last_call_timeout": lc.rdzv_last_call_s,
@@ -121,14 +122,12 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         print(note, file=sys.stderr, flush=True)
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
     os.environ.update(network_env(lc))
-    if standalone:
-        register_loopback_rendezvous()
-        os.environ[LOOPBACK_ENV] = "1"
-    else:
-        os.environ.pop(LOOPBACK_ENV, None)
-    # torch 2.13 reuses the rendezvous store across restarts without a per-attempt prefix, so a restarted
-    # rank can read the previous attempt's addresses and hang or be refused; a fresh store per attempt avoids it.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    register_rendezvous()
+    os.environ[BOUND_STORE_ENV] = "1"
+    # Rank 0 serves a fresh process-group store per attempt (network.init_process_group): torch 2.13's shared
+    # agent store is reused across restarts without a per-attempt prefix (a restarted rank can read the last
+    # attempt's addresses and hang or be refused), and it listens on every interface.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     stops = StopSignals(lc.shutdown_timeout_s)
     try:
         with stops:

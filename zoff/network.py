@@ -1,62 +1,134 @@
-"""What a run listens on: a single node on loopback only (its rendezvous store, rank 0's process-group store,
-the ranks' gloo/NCCL sockets), several nodes on the interface the user names (launch.interface)."""
+"""What a run listens on. torch's own stores bind every interface and have no authentication: anyone who can
+reach a port can read and write a run's store. zoff binds each listener to one address instead:
+
+- a single node: loopback only (its rendezvous store, rank 0's process-group store, the gloo/NCCL sockets);
+- several nodes: the rendezvous store on the endpoint's own address (on the node that hosts it), rank 0's
+  process-group store and the ranks' sockets on this node's address toward the others: the one of the
+  interface launch.interface names, else the one the system routes to the endpoint."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import socket
+import struct
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from zoff.config import LaunchConfig
+from zoff.errors import UserError
 
 LOOPBACK = "127.0.0.1"
-LOOPBACK_RDZV = "zoff-loopback"  # the standalone rendezvous handler (below)
-# Set for the ranks of a single-node run: rank 0's process-group store listens on loopback only (worker()).
-LOOPBACK_ENV = "ZOFF_LOOPBACK"
+RDZV_BACKEND = "zoff-c10d"  # torch's c10d rendezvous on a store zoff binds (below)
+# Set by the launcher for its ranks: rank 0's process-group store listens on MASTER_ADDR only (worker()).
+BOUND_STORE_ENV = "ZOFF_BOUND_STORE"
+SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 
 
-def loopback_listener(port: int = 0) -> tuple[int, int]:
-    """A TCP socket listening on 127.0.0.1:`port` (0: any free port): (its file descriptor for
-    TCPStore(master_listen_fd=...), which owns it from then on, its port). torch's own stores bind every interface:
-    anyone on the network could read and write a single-node run's store, which has no authentication."""
+def bound_listener(addr: str, port: int = 0) -> tuple[int, int]:
+    """A TCP socket listening on `addr`:`port` only (0: any free port): (its file descriptor, for
+    TCPStore(master_listen_fd=...), which owns it from then on, its port)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, port))
-    sock.listen(1024)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
     port = sock.getsockname()[1]
     return sock.detach(), port
 
 
-def _loopback_rendezvous(params):
-    """torch's c10d rendezvous (the same handler and backend as rdzv_backend c10d) on a store that listens on
-    loopback only: a single-node run needs nobody from outside."""
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` (launch.interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError as e:
+            raise UserError(
+                f"launch.interface: '{name}' has no IPv4 address on this machine ({e.strerror})"
+            ) from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of the interface holding IPv4 address `addr`, or None."""
+    for _, name in socket.if_nameindex():
+        try:
+            if interface_address(name) == addr:
+                return name
+        except UserError:  # an interface with no IPv4 address
+            continue
+    return None
+
+
+def endpoint_address(endpoint: str) -> tuple[str, int]:
+    """(IPv4 address, port) of launch.rdzv_endpoint HOST:PORT."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        return socket.gethostbyname(host), int(port)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"launch.rdzv_endpoint: cannot resolve '{endpoint}' to an IPv4 address ({e})"
+        ) from None
+
+
+def node_address(lc: LaunchConfig) -> str:
+    """The address this node's listeners bind and the other nodes reach it at: loopback on a single node, the
+    named interface's across nodes, else the one the system routes toward the rendezvous endpoint."""
+    if lc.rdzv_endpoint is None:
+        return LOOPBACK
+    if lc.interface:
+        return interface_address(lc.interface)
+    ip, port = endpoint_address(lc.rdzv_endpoint)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, port))  # a UDP connect sends nothing: it only asks the routing table
+        except OSError as e:
+            raise UserError(f"launch.rdzv_endpoint: no route to {lc.rdzv_endpoint} ({e.strerror})") from None
+        return s.getsockname()[0]
+
+
+def _rendezvous(params):
+    """torch's c10d rendezvous (its handler and backend) on a store bound to the endpoint's address: the node
+    where that address is local hosts it (on a single node, 127.0.0.1:0), the others connect to it."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    fd, port = loopback_listener()
+    host, _, port_s = params.endpoint.rpartition(":")
+    ip, port = socket.gethostbyname(host), int(port_s)
+    try:
+        fd, port = bound_listener(ip, port)
+    except OSError as e:  # not this machine's address, or another agent here hosts it already
+        if e.errno not in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+            raise
+        fd = None
     store = dist.TCPStore(
-        LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=fd, timeout=timedelta(seconds=60)
-    )
+        ip, port, is_master=fd is not None, multi_tenant=True, master_listen_fd=fd,
+        timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)),
+    )  # fmt: skip
 
-    class LoopbackBackend(C10dRendezvousBackend):
-        name = property(lambda self: LOOPBACK_RDZV)  # torch checks the backend's name against the launcher's
+    class BoundBackend(C10dRendezvousBackend):
+        name = property(lambda self: RDZV_BACKEND)  # torch checks the backend's name against the launcher's
 
-    return create_handler(store, LoopbackBackend(store, params.run_id), params)
+    return create_handler(store, BoundBackend(store, params.run_id), params)
 
 
-def register_loopback_rendezvous() -> None:
+def register_rendezvous() -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    if not rendezvous_handler_registry._registry.get(LOOPBACK_RDZV):
-        rendezvous_handler_registry.register(LOOPBACK_RDZV, _loopback_rendezvous)
+    if not rendezvous_handler_registry._registry.get(RDZV_BACKEND):
+        rendezvous_handler_registry.register(RDZV_BACKEND, _rendezvous)
 
 
 def network_env(lc: LaunchConfig) -> dict[str, str]:
-    """Where the ranks' gloo and NCCL sockets listen: the loopback interface on a single node, the interface
-    launch.interface names across nodes (else the libraries' own choice); a variable the user set wins."""
-    iface = "lo" if lc.rdzv_endpoint is None else lc.interface
+    """Where the ranks' gloo and NCCL sockets listen: the loopback interface on a single node; across nodes
+    the one launch.interface names, else the one holding the address routed to the endpoint (else the
+    libraries' own choice); a variable the user set wins."""
+    iface = "lo" if lc.rdzv_endpoint is None else lc.interface or interface_of(node_address(lc))
     if iface is None:
         return {}
     return {
@@ -67,18 +139,19 @@ def network_env(lc: LaunchConfig) -> dict[str, str]:
 
 
 def init_process_group(backend: str, timeout: timedelta) -> None:
-    """Join the run's process group: on one node (LOOPBACK_ENV, set by the launcher) over a store rank 0
-    serves on loopback only; across nodes through torch's env:// store."""
-    if os.environ.get(LOOPBACK_ENV) != "1":
+    """Join the run's process group over a store rank 0 serves on MASTER_ADDR only (its node's address, which
+    the launcher gave the rendezvous as local_addr); without the launcher's mark, torch's env:// store."""
+    if os.environ.get(BOUND_STORE_ENV) != "1":
         dist.init_process_group(backend, timeout=timeout)
         return
-    rank, world, port = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(
-        LOOPBACK,
+        addr,
         port,
         world,
         rank == 0,
         timeout,
-        master_listen_fd=loopback_listener(port)[0] if rank == 0 else None,
+        master_listen_fd=bound_listener(addr, port)[0] if rank == 0 else None,
     )
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

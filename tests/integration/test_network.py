@@ -5,6 +5,7 @@ authentication). Read from /proc while a real 2-rank `zoff train` runs."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from zoff.config import config_from_dict
-from zoff.errors import ConfigError
-from zoff.network import network_env
+from zoff.errors import ConfigError, UserError
+from zoff.network import interface_address, network_env
 
 REPO = Path(__file__).resolve().parents[2]
 LISTEN = "0A"
@@ -63,12 +64,12 @@ def _listeners(inodes: set[str]) -> set[tuple[str, int]]:
     return out
 
 
-@pytest.mark.slow
-def test_a_single_node_run_listens_on_loopback_only(tmp_path: Path) -> None:
+def _listening_while_training(tmp_path: Path, *args: str) -> set[tuple[str, int]]:
+    """Every TCP listener of a 2-rank `zoff train` and its children, sampled from /proc while it runs."""
     env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
     p = subprocess.Popen(
         [sys.executable, "-m", "zoff", "train", str(REPO / "configs" / "tiny.yaml"), "train.max_steps=40",
-         "log.progress=false", "launch.nproc_per_node=2", "--run-dir", str(tmp_path / "run")],
+         "log.progress=false", "launch.nproc_per_node=2", "--run-dir", str(tmp_path / "run"), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     seen: set[tuple[str, int]] = set()
@@ -78,9 +79,59 @@ def test_a_single_node_run_listens_on_loopback_only(tmp_path: Path) -> None:
         time.sleep(0.05)
     out = p.communicate(timeout=60)[0]
     assert p.returncode == 0, out[-3000:]
+    return seen
+
+
+@pytest.mark.slow
+def test_a_single_node_run_listens_on_loopback_only(tmp_path: Path) -> None:
+    seen = _listening_while_training(tmp_path)
     # the rendezvous store, rank 0's store and gloo's pair listeners (one per rank at least)
     assert len(seen) >= 3, seen
     assert {addr for addr, _ in seen} <= LOOPBACK, seen
+
+
+def _proc_net(ip: str) -> str:
+    """An IPv4 address as /proc/net/tcp writes it (little-endian hex)."""
+    return socket.inet_aton(ip)[::-1].hex().upper()
+
+
+def _non_loopback_ipv4() -> str | None:
+    for _, name in socket.if_nameindex():
+        try:
+            ip = interface_address(name)
+        except UserError:
+            continue
+        if not ip.startswith("127."):
+            return ip
+    return None
+
+
+@pytest.mark.slow
+def test_a_run_across_nodes_listens_only_on_the_address_routed_to_its_endpoint(tmp_path: Path) -> None:
+    """Run as a one-node member of a multi-node rendezvous at this machine's own non-loopback address: the
+    rendezvous store binds the endpoint's address, rank 0's store and gloo the routed one: nothing binds
+    every interface (0.0.0.0 / ::), as torch's own c10d stores do."""
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    with socket.socket() as s:  # a free port for the endpoint
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    seen = _listening_while_training(tmp_path, "--rdzv-endpoint", f"{ip}:{port}")
+    assert len(seen) >= 3 and (_proc_net(ip), port) in seen, seen
+    assert {addr for addr, _ in seen} == {_proc_net(ip)}, seen
+
+
+def test_a_named_interface_that_does_not_exist_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "train", str(REPO / "configs" / "tiny.yaml"), "launch.interface=nosuch0",
+         "--rdzv-endpoint", "127.0.0.1:29999", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "zoff: error: launch.interface: 'nosuch0' has no IPv4 address on this machine (No such device)"
+    ], p.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_ranks_sockets_use_loopback_on_one_node_and_the_named_interface_across_nodes(monkeypatch) -> None:
@@ -88,8 +139,8 @@ def test_the_ranks_sockets_use_loopback_on_one_node_and_the_named_interface_acro
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     one = config_from_dict({}).launch
     assert network_env(one) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-    many = config_from_dict({"launch": {"rdzv_endpoint": "10.0.0.1:29500", "nnodes": "2"}}).launch
-    assert network_env(many) == {}  # the libraries' choice
+    many = config_from_dict({"launch": {"rdzv_endpoint": "127.0.0.1:29500", "nnodes": "2"}}).launch
+    assert network_env(many) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}  # the routed one
     named = config_from_dict({"launch": {"rdzv_endpoint": "10.0.0.1:29500", "interface": "eth1"}}).launch
     assert network_env(named) == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "eth1"}
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's own setting wins

@@ -220,8 +220,8 @@ class LaunchConfig:
     rdzv_endpoint: str | None = (
         None  # HOST:PORT; None runs a standalone rendezvous on this node (loopback only)
     )
-    # across nodes: the network interface (e.g. eth1) the ranks' gloo/NCCL sockets use; None: the libraries'
-    # choice. A single node always uses loopback.
+    # across nodes: the network interface (e.g. eth1) whose IPv4 address rank 0's store and the ranks'
+    # gloo/NCCL sockets bind; None: the one routed to rdzv_endpoint. A single node always uses loopback.
     interface: str | None = None
     max_restarts: int = field(default=0, metadata=_rng(0, 1 << 20))
     threads_per_rank: int | None = field(default=None, metadata=_rng(1, 4096))  # None: cores / local ranks

@@ -56,11 +56,15 @@ def test_pretraining_skip_counts_and_equals_the_good_lines_alone(tmp_path: Path)
 
 def test_only_bad_records_is_one_line_naming_the_first(tmp_path: Path) -> None:
     p = lines(tmp_path / "all-bad.jsonl", b"{not json", b'{"text": 3}')
-    with pytest.raises(UserError, match=r"holds no documents \(2 bad records skipped; the first: .*:1: not valid"):
+    with pytest.raises(
+        UserError, match=r"holds no documents \(2 bad records skipped; the first: .*:1: not valid"
+    ):
         load_corpus(cfg(tmp_path, name="jsonl", paths=[str(p)], bad_records="skip"), 0)
 
 
-def test_text_files_that_are_not_utf8_are_bad_for_a_text_tokenizer_and_exact_for_bytes(tmp_path: Path) -> None:
+def test_text_files_that_are_not_utf8_are_bad_for_a_text_tokenizer_and_exact_for_bytes(
+    tmp_path: Path,
+) -> None:
     pytest.importorskip("tokenizers")
     tok = make_tokenizer(tmp_path / "tok", DOCS)
     for i, d in enumerate(DOCS[:6]):

@@ -131,13 +131,24 @@ def train(
     epilog=_examples(
         "zoff validate configs/quickstart.yaml",
         "zoff validate configs/gpt-7b.yaml zero=zero3-nvme zero.offload_optimizer.nvme_path=/mnt/nvme",
+        "zoff validate --explain zero.offload_optimizer.host_budget",
     )
 )
 def validate(
-    config: Path = typer.Argument(..., help="YAML config"),
+    config: Path = typer.Argument(None, help="YAML config"),
     overrides: list[str] = OVERRIDES,
+    explain: str = typer.Option(
+        None, "--explain", help="Print a key's (or a section's) type, default, range and meaning, and exit"
+    ),
 ) -> None:
     """Print the fully resolved config (recipes expanded, defaults filled in) and exit."""
+    if explain is not None:
+        from zoff.config.reference import explain as explain_key
+
+        sys.stdout.write(explain_key(explain))
+        return
+    if config is None:
+        raise UserError("zoff validate: a CONFIG file is needed (or --explain KEY)")
     cfg = load_config(config, overrides or [])
     _preflight(cfg)
     sys.stdout.write(dump_yaml(cfg))

@@ -81,8 +81,8 @@ def _numbers(obj, path=()):
         yield path, obj
 
 
-@pytest.mark.parametrize("name", sorted({n for _, n, _ in _regions()} - {"headline"}))
-def test_a_changed_number_in_the_json_changes_the_table(name: str) -> None:
+@pytest.mark.parametrize("name", sorted({n for _, n, _ in _regions()} - {"headline", "config_reference"}))
+def test_a_changed_number_in_the_json_changes_the_table(name: str) -> None:  # (the reference has no JSON)
     """Some number the table shows, changed in its JSON, changes the rendered table (the page then fails)."""
     module = R.script(name)
     data = json.loads(Path(module.JSON).read_text())

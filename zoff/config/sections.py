@@ -18,7 +18,7 @@ class LoraConfig:
 
     r: int = field(default=0, metadata=_rng(0, 65536))  # the adapters' rank; 0: no adapters
     alpha: float = field(default=16.0, metadata=_rng(0.0, gt=True))  # scale alpha / r
-    dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))
+    dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))  # on the adapters' input
     # module names (suffixes) to adapt, as peft's target_modules; "all-linear": every Linear but the output head
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
@@ -30,13 +30,13 @@ class LoraConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "gpt"  # builtin name, or python:pkg.module:factory (the factory receives this section)
-    n_layer: int = field(default=4, metadata=_rng(1, 4096))
-    n_head: int = field(default=4, metadata=_rng(1, 4096))
-    d_model: int = field(default=128, metadata=_rng(1, 1 << 18))
-    vocab_size: int = field(default=256, metadata=_rng(2, 1 << 24))
+    n_layer: int = field(default=4, metadata=_rng(1, 4096))  # gpt: transformer blocks
+    n_head: int = field(default=4, metadata=_rng(1, 4096))  # gpt: attention heads (d_model divisible by it)
+    d_model: int = field(default=128, metadata=_rng(1, 1 << 18))  # gpt: the residual stream's width
+    vocab_size: int = field(default=256, metadata=_rng(2, 1 << 24))  # gpt: embedded ids (>= the tokenizer's)
     seq_len: int = field(default=128, metadata=_rng(1, 1 << 24))  # the model's maximum context
-    dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))
-    tie_embeddings: bool = True
+    dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))  # gpt: on attention and MLP outputs
+    tie_embeddings: bool = True  # gpt: the output head shares the token embedding's weight
     args: dict = field(default_factory=dict)  # free-form keyword arguments for python: factories
     config: dict = field(default_factory=dict)  # hf: models: keyword arguments of the transformers config
     path: str | None = None  # hf: models: a local Hugging Face model directory to start from
@@ -45,13 +45,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    # stdlib-source: this Python's standard library .py files; text, jsonl, parquet: the files in paths; hf:
+    # datasets.load_dataset(**hf_dataset); synthetic: a generated Markov chain over bytes (synthetic_tokens)
     name: Literal["stdlib-source", "text", "synthetic", "jsonl", "parquet", "hf"] = "stdlib-source"
-    seq_len: int = field(default=128, metadata=_rng(1, 1 << 24))
+    seq_len: int = field(default=128, metadata=_rng(1, 1 << 24))  # tokens per training sequence
     batch_size: int = field(default=8, metadata=_rng(1, 1 << 20))  # per-rank micro-batch
     paths: list[str] = field(default_factory=list)  # files or globs for name: text, jsonl, parquet, hf
+    # documents held out for validation (every k-th one, so both splits sample the whole corpus)
     val_fraction: float = field(default=0.05, metadata=_rng(0.0, 0.5))
     max_bytes: int = field(default=0, metadata=_rng(0, 1 << 50))  # 0: no cap on the corpus size
-    synthetic_tokens: int = field(default=200_000, metadata=_rng(1, 1 << 40))
+    synthetic_tokens: int = field(default=200_000, metadata=_rng(1, 1 << 40))  # name synthetic: its length
     # jsonl: the longest line read (a longer one is a bad record, see bad_records), so one huge line cannot
     # take the host's memory
     max_line_bytes: int = field(default=16 << 20, metadata=_rng(1024, 1 << 34))
@@ -68,8 +71,8 @@ class DataConfig:
     # record, rendered by the tokenizer's chat template; instruction: a prompt and a response field per record
     format: Literal["text", "chat", "instruction"] = "text"
     messages_field: str = "messages"  # chat: the field holding each record's messages
-    prompt_field: str = "prompt"  # instruction: the fields of each record
-    response_field: str = "response"
+    prompt_field: str = "prompt"  # instruction: the field holding each record's prompt
+    response_field: str = "response"  # instruction: the field holding each record's answer
     train_on_prompt: bool = False  # chat/instruction: false puts only the answers' tokens in the loss
     overlong: Literal["truncate", "drop"] = "truncate"  # chat/instruction: examples longer than seq_len
     # chat/instruction: several examples share one sequence, each attending only to itself (positions restart);
@@ -82,8 +85,8 @@ class DataConfig:
 class IoConfig:
     """The disk tier's I/O (engine/disk_io.py): parallel O_DIRECT requests of request_mb each."""
 
-    threads: int = field(default=4, metadata=_rng(1, 64))
-    request_mb: int = field(default=8, metadata=_rng(1, 1024))
+    threads: int = field(default=4, metadata=_rng(1, 64))  # requests in flight per swap file
+    request_mb: int = field(default=8, metadata=_rng(1, 1024))  # the size of one request
 
 
 @dataclass(frozen=True)
@@ -91,13 +94,16 @@ class OptimizerIoConfig(IoConfig):
     """The optimizer's disk I/O, plus the size of the sub-groups it steps its shard in."""
 
     # the optimizer steps its shard in sub-groups of at most this much state (master + moments): RAM holds
-    # three of them (stepped, read ahead, written back), whatever the size of a unit
+    # five of them (stepped, read ahead, written back), whatever the size of a unit
     subgroup_mb: int = field(default=96, metadata=_rng(1, 1 << 20))
 
 
 @dataclass(frozen=True)
 class OffloadOptimizerConfig:
-    device: Literal["none", "cpu", "nvme"] = "none"
+    """Where the optimizer's fp32 master and Adam moments live (and the CPU Adam steps them): on the device
+    (none), in host memory (cpu), or in swap files on a local disk (nvme)."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"  # none: on the device, beside the parameters
     # nvme: the directory of the swap files (a local disk; a per-rank folder is made under it)
     nvme_path: str | None = None
     # a swap folder others can write (and not sticky, as /tmp is) lets them swap the rank folders for their
@@ -127,7 +133,7 @@ class OffloadOptimizerConfig:
     # then overlaps compute instead of following it. Costs the forward cores that the CPU Adam shares.
     overlap_step: bool = False
     delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
-    delay_update_warmup: int = field(default=0, metadata=_rng(0, 1 << 40))
+    delay_update_warmup: int = field(default=0, metadata=_rng(0, 1 << 40))  # delay_update: exact steps first
 
     @property
     def grads_on_disk(self) -> bool:
@@ -144,17 +150,18 @@ class OffloadParamConfig:
     # nvme: the directory of the parameter swap files; unset: offload_optimizer.nvme_path (one folder for both)
     nvme_path: str | None = None
     io: IoConfig = field(default_factory=IoConfig)
-    pin_memory: bool = True
+    pin_memory: bool = True  # cpu: page-lock the parameter shards (GPU only): uploads async with compute
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
     recipe: str | None = None  # the preset this section was built from, kept for the record
     auto: bool = False  # `zero: auto`: zoff train picks the fastest policy that fits (zoff.planning.estimate)
+    # 0: data parallel; 1: optimizer states partitioned; 2: and gradients; 3: and parameters (gathered per block)
     stage: int = field(default=0, metadata=_rng(0, 3))
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
-    overlap_comm: bool = True
+    overlap_comm: bool = True  # reduce gradients in the background while backward goes on
     # Sizes are in elements, as in the ZeRO papers; a bucket holds one dtype.
     # Stages 2/3 keep MAX_IN_FLIGHT + 1 pooled buckets of up to this size for the whole run: 25M fp32
     # elements would hold 300 MB per rank; 5M holds 60 MB and measured no slower over gloo.
@@ -165,6 +172,7 @@ class ZeroConfig:
     # Stage 3 gathers up to this many elements ahead of need. 3M rather than 5M: no slower over gloo here
     # (per-round ratio 1.01, 57M GPT) and 16 MB less per rank in fp32; GPUs with NCCL may want more.
     prefetch_bucket_size: int = field(default=3_000_000, metadata=_rng(0, 1 << 40))
+    # stage 3: parameters this small (norms, biases) stay whole on every rank rather than gathered per use
     param_persistence_threshold: int = field(default=10_000, metadata=_rng(0, 1 << 40))
     # Stage 3 gathers one unit per block: by default the repeated layers (and HF's _no_split_modules). Module
     # classes named here are blocks too, gathered whole whenever they run: name the layer that holds
@@ -174,39 +182,44 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: Literal["adamw", "adam"] = "adamw"
-    lr: float = field(default=3e-4, metadata=_rng(0.0, gt=True))
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = field(default=1e-8, metadata=_rng(0.0, gt=True))
+    name: Literal["adamw", "adam"] = (
+        "adamw"  # adamw: decoupled weight decay; adam: decay added to the gradient
+    )
+    lr: float = field(default=3e-4, metadata=_rng(0.0, gt=True))  # the peak, reached after warmup
+    betas: tuple[float, float] = (0.9, 0.95)  # each in [0, 1)
+    eps: float = field(default=1e-8, metadata=_rng(0.0, gt=True))  # added to the root of the second moment
+    # applied to matrices and embeddings, not to biases and norm gains
     weight_decay: float = field(default=0.1, metadata=_rng(0.0))
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    warmup_steps: int = field(default=20, metadata=_rng(0, 1 << 40))
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = field(default=0.1, metadata=_rng(0.0, 1.0))
+    warmup_steps: int = field(default=20, metadata=_rng(0, 1 << 40))  # linear from 0 to optim.lr
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # from optim.lr to the end of max_steps
+    min_lr_ratio: float = field(default=0.1, metadata=_rng(0.0, 1.0))  # where the decay ends, x optim.lr
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int = field(default=200, metadata=_rng(1, 1 << 40))
-    grad_accum: int = field(default=1, metadata=_rng(1, 1 << 20))
+    max_steps: int = field(default=200, metadata=_rng(1, 1 << 40))  # optimizer steps
+    grad_accum: int = field(default=1, metadata=_rng(1, 1 << 20))  # micro-batches per step on each rank
+    # sequences per step over all ranks: when set, grad_accum is derived from it and the world size
     global_batch_size: int | None = field(default=None, metadata=_rng(1, 1 << 20))
     grad_clip: float = field(default=1.0, metadata=_rng(0.0))  # 0 disables clipping
+    # bf16/fp16: compute in that dtype over an fp32 master; fp16 scales the loss dynamically
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = field(default=0, metadata=_rng(0, (1 << 63) - 1))
-    log_every: int = field(default=10, metadata=_rng(1, 1 << 40))
+    seed: int = field(default=0, metadata=_rng(0, (1 << 63) - 1))  # the init and the data order
+    log_every: int = field(default=10, metadata=_rng(1, 1 << 40))  # steps between metrics lines
     eval_every: int = field(default=0, metadata=_rng(0, 1 << 40))  # 0: only at the end
-    eval_batches: int = field(default=4, metadata=_rng(1, 1 << 20))
-    activation_checkpointing: bool = False
+    eval_batches: int = field(default=4, metadata=_rng(1, 1 << 20))  # global batches of the val split
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None  # default: <run_dir>/checkpoints
     every_steps: int = field(default=0, metadata=_rng(0, 1 << 40))  # 0: only at the end
-    keep_last: int = field(default=2, metadata=_rng(1, 1 << 20))
+    keep_last: int = field(default=2, metadata=_rng(1, 1 << 20))  # older steps are deleted
     # false: never save, not even at the end or on preemption (a run whose disk has no room for a copy of its
     # states); resuming from an existing checkpoint still works
     enabled: bool = True
@@ -214,16 +227,18 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    nproc_per_node: int = field(default=2, metadata=_rng(1, 1024))
+    nproc_per_node: int = field(default=2, metadata=_rng(1, 1024))  # ranks on this node
     nnodes: str = "1"  # N or MIN:MAX
-    node_rank: int = field(default=0, metadata=_rng(0, 1 << 20))
+    node_rank: int = field(
+        default=0, metadata=_rng(0, 1 << 20)
+    )  # accepted as torchrun's; the c10d rendezvous orders the nodes itself
     rdzv_endpoint: str | None = (
         None  # HOST:PORT; None runs a standalone rendezvous on this node (loopback only)
     )
     # across nodes: the network interface (e.g. eth1) whose IPv4 address rank 0's store and the ranks'
     # gloo/NCCL sockets bind; None: the one routed to rdzv_endpoint. A single node always uses loopback.
     interface: str | None = None
-    max_restarts: int = field(default=0, metadata=_rng(0, 1 << 20))
+    max_restarts: int = field(default=0, metadata=_rng(0, 1 << 20))  # restarts from the last checkpoint
     threads_per_rank: int | None = field(default=None, metadata=_rng(1, 4096))  # None: cores / local ranks
     timeout_s: float = field(
         default=600.0, metadata=_rng(1.0, 1e7)
@@ -236,7 +251,7 @@ class LaunchConfig:
     # node silent for 3 intervals is dead, and the others re-form without it). Shorter: a shrinking restart
     # starts sooner; cost: nodes that join late miss the round, and more heartbeats hit the store.
     rdzv_last_call_s: int = field(default=30, metadata=_rng(1, 1 << 20))
-    rdzv_keep_alive_s: int = field(default=5, metadata=_rng(1, 1 << 20))
+    rdzv_keep_alive_s: int = field(default=5, metadata=_rng(1, 1 << 20))  # see rdzv_last_call_s
 
     @property
     def min_nodes(self) -> int:
@@ -251,7 +266,7 @@ class LaunchConfig:
 @dataclass(frozen=True)
 class LogConfig:
     run_dir: str | None = None  # default: runs/<config name>-<timestamp>
-    progress: bool = True
+    progress: bool = True  # a live progress bar on rank 0 (plain lines when not a terminal)
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars under <run_dir>/tensorboard
 
 

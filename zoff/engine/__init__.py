@@ -1,7 +1,8 @@
 """The engine: everything that differs between ZeRO stages lives behind `build_engine`.
 
-The trainer sees only: engine.model (call it), backward(loss, sync), step(lr) -> StepResult, zero_grad(),
-memory_report(), stats(), gathered_params(), state_dict()/load_state_dict().
+The trainer sees: engine.model (call it), backward(loss, sync), step(lr) -> StepResult, zero_grad(), flush(),
+close(), memory_report()/planned_memory()/pinned_bytes(), stats(); checkpoints add state_dict()/
+load_state_dict() and read the plan, the optimizer and the shards (param_shard(), load_frozen_shards()).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The disk tier's I/O engine: one swap file per rank, read and written with O_DIRECT from page-aligned
-buffers by a small thread pool. Pure Python + torch: no libaio, no compiled op.
+"""The disk tier's I/O engine: a rank's swap files (optimizer states, gradients, parameters), each read and
+written with O_DIRECT from page-aligned buffers by small thread pools. Pure Python + torch: no libaio, no
+compiled op.
 
 O_DIRECT moves data between the disk and the buffer without the page cache: a 100 GB shard streamed every
 step would otherwise evict everything else the host caches and count against its memory. It needs the

@@ -1,16 +1,17 @@
 """Stage 3: gather a block's parameters around its forward and its backward, and free them after.
 
-Units follow the model's structure like FSDP2's: one per repeated block (partition.find_blocks) and one
-root unit for everything else (embeddings, final norm, head). The root unit is gathered when the model's
-forward starts and stays gathered until backward ends, so any code outside the blocks may read any of those
-parameters (a functional tie such as `F.linear(h, self.emb.weight)`); a block's unit is gathered for the
-whole of the block's forward, so code inside it may read any of the block's parameters. A block is released
-after its forward and gathered again before its backward, by a hook on its outputs' gradients, which runs
-before any recompute of the block (activation checkpointing runs the block's forward again, through its
-hooks or, as transformers does, its bare `forward`, and may stop part-way: nothing here counts on a
-post-forward hook running in backward). It is released once all its
-parameters have their gradient, and at the end of backward whatever is still gathered is released, so no
-gathered copy outlives a step (the next forward must see the updated shards).
+Gathers follow the model's structure like FSDP2's: each repeated block (partition.find_blocks) is gathered
+whole, all its units together, and the root units hold everything else (embeddings, final norm, head). The
+root units are gathered when the model's forward starts and stay gathered until backward ends, so any code
+outside the blocks may read any of those parameters (a functional tie such as `F.linear(h, self.emb.weight)`);
+a block's units are gathered for the whole of the block's forward, so code inside it may read any of the
+block's parameters. A block is released after its forward and gathered again before its backward, by a hook
+on its outputs' gradients, which runs before any recompute of the block (activation checkpointing runs the
+block's forward again, through its hooks or, as transformers does, its bare `forward`, and may stop part-way:
+nothing here counts on a post-forward hook running in backward). It is released once its trainable
+parameters have their gradients and its inputs' gradients exist (blocks.py), and at the end of backward
+whatever is still gathered is released, so no gathered copy outlives a step (the next forward must see the
+updated shards).
 
 Each unit's full buffer keeps its tensor object for the whole run; parameters are views into it. Releasing
 resizes its storage to zero, gathering resizes it back and all-gathers the shards into it, so the views (and
@@ -190,7 +191,7 @@ class UnitGatherer(GatherChecks):
         if shard.device != full.device:  # parameter offload: the shard comes up from host memory first
             shard = shard.to(full.device, non_blocking=True)
             self.host_reads.record()
-        named = self.comm.exchange_codes(u)  # every peer must be gathering this unit too (see _CheckedGather)
+        named = self.comm.exchange_codes(u)  # every peer must be gathering this unit too (see CheckedGather)
         self.pending[u] = CheckedGather(self, u, named, self.comm.all_gather(shard, full, True, "gather"))
 
     def _prefetch_after(self, u: int, backward: bool) -> None:
@@ -289,8 +290,9 @@ class UnitGatherer(GatherChecks):
         """After a forward and after a backward: every rank must have gathered every unit as often as the
         others, or their all-gathers were paired with the wrong partners (a block run on some ranks only:
         data-dependent or random layer skipping). Two small all-reduces per micro-batch: per unit, the count
-        and its square (all ranks agree exactly when N * sum(c^2) == sum(c)^2). A rank that gathers more
-        often than another in total waits for a partner that never comes: that ends in the collective
+        and its square (all ranks agree exactly when N * sum(c^2) == sum(c)^2). On gloo the gathers' codes
+        (check_end, check_codes) name a mismatch first; on NCCL, which exchanges none, a rank that gathers
+        more often than another in total waits for a partner that never comes: that ends in the collective
         timeout's CollectiveError instead."""
         counts, self.gather_counts = self.gather_counts, [0] * len(self.full)
         if self.comm.world == 1:

@@ -2,10 +2,12 @@
 
 One class for every policy: a storage tier (tiers.py) says where the states live and how gradients and
 parameters move; a kernel says how a run is stepped (torch's fused AdamW on the device, zoff's fused CPU Adam
-on the host). The engine only calls step(), finish() and the state-dict methods.
+on the host). The engine calls step() and finish(), and reads and writes whole units' states (read/write,
+the state-dict and file methods).
 
-Delayed parameter update (DPU, host tier): the CPU step of step i runs in a background thread while the next
-forward/backward proceeds with parameters one step stale; `finish()` joins it and the engine publishes.
+Delayed parameter update (DPU, host or disk tier): the CPU step of step i runs in a background thread while
+the next forward/backward proceeds with parameters one step stale; `finish()` joins it and the engine
+publishes.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class Tier(Protocol):
     kind: str
     direct: bool
 
-    def make_states(self, shards: list[torch.Tensor]): ...  # ResidentStates or SwappedStates (tiers.py)
+    def make_states(self, shards: list[torch.Tensor]): ...  # tiers.ResidentStates or state_swap.SwappedStates
     def to_kernel(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
     def publish(self, master: torch.Tensor, shard: torch.Tensor) -> None: ...
     def buffer_bytes(self) -> int: ...
@@ -172,7 +174,8 @@ class ShardOptimizer:
         return False
 
     def finish(self) -> None:
-        """Join an in-flight delayed step (before publishing, checkpointing or the next step)."""
+        """Join an in-flight background step, DPU's or the overlapped walk (before publishing, checkpointing,
+        backward or the next step)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None

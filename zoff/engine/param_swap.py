@@ -75,7 +75,8 @@ class SwappedShards:
     def write(self, u: int, lo: int, src: torch.Tensor) -> None:
         """Unit u's elements [lo, lo + len(src)) from `src` (any float dtype), asynchronously.
 
-        A write must start on a page: lo is 0 or a multiple of the optimizer's sub-group (4096 elements)."""
+        A write must start on a page: lo is 0 or a multiple of the optimizer's sub-group (whole 4096-element
+        pages)."""
         n, size = src.numel(), self.dtype.itemsize
         start = self.offset[u] + lo * size
         if start % ALIGN or (lo + n < self.numels[u] and (n * size) % ALIGN):

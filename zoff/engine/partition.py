@@ -1,10 +1,10 @@
 """The partition plan: which rank owns which slice of which parameter. An immutable value from pure functions.
 
 Trainable parameters are laid out in *units*: flat, padded buffers that are the granularity of every
-collective (a gradient bucket for stages 0-2, a block's parameters for stage 3). Each unit is split evenly
-across the ranks, so rank r owns elements [r*shard, (r+1)*shard) of every unit. Inside a unit the
-weight-decayed parameters come first, so a rank's shard meets at most two runs with different decay: the
-optimizer steps each run as one contiguous tensor instead of one call per parameter.
+collective (a gradient bucket; at stage 3 one module's at most, and a block's units are gathered together).
+Each unit is split evenly across the ranks, so rank r owns elements [r*shard, (r+1)*shard) of every unit.
+Inside a unit the weight-decayed parameters come first, so a rank's shard meets at most two runs with
+different decay: the optimizer steps each run as one contiguous tensor instead of one call per parameter.
 """
 
 from __future__ import annotations
@@ -107,16 +107,16 @@ def default_decay(name: str, p: torch.Tensor) -> bool:
 
 
 def find_blocks(model: nn.Module, classes: tuple[str, ...] = ()) -> list[str]:
-    """The repeated layers stage 3 gathers as one unit each, in module order.
+    """The repeated layers stage 3 gathers whole (a block's units together), in module order.
 
     A block is a module whose class is in `classes` (zero.block_classes: the user's choice of gather unit,
-    such as a MoE layer whose experts not every rank runs; the model's own class makes the whole model one
-    unit) or in HF's `_no_split_modules`, or an element of a ModuleList or
+    such as a MoE layer whose experts not every rank runs; the model's own class makes the whole model the
+    root, gathered whole) or in HF's `_no_split_modules`, or an element of a ModuleList or
     Sequential of two or more modules of one class (a transformer's layers). Blocks do not nest: a MoE block's expert list is
     part of its block. Gathering a whole block (FSDP2's unit) lets any code inside its forward read any of
     its parameters, a parent reading a child's weight included.
     """
-    if type(model).__name__ in classes:  # the model itself: one unit, gathered whole for every forward
+    if type(model).__name__ in classes:  # the model itself: all root, gathered whole for every forward
         return []
     no_split = set(getattr(model, "_no_split_modules", None) or ()) | set(classes)
     out: list[str] = []
@@ -151,10 +151,11 @@ def plan_partition(
 ) -> PartitionPlan:
     """Group the model's distinct trainable parameters into padded units and split each across ranks.
 
-    per_block (stage 3): one unit per block (find_blocks) and one root unit for every parameter outside the
-    blocks (embeddings, final norm, head), which stays gathered from the start of forward to the end of
-    backward; parameters with at most `persistence_threshold` elements go to persistent units, bucketed by
-    size. Otherwise parameters are bucketed by `bucket_numel` in module order.
+    per_block (stage 3): each block's (find_blocks) and the root's parameters (every one outside the blocks:
+    embeddings, final norm, head; gathered from the start of forward to the end of backward) are bucketed by
+    `bucket_numel` module by module, so a block is gathered whole but reduced per module; parameters with at
+    most `persistence_threshold` elements go to persistent units, bucketed by size. Otherwise parameters are
+    bucketed by `bucket_numel` in module order.
 
     Unit order is the reduction order reversed (gradients are reduced from the last unit to the first, the
     order in which backward usually completes them): persistent units first, then the root, then blocks.

@@ -260,8 +260,9 @@ def _pieces(plan: PartitionPlan, subgroup: int | None) -> list[int]:
 def swap_buffer_bytes(
     plan: PartitionPlan, subgroup: int | None = None, split: DiskSplit | None = None
 ) -> int:
-    """The disk tier's states in RAM (state_swap.SwappedStates): `split`'s resident pieces (held whole), and, unless every piece is resident, up to three page-aligned ring buffers of
-    the largest other piece's master, exp_avg and exp_avg_sq (stepped, read ahead, written back)."""
+    """The disk tier's states in RAM (state_swap.SwappedStates): `split`'s resident pieces (held whole), and,
+    unless every piece is resident, up to ring_size (five) page-aligned ring buffers of the largest other
+    piece's master, exp_avg and exp_avg_sq (stepped, read ahead, written back)."""
     sizes = piece_bytes(plan, subgroup)
     resident = set(split.resident) if split is not None else set()
     streamed = [n for k, n in enumerate(sizes) if k not in resident]
@@ -305,7 +306,7 @@ def disk_traffic(
     keep in RAM once each way;
     the gradient swap file (`grads` bytes, grad_disk_bytes) written by every micro-batch, read back by every
     one after the first (they accumulate on disk) and by the step; under parameter offload to nvme each
-    micro-batch reads a block's shard for its forward and again for its backward (the root unit once, held
+    micro-batch reads a block's shard for its forward and again for its backward (the root's units once, held
     from forward to backward), and the step writes back the trainable shards."""
     # every piece's three states, each read and written whole pages (not the file's header)
     resident = set(split.resident) if split is not None else set()
@@ -322,8 +323,9 @@ def disk_traffic(
 
 
 def data_parallel_bytes(trainable_params: int) -> int:
-    """Plain data parallelism's model states per rank (design.md §1): 16 B/param, fp32 or mixed precision
-    (a 16-bit param and gradient plus the fp32 master and both moments, or fp32 param, grad and moments)."""
+    """Plain data parallelism's model states per rank (docs/zero-stages.md): 16 B/param, fp32 or mixed
+    precision (a 16-bit param and gradient plus the fp32 master and both moments, or fp32 param, grad and
+    moments)."""
     return 16 * trainable_params
 
 

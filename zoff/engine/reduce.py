@@ -2,11 +2,12 @@
 
 Every rank issues the same collectives in the same order, whatever its data did: units are reduced in one
 fixed order (the plan's units, last first: the order in which backward usually completes them), a unit is
-launched once all its parameters have their gradient *and* every unit before it in that order has been
-launched, and at the end of backward every unit not yet launched is, with zeros for parameters that got no
-gradient on this rank (an unused expert, a branch not taken, a frozen path). What this costs: a unit whose
-gradient comes late (an expert no token of this micro-batch picked) holds back the units after it in the
-order, so that step overlaps less of its communication; nothing waits longer than the end of backward.
+launched once each of its parameters has its gradient or is settled (backward is done with its block,
+blocks.py) *and* every unit before it in that order has been launched, and at the end of backward every unit
+not yet launched is, with zeros for parameters that got no gradient on this rank (an unused expert, a branch
+not taken, a frozen path). What this costs: a unit whose gradient does not come (an expert no token of this
+micro-batch picked) holds back the units after it in the order until its block's backward is done (outside
+a block, until the end of backward), so that step overlaps less of its communication.
 
 A hook that fires again for a parameter whose unit is already on the wire (reentrant checkpointing of a
 module called twice) is not lost: the late gradient is kept and, at the end of backward, a one-scalar-per-unit
@@ -86,7 +87,8 @@ class GradReducer:
         budget = sum(largest) + (MAX_IN_FLIGHT + 1) * self._max_shard
         self._pool = BufferPool(device, budget_bytes=budget * dtype.itemsize)
         # gloo's reduce-scatter receives other ranks' slices into scratch (collectives.py): N-1 slices when
-        # the output is this rank's own slice of the input (stage 1), N-2 otherwise, per reduction in flight.
+        # the output is this rank's own slice of the input (stage 1's full buffers), N-2 otherwise, per
+        # reduction in flight.
         slices = policy.receive_slices(comm.world)
         shards = sorted((u.shard for u in plan.units), reverse=True)[: MAX_IN_FLIGHT + 1]
         comm.scratch.budget = slices * sum(shards) * dtype.itemsize

@@ -2,7 +2,7 @@
 uploads go through a few fixed page-locked buffers instead of pinning whole shards.
 
 Pinning the fp32 master and both moments (12 B/param/N) is what a host refuses first: page-locked memory
-cannot be swapped, and a 70B model at N=8 would lock ~105 GB per node. Here only `buffer_bytes` are pinned
+cannot be swapped, and a 70B model at N=8 would lock ~105 GB per rank. Here only `buffer_bytes` are pinned
 (two halves, so one chunk's DMA overlaps the host copy of the other); the optimizer states stay pageable.
 Cost: one host-side copy per chunk (pinned <-> pageable, and the dtype conversion, at memory bandwidth).
 

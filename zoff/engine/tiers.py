@@ -1,8 +1,9 @@
 """Storage tiers: where a rank's optimizer states live, and how gradients reach them and parameters leave them.
 
-A tier answers four questions for the one optimizer class (optimizer.py): allocate a state buffer, make the
-fp32 master of a live shard, hand the step's gradient shards to the kernel, and publish an updated master into
-its live (compute-dtype) shard; plus the bytes of its own transfer buffers. The engine never looks inside one.
+A tier answers for the one optimizer class (optimizer.py): make the states (each unit's fp32 master from its
+live shard, zero moments: ResidentStates, or state_swap.SwappedStates on disk), hand the step's gradient
+shards to the kernel, and publish an updated master into its live (compute-dtype) shard; plus the bytes of
+its own transfer buffers. The engine never looks inside one.
 
 Each tier also holds the rank's reduced gradient shard (grad_store.py): the device's on the device, the host
 tier's in host memory, the disk tier's in a swap file of its own (or in host memory: offload_optimizer.grad_device).
@@ -14,7 +15,7 @@ tier's in host memory, the disk tier's in a swap file of its own (or in host mem
   the updated 16-bit shard up, through a few pinned staging buffers (staging.py) on a GPU. On a host-only
   machine the "device" is the host: the copies vanish (buffers alias the shards) and the same code runs.
 - DiskTier: the host tier with its states in a swap file on local disk, laid out as the rank's checkpoint
-  shard and streamed unit by unit (state_swap.py).
+  shard and streamed piece by piece (a unit or a sub-group of one; state_swap.py).
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ class HostTier:
 
 
 class DiskTier(HostTier):
-    """Optimizer states in a swap file on local disk (ZeRO-Infinity's NVMe offload); host memory holds only the
-    units being stepped. Gradients and parameters move as for the host tier; the states stream per unit:
-    unit i+1 is read while unit i is stepped and unit i-1 is written back (SwappedStates)."""
+    """Optimizer states in a swap file on local disk (ZeRO-Infinity's NVMe offload); host memory holds only a
+    ring of piece buffers and the pieces the host budget keeps. Gradients and parameters move as for the host
+    tier; the other pieces stream: the next ones are read while one is stepped and the previous ones are
+    written back (SwappedStates)."""
 
     kind = "disk"
 
@@ -149,9 +151,9 @@ class DiskTier(HostTier):
         self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece
         self.params = params  # parameter offload to nvme: where the shards that are not in memory are
         self.grads_on_disk = (
-            grads_on_disk  # grad_device and host_budget (policy.disk_split): its own swap file
+            grads_on_disk  # grad_device and host_budget (host_budget.disk_split): its own swap file
         )
-        self.resident = resident  # the host budget's pieces of the states, held in RAM (policy.disk_split)
+        self.resident = resident  # the host budget's pieces of the states, held in RAM (host_budget.py)
 
     def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
         if not self.grads_on_disk:

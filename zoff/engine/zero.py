@@ -148,8 +148,8 @@ class ZeroEngine(EngineReports):
         )  # fmt: skip
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
-        """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or host memory
-        under optimizer offload (zoff's fused CPU Adam, DPU optional)."""
+        """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or under
+        optimizer offload host memory or the disk tier's swap file (zoff's fused CPU Adam, DPU optional)."""
         shards = self.shard_params[: len(self.plan.units)]  # trainable units: frozen ones have no state
         runs = [self.plan.decay_runs(u.index, self.rank) for u in self.plan.units]
         oz = self.zero.offload_optimizer
@@ -370,7 +370,8 @@ class ZeroEngine(EngineReports):
         return self.shard_params[u].device.type == "cpu" and self.device.type != "cpu"
 
     def zero_grad(self) -> None:
-        """Start an accumulation window: stages 0-1 zero their flat buffers, 2-3 overwrite the shard next time."""
+        """Start an accumulation window: full-gradient buffers (stages 0-1 without offload) are zeroed,
+        gradient shards are overwritten next time."""
         for g in self.gfull:
             g.zero_()
         for p in self._params:

@@ -78,3 +78,26 @@ def test_the_disk_tier_allocates_what_the_table_plans(pol, precision: str, delay
     assert planned["disk_optimizer_states"] > 0 and planned["optimizer_states"] == 0
     assert (planned["disk_grads"] > 0) == (not delay)  # DPU's background step reads the shard: kept in RAM
     eng.close()
+
+
+def test_pinned_host_bytes_count_stage_3s_frozen_shards_too() -> None:
+    """Under parameter offload to CPU the engine pins every sharded unit's shard, frozen ones included (a LoRA
+    base is most of the model): the prediction counts them as ZeroEngine.pinned_bytes() does on a GPU."""
+    from zoff.engine.policy import engine_plan, pinned_host_bytes
+
+    model = GPT(2, 2, 32, 64, 16)
+    for p in model.blocks.parameters():
+        p.requires_grad_(False)  # the blocks frozen, as a LoRA base's would be
+    zero = ZeroConfig(
+        stage=3,
+        param_persistence_threshold=0,
+        offload_optimizer=OffloadOptimizerConfig(device="cpu", pin_memory=False),
+        offload_param=OffloadParamConfig(device="cpu"),
+    )
+    plan = engine_plan(model, 3, 2, zero)
+    assert plan.frozen_units, "the frozen blocks are units of their own"
+    shards = sum(u.shard for u in plan.all_units if not u.persistent)
+    assert pinned_host_bytes(plan, Policy(3, "cpu", "cpu"), zero, "bf16", "cuda") == 2 * shards
+    assert (
+        pinned_host_bytes(plan, Policy(3, "cpu", "cpu"), zero, "bf16", "cpu") == 0
+    )  # nothing pins on a CPU host

@@ -174,7 +174,7 @@ class ZeroConfig:
     prefetch_bucket_size: int = field(default=3_000_000, metadata=_rng(0, 1 << 40))
     # stage 3: parameters this small (norms, biases) stay whole on every rank rather than gathered per use
     param_persistence_threshold: int = field(default=10_000, metadata=_rng(0, 1 << 40))
-    # Stage 3 gathers one unit per block: by default the repeated layers (and HF's _no_split_modules). Module
+    # Stage 3 gathers each block whole (its units together): by default the repeated layers (and HF's _no_split_modules). Module
     # classes named here are blocks too, gathered whole whenever they run: name the layer that holds
     # data-dependent parts (a MoE layer whose experts some rank's tokens skip) so every rank gathers them.
     block_classes: list[str] = field(default_factory=list)

@@ -28,7 +28,9 @@ def mem_total() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) * 1024
-    raise UserError("--cpu-memory: /proc/meminfo has no MemTotal; pass --cpu-memory")
+    raise UserError(
+        "/proc/meminfo has no MemTotal: give zero.offload_optimizer.host_budget as a size (zoff estimate: --cpu-memory)"
+    )
 
 
 def host_budget_bytes(oo: OffloadOptimizerConfig, host_bytes: int, local_ranks: int) -> int | None:

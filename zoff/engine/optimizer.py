@@ -181,7 +181,9 @@ class ShardOptimizer:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError("zoff: the delayed CPU optimizer step failed") from err
+            raise RuntimeError(
+                "zoff: the background optimizer step (delay_update or overlap_step) failed"
+            ) from err
 
     def _run(self, grads: list[torch.Tensor], lr: float, runs: list[list[StepRun]], on_unit=None) -> None:
         t0 = time.perf_counter()

@@ -65,7 +65,10 @@ class Policy:
         if self.offload_param != "none" and self.stage != 3:
             return "zero.offload_param.device", "parameter offload needs zero.stage 3"
         if self.offload_param != "none" and self.offload_optimizer == "none":
-            return "zero.offload_param.device", "parameter offload needs zero.offload_optimizer.device cpu"
+            return (
+                "zero.offload_param.device",
+                "parameter offload needs zero.offload_optimizer.device cpu or nvme",
+            )
         if self.offload_param == "nvme" and self.offload_optimizer != "nvme":
             return (
                 "zero.offload_param.device",
@@ -344,7 +347,7 @@ def pinned_host_bytes(
     if device_type != "cuda":
         return 0
     staged = host_staging(policy, zero, device_type) if zero.offload_optimizer.pin_memory else 0
-    shards = sum(u.shard for u in plan.units if not u.persistent)
+    shards = sum(u.shard for u in plan.all_units if not u.persistent)  # frozen shards are pinned too
     par = (
         DTYPES[precision].itemsize * shards
         if policy.offload_param == "cpu" and zero.offload_param.pin_memory

@@ -338,7 +338,7 @@ def _preflight(cfg: Config) -> nn.Module:
         model = build_model(cfg.model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
-    preflight_data(cfg.data, pack=cfg.data.format != "text" and packs(cfg, model))
+    preflight_data(cfg.data, pack=cfg.data.format != "text" and packs(cfg, model, warn=True))
     check_swap_path(cfg, model)
     if cfg.log.tensorboard:
         try:

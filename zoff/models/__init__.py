@@ -59,24 +59,6 @@ def _adapted(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     return apply_lora(model, cfg.lora)
 
 
-def packs_examples(model: nn.Module) -> bool:
-    """Whether the model keeps packed examples apart given position_ids that restart at each: the builtin
-    GPT, and transformers models whose masks follow position_ids (masking_utils.create_causal_mask finds
-    packed sequences there when no attention_mask is given)."""
-    import inspect
-    import sys
-
-    if isinstance(model, GPT):
-        return True
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        return False
-    source = sys.modules.get(type(model).__module__)
-    try:
-        return source is not None and "create_causal_mask(" in inspect.getsource(source)
-    except (OSError, TypeError):
-        return False
-
-
 def checks_vocab(cfg: ModelConfig) -> bool:
     """The trainer checks the corpus's token ids against model.vocab_size; hf: models check their own
     embedding size, and factories are the user's."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +23,8 @@ from zoff.models import (
     checks_vocab,
     enable_activation_checkpointing,
     model_flops_per_token,
-    packs_examples,
 )
+from zoff.models.packing import packs_examples
 from zoff.trainer.loop import train_loop
 from zoff.trainer.metrics import MetricsWriter, rank_logger
 from zoff.trainer.preempt import STOP
@@ -75,17 +76,24 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     return Session(engine, batches, comm, corpus.description)
 
 
-def packs(cfg: Config, model: torch.nn.Module) -> bool:
-    """Whether fine-tuning examples share sequences: data.packing, where the model attends within each."""
+def packs(cfg: Config, model: torch.nn.Module, warn: bool = False) -> bool:
+    """Whether fine-tuning examples share sequences: data.packing, where the model keeps them apart (tried on
+    a tiny twin of it: models/packing.py). `warn`: say once why auto trains unpacked (the CLI's pre-flight)."""
     if cfg.data.packing == "never":
         return False
-    able = packs_examples(model)
-    if cfg.data.packing == "always" and not able:
+    verdict = packs_examples(model)
+    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+    if cfg.data.packing == "always" and not verdict.packs:
         raise UserError(
-            f"data.packing: always, but {type(model).__name__} cannot keep packed examples apart (it takes no "
-            "position_ids that restart per example); use data.packing: auto or never"
+            f"data.packing: always, but {name} does not keep packed examples apart ({verdict.why}); "
+            "use data.packing: auto or never"
         )
-    return able
+    if warn and not verdict.packs:
+        warnings.warn(
+            f"data.packing: auto trains {name} one example per row: {verdict.why}",
+            stacklevel=2,
+        )
+    return verdict.packs
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str | None = None) -> dict | None:

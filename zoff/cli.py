@@ -70,11 +70,13 @@ def train(
         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
     )  # fmt: skip
     cfg = load_config(config, list(overrides or []) + extra)
+    from zoff.hub import pin as pin_hub_ids
     from zoff.launch import check_torch
     from zoff.network import node_address
 
     check_torch()
     node_address(cfg.launch)  # the interface and the endpoint resolve, before anything starts
+    cfg = pin_hub_ids(cfg)  # Hub models and tokenizers fetched once here, their commit pinned for the ranks
     model = _preflight(cfg)
     if cfg.zero.auto:
         from zoff.planning.estimate import choose_policy  # torch-free start for the other commands
@@ -149,7 +151,9 @@ def validate(
         return
     if config is None:
         raise UserError("zoff validate: a CONFIG file is needed (or --explain KEY)")
-    cfg = load_config(config, overrides or [])
+    from zoff.hub import pin as pin_hub_ids
+
+    cfg = pin_hub_ids(load_config(config, overrides or []))  # fetches Hub ids: the printed config pins them
     _preflight(cfg)
     sys.stdout.write(dump_yaml(cfg))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from zoff.cache import cache_dir as zoff_cache_dir
 from zoff.config import ModelConfig
 from zoff.errors import UserError
+from zoff.hub import model_folder
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _CHUNK = 16 << 20
@@ -24,7 +25,7 @@ def base_reference(cfg: ModelConfig) -> dict | None:
     """{"path", "sha256"} of model.path's weight files, or None for a model built from its config."""
     if cfg.path is None:
         return None
-    folder = Path(cfg.path).expanduser().resolve()
+    folder = model_folder(cfg).resolve()
     return {"path": str(folder), "sha256": weights_digest(folder)}
 
 

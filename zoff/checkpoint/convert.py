@@ -33,6 +33,7 @@ from zoff.checkpoint.format import Readers, find_checkpoint, read_manifest, read
 from zoff.config import Config, ModelConfig
 from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
+from zoff.hub import is_hub_id
 from zoff.tensorfile import write_streaming
 from zoff.units import parse_size
 
@@ -358,6 +359,7 @@ def _hf_files(ckpt: Path, cfg: Config, tmp: Path, out: Path, target: torch.dtype
     if (
         "config.json" not in stored
         and path is not None
+        and not is_hub_id(path)
         and not (Path(path).expanduser() / "config.json").is_file()
     ):
         raise UserError(
@@ -365,8 +367,13 @@ def _hf_files(ckpt: Path, cfg: Config, tmp: Path, out: Path, target: torch.dtype
             "has no config.json any more: restore that folder to export"
         )
     tok = cfg.data.tokenizer  # its files travel with the model; a folder gone since training is skipped
-    known = cfg.data.name != "synthetic" and (tok == "bytes" or Path(tok).expanduser().is_dir())
-    tokenizer = load_tokenizer(tok) if known else None
+    known = cfg.data.name != "synthetic" and (
+        tok == "bytes" or Path(tok).expanduser().is_dir() or is_hub_id(tok)
+    )
+    try:
+        tokenizer = load_tokenizer(tok, cfg.data.tokenizer_revision) if known else None
+    except UserError:  # a Hub tokenizer no longer in this machine's cache: exported without it
+        tokenizer = None
     save_hf_config(cfg.model, tmp, target, tokenizer.eos_id if tokenizer else None, stored.get("config.json"))
     written = [out / "config.json"]
     if "generation_config.json" in stored:

@@ -39,7 +39,11 @@ class ModelConfig:
     tie_embeddings: bool = True  # gpt: the output head shares the token embedding's weight
     args: dict = field(default_factory=dict)  # free-form keyword arguments for python: factories
     config: dict = field(default_factory=dict)  # hf: models: keyword arguments of the transformers config
-    path: str | None = None  # hf: models: a local Hugging Face model directory to start from
+    # hf: models: the Hugging Face model to start from: a local folder, or a Hub id (owner/name) fetched before
+    # any rank starts (only its config and safetensors files)
+    path: str | None = None
+    # path's Hub revision (branch, tag or commit); zoff train and validate pin it to the commit they fetched
+    revision: str | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -64,7 +68,8 @@ class DataConfig:
     # chat/instruction records
     bad_records: Literal["auto", "error", "skip"] = "auto"
     text_field: str = "text"  # jsonl, parquet, hf: the field (column) holding each document's text
-    tokenizer: str = "bytes"  # bytes, or a local Hugging Face tokenizer directory
+    tokenizer: str = "bytes"  # bytes, a local Hugging Face tokenizer folder, or a Hub id (owner/name)
+    tokenizer_revision: str | None = None  # a Hub tokenizer's revision; pinned to a commit as model.revision
     hf_dataset: dict = field(default_factory=dict)  # name hf: keyword arguments of datasets.load_dataset
     cache_dir: str | None = None  # tokenized corpora; default $ZOFF_CACHE_DIR or ~/.cache/zoff
     # text: documents for pretraining (every token in the loss); chat: a list of {role, content} messages per

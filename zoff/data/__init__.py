@@ -41,7 +41,7 @@ class Corpus:
 def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     if cfg.name == "synthetic":
         return _synthetic(cfg, seed)
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision)
     files, what = _source_files(cfg)
     parts = {
         "source": cfg.name, "files": [_stat(f) for f in files], "text_field": cfg.text_field,
@@ -87,7 +87,7 @@ def preflight(cfg: DataConfig, pack: bool = False) -> None:
         return
     if cfg.name != "synthetic":
         _source_files(cfg)
-        load_tokenizer(cfg.tokenizer)
+        load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision)
 
 
 # ---------------------------------------------------------------------------------------------- sources

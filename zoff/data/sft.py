@@ -38,6 +38,7 @@ from zoff.data.batch import IGNORE, MicroBatch
 from zoff.data.records import BadRecord, optional_module, read_records, record_fields
 from zoff.data.tokenize import Tokenizer, cache_key, cache_root, load_tokenizer
 from zoff.errors import UserError
+from zoff.hub import tokenizer_folder
 
 SFT_CACHE_VERSION = 1
 
@@ -80,7 +81,7 @@ def load_sft_corpus(cfg: DataConfig, seed: int, pack: bool) -> SFTCorpus:
         raise UserError(f"data.format: {cfg.format} is not fine-tuning data (chat or instruction)")
     if cfg.name not in ("jsonl", "parquet", "hf"):
         raise UserError(f"data.name: format {cfg.format} reads jsonl, parquet or hf records, not {cfg.name}")
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision)
     enc = _Encoder(cfg, tok)
     files, what = _source_files(cfg)
     parts = {
@@ -209,7 +210,7 @@ def _hf_tokenizer(cfg: DataConfig, tok: Tokenizer):
         "transformers", "data.format: chat needs transformers for chat templates"
     ).AutoTokenizer
     try:
-        return auto.from_pretrained(str(Path(cfg.tokenizer).expanduser()), local_files_only=True)
+        return auto.from_pretrained(str(tokenizer_folder(cfg)), local_files_only=True)
     except Exception as e:  # OSError, ValueError, KeyError (an unknown tokenizer_class), ...
         raise UserError(f"data.tokenizer: transformers cannot load {cfg.tokenizer}: {e}") from None
 

@@ -127,10 +127,13 @@ class HFTokenizer(Tokenizer):
         return list(self._files)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
+def load_tokenizer(spec: str, revision: str | None = None) -> Tokenizer:
+    """'bytes', a tokenizer folder, or a Hub id (data.tokenizer, at data.tokenizer_revision)."""
     if spec == "bytes":
         return ByteTokenizer()
-    path = Path(spec).expanduser()
+    from zoff.hub import TOKENIZER_FILES, folder
+
+    path = folder(spec, revision, "data.tokenizer", TOKENIZER_FILES)
     if not path.is_dir():
         raise UserError(f"data.tokenizer: '{spec}' is neither 'bytes' nor a tokenizer directory")
     try:

@@ -20,6 +20,7 @@ from torch import nn
 from zoff.config import ModelConfig
 from zoff.config.schema import suggest
 from zoff.errors import UserError
+from zoff.hub import model_folder
 
 PREFIX = "hf:"
 DROPOUT_KEYS = (
@@ -58,7 +59,7 @@ def hf_config(cfg: ModelConfig) -> Any:
     cls = model_class(cfg)
     user = dict(cfg.config)
     if cfg.path is not None:
-        path = Path(cfg.path).expanduser()
+        path = model_folder(cfg)
         if not (path / "config.json").is_file():
             raise UserError(
                 f"model.path: {path} has no config.json (expected a Hugging Face model directory)"
@@ -133,7 +134,7 @@ def concrete_class(cfg: ModelConfig, config: Any) -> type:
     if cfg.path is not None and cls.__name__ in auto_map and cfg.config.get("trust_remote_code"):
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-        return get_class_from_dynamic_module(auto_map[cls.__name__], str(Path(cfg.path).expanduser()))
+        return get_class_from_dynamic_module(auto_map[cls.__name__], str(model_folder(cfg)))
     try:
         return cls._model_mapping[type(config)]
     except KeyError:
@@ -148,7 +149,7 @@ def loads_shards(cfg: ModelConfig) -> bool:
     from zoff.models.hf_shards import shard_loadable
     from zoff.models.safetensors_reader import has_safetensors
 
-    if cfg.path is not None and not has_safetensors(cfg.path):
+    if cfg.path is not None and not has_safetensors(model_folder(cfg)):
         return False
     config = hf_config(cfg)
     cls = concrete_class(cfg, config)
@@ -170,7 +171,7 @@ def build_hf_model(cfg: ModelConfig, shard_only: bool = False) -> nn.Module:
     if shard_only and cfg.path is not None:
         from zoff.models.hf_shards import build_deferred_hf
 
-        model = build_deferred_hf(cls, config, Path(cfg.path).expanduser())
+        model = build_deferred_hf(cls, config, model_folder(cfg))
     elif on_meta and not shard_only:  # the structure alone
         model = cls._from_config(config, dtype=torch.get_default_dtype())
     elif cfg.path is None:
@@ -180,7 +181,7 @@ def build_hf_model(cfg: ModelConfig, shard_only: bool = False) -> nn.Module:
     else:
         try:
             model = cls.from_pretrained(
-                str(Path(cfg.path).expanduser()), config=config, local_files_only=True, dtype=torch.float32
+                str(model_folder(cfg)), config=config, local_files_only=True, dtype=torch.float32
             )
         except (OSError, ValueError) as e:
             raise UserError(

@@ -7,6 +7,7 @@ global batches (one forward over the whole global batch), grad clipping by torch
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import socket
 import tempfile
@@ -61,25 +62,90 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args: tuple, out: str) -> None:
+def _entry(
+    rank: int, world: int, port: int, fn, args: tuple, out: str, env: dict | None = None, cwd=None
+) -> None:
+    if env is not None:  # a fork server's child starts with the server's environment: the test's instead
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    init_rank(rank, world)
     try:
-        result = fn(rank, world, *args)
-        torch.save(result, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        init_rank(rank, world)
+        try:
+            result = fn(rank, world, *args)
+            torch.save(result, Path(out) / f"rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+# Ranks start from a fork server that has imported torch, zoff and the libraries the tests use once per
+# session: a fresh interpreter per rank re-imported them every time (~2 s each, transformers ~3 s more; the
+# default suite starts hundreds of ranks). The server never runs a torch op, so no thread pool or device state
+# is forked; each rank still gets its own process, process group and memory.
+PRELOAD = ["torch", "torch.distributed", "zoff.engine", "zoff.trainer.session", "tests.harness"]
+_context = None
+
+
+def _rank_context():
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        extra = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is not None]
+        _context.set_forkserver_preload(PRELOAD + extra)
+    return _context
 
 
 def spawn(fn, world: int, *args) -> list:
-    """Run fn(rank, world, *args) in `world` fresh processes joined over gloo; return each rank's result."""
+    """Run fn(rank, world, *args) in `world` new processes joined over gloo; return each rank's result."""
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, out), nprocs=world, start_method="spawn"
-        )
+        ctx = _rank_context()
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(r, world, free_port_once(out), fn, args, out, dict(os.environ), os.getcwd()),
+            )
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        _join(procs, out)
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def free_port_once(out: str) -> int:
+    """One port per spawn (every rank of it gets the same): kept in the spawn's folder."""
+    f = Path(out) / "port"
+    if not f.exists():
+        f.write_text(str(free_port()))
+    return int(f.read_text())
+
+
+def _join(procs: list, out: str) -> None:
+    """Wait for every rank; the first that fails fails the test with its traceback (the others are stopped)."""
+    import time
+
+    ranks = dict(enumerate(procs))
+    while ranks:
+        for r, p in list(ranks.items()):
+            if p.exitcode is None:
+                continue
+            del ranks[r]
+            if p.exitcode != 0:
+                for q in ranks.values():
+                    q.kill()
+                    q.join()
+                err = Path(out) / f"rank{r}.err"
+                why = err.read_text() if err.exists() else f"exit code {p.exitcode}"
+                raise RuntimeError(f"rank {r} of the spawned job failed:\n{why}")
+        time.sleep(0.01)
 
 
 class LazyRuns(dict):

@@ -4,19 +4,19 @@ flight.
 
 Each rank runs the engine as on a GPU, where the device is not the host: every reduction finishes in a pooled
 device buffer and lands in the tier through the bounded staging (staging.py runs its chunking with null
-events on the host). Over gloo at world sizes 1-3, stages 1-3, CPU offload and the disk tier (gradients on
-disk or in memory), grad_accum 1 and 4, fp32 and bf16:
+events on the host). Over gloo at world sizes 1-3 (3 in `-m grid`), stages 1-3, CPU offload and the disk tier
+(gradients on disk or in memory), and at stage 3 parameter offload to CPU and to disk; grad_accum 1 in fp32
+and 4 in bf16:
 - no gradient shard is allocated on the device (memory_report()["grads"] == 0), and the gradient buffers the
   reducer held at its peak are within the estimate's in-flight bound (memory.pending_gradients, which has no
   Psi/N term under offload);
 - memory_report() equals the policy table (planned_memory(): policy.model_states, what `zoff estimate` uses);
 - the losses and the final parameters are bit for bit those of the same policy with the reductions landing
-  in place (a host-only run), and the CPU and disk tiers equal each other bit for bit.
+  in place (a host-only run), and every tier equals CPU offload bit for bit;
+- and the device-bytes check is shown able to fail: an engine made to keep gradients on the device is caught.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -29,36 +29,48 @@ from zoff.planning.memory import pending_gradients
 pytestmark = pytest.mark.slow
 
 STEPS = 3
-# (offload_optimizer, grad_device, offload_param)
+# (offload_optimizer, grad_device, offload_param): every offload policy, parameter offload (stage 3) included
 TIERS = [("cpu", "auto", "none"), ("nvme", "auto", "none"), ("nvme", "cpu", "none")]
+PARAM_TIERS = [("cpu", "auto", "cpu"), ("nvme", "auto", "nvme")]
+# accumulation and precision in two pairs, not their four products: each is exercised with and without the
+# other, and the default suite's time budget holds
+MODES = [(1, "fp32"), (4, "bf16")]
 CASES = [
     (stage, tier, accum, precision)
-    for stage, tier, accum, precision in itertools.product((1, 2, 3), TIERS, (1, 4), ("fp32", "bf16"))
+    for stage in (1, 2, 3)
+    for tier in TIERS + (PARAM_TIERS if stage == 3 else [])
+    for accum, precision in MODES
 ]
 KEYS = (
     "grads",
     "optimizer_states",
+    "cpu_params",
     "cpu_grads",
     "cpu_optimizer_states",
+    "disk_params",
     "disk_optimizer_states",
     "disk_grads",
 )
 
 
 def _run(
-    rank: int, world: int, swap: str, staged: bool, stage: int, tier, accum: int, precision: str
-) -> dict:
+    rank: int, world: int, swap: str, staged: bool, stage: int, tier, accum: int, precision: str,
+    leak: bool = False,
+) -> dict:  # fmt: skip
+    import zoff.engine.policy as policy_mod
     import zoff.engine.zero as zero_mod
     from zoff.engine import build_engine
     from zoff.models.gpt import GPT
 
     zero_mod.needs_staging = lambda device: staged  # as on a GPU: the device is not the host
+    if leak:  # a broken engine that keeps whole gradients on the device under offload (the check must see it)
+        policy_mod.Policy.keeps_full_grads = property(lambda self: True)
     opt, grad_device, par = tier
     zero = ZeroConfig(
         stage=stage,
         offload_optimizer=OffloadOptimizerConfig(
             device=opt,
-            nvme_path=f"{swap}/{opt}-{grad_device}-{stage}-{accum}-{precision}-{staged}",
+            nvme_path=f"{swap}/{opt}-{grad_device}-{par}-{stage}-{accum}-{precision}-{staged}-{leak}",
             grad_device=grad_device,
             staging_mb=1,
             host_budget="min",  # everything the disk tier can put on disk: the tier under test
@@ -116,8 +128,8 @@ def measured(request, tmp_path_factory) -> tuple[int, list[dict]]:
 
 
 def _ids(case) -> str:
-    stage, (opt, gd, _), accum, precision = case
-    return f"stage{stage}-{opt}-grads_{gd}-accum{accum}-{precision}"
+    stage, (opt, gd, par), accum, precision = case
+    return f"stage{stage}-{opt}-grads_{gd}-params_{par}-accum{accum}-{precision}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
@@ -147,6 +159,17 @@ def test_landing_through_the_tier_changes_no_bit(measured, case) -> None:
             assert got["norms"] == want["norms"]
             for name, p in want["params"].items():
                 assert torch.equal(got["params"][name], p), name
+
+
+def _leaky(rank: int, world: int, swap: str) -> dict:
+    return _run(rank, world, swap, True, 2, TIERS[0], 1, "fp32", leak=True)
+
+
+def test_the_device_bytes_check_catches_a_gradient_left_on_the_device(tmp_path) -> None:
+    """The assertion above is able to fail: an engine made to keep whole gradients on the device under CPU
+    offload shows them in memory_report()["grads"], which the test above holds at 0."""
+    (got,) = spawn(_leaky, 1, str(tmp_path))
+    assert got["memory"]["grads"] > 0
 
 
 def test_stage1_and_stage2_offload_are_one_reduction() -> None:

@@ -91,21 +91,28 @@ def test_validate_resolves_the_ids_from_the_cache_and_pins_their_commits(hub) ->
     assert cfg["data"]["tokenizer_revision"] == hub["commits"]["tok"]
 
 
-def test_a_run_from_the_ids_equals_the_run_from_the_snapshot_folders(hub) -> None:
-    losses = {}
-    for how, model, tok in (
-        ("ids", "zoff-test/tiny-llama", "zoff-test/tiny-tok"),
-        ("folders", str(hub["snapshots"]["model"]), str(hub["snapshots"]["tok"])),
-    ):
-        run = hub["root"] / f"run-{how}"
-        p = _zoff(hub, "train", str(TINY), *_overrides(hub, model, tok), "--run-dir", str(run))
-        assert p.returncode == 0, p.stderr[-3000:]
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        losses[how] = [r["loss"] for r in rows if "loss" in r]
-        if how == "ids":  # the run's config pins what it read: a rerun reads the very same files
-            saved = yaml.safe_load((run / "config.yaml").read_text())
-            assert saved["model"]["revision"] == hub["commits"]["model"]
-    assert len(losses["ids"]) == 3 and losses["ids"] == losses["folders"]
+def test_a_run_from_the_ids_reads_the_pinned_snapshot(hub) -> None:
+    """It trains, its config pins the commit, and its checkpoint names the snapshot folder it read the weights
+    from, with their checksum: a rerun of that config reads the very same files."""
+    from zoff.checkpoint.base_ref import weights_digest
+    from zoff.checkpoint.format import find_checkpoint, read_manifest
+
+    run = hub["root"] / "run-ids"
+    p = _zoff(hub, "train", str(TINY), *_overrides(hub, "zoff-test/tiny-llama", "zoff-test/tiny-tok"),
+              "--run-dir", str(run))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
+    assert len(losses) == 3
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["revision"] == hub["commits"]["model"]
+    assert saved["data"]["tokenizer_revision"] == hub["commits"]["tok"]
+    base = read_manifest(find_checkpoint("auto", run / "checkpoints"))["base"]
+    snapshot = hub["snapshots"]["model"]
+    assert base == {"path": str(snapshot.resolve()), "sha256": weights_digest(snapshot.resolve())}
 
 
 @pytest.mark.parametrize(

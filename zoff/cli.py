@@ -342,6 +342,16 @@ def _preflight(cfg: Config) -> nn.Module:
         model = build_model(cfg.model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if cfg.train.loss_tile:
+        from zoff.models.head import head_is_last, output_head
+
+        output_head(model)
+        verdict = head_is_last(model)
+        if not verdict.ok:
+            raise UserError(
+                f"train.loss_tile: {type(model).__name__} cannot have its loss tiled: {verdict.why}; "
+                "set train.loss_tile: 0"
+            )
     preflight_data(cfg.data, pack=cfg.data.format != "text" and packs(cfg, model, warn=True))
     check_swap_path(cfg, model)
     if cfg.log.tensorboard:

@@ -176,6 +176,31 @@ def test_gpt_activations_match_saved_tensors(model_cfg: dict, batch: int, seq: i
     assert est.peak - est.saved == (real[False] - real[True]) // m.n_layer
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt_activations_with_a_tiled_loss_match_saved_tensors(precision: str) -> None:
+    """train.loss_tile: no logits are saved (the tail's 4 B x vocabulary per token goes), and backward
+    recomputes one tile's logits at a time (the peak's extra term)."""
+    from zoff.data.batch import MicroBatch
+    from zoff.trainer.loss import forward_loss
+
+    model_cfg, batch, seq, tile = (
+        {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16, "vocab_size": 300},
+        2,
+        16,
+        5,
+    )
+    m = config_from_dict(tiny_cfg(model=model_cfg)).model
+    torch.manual_seed(0)
+    model = build_model(m).to(DTYPES[precision]).train()
+    x, y = torch.randint(0, m.vocab_size, (2, batch, seq))
+    real = A.saved_bytes(model, lambda: forward_loss(model, MicroBatch(x, y), 1, torch.device("cpu"), tile))
+    est = A.gpt_activations(m, batch, seq, precision, False, "cpu", loss_tile=tile)
+    assert est.saved == real
+    untiled = A.gpt_activations(m, batch, seq, precision, False, "cpu")
+    assert untiled.saved - est.saved == batch * seq * 4 * m.vocab_size + 4  # the logits, the scalar loss
+    assert est.peak - est.saved == tile * m.vocab_size * (DTYPES[precision].itemsize + 8)
+
+
 def test_probe_measures_any_model_on_the_meta_device() -> None:
     """A python: model (tied and frozen weights): the meta-device probe equals a real forward's saved bytes."""
     model_cfg = {"name": "python:tests.fixtures_models:tied_frozen", "d_model": 48}

@@ -12,7 +12,7 @@ import torch
 
 from zoff.config import config_from_dict
 from zoff.errors import UserError
-from zoff.models import packing
+from zoff.models import packing, twin
 from zoff.models.gpt import GPT
 from zoff.trainer.session import packs
 
@@ -40,20 +40,20 @@ def _cfg(packing_mode: str):
 
 
 def test_the_builtin_gpt_and_a_transformers_llama_pack() -> None:
-    assert packing.packs_examples(GPT(2, 2, 16, 64, 16)).packs
+    assert packing.packs_examples(GPT(2, 2, 16, 64, 16)).ok
     transformers = pytest.importorskip("transformers")
     llama = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=200)
     )  # fmt: skip
-    twin = packing.tiny_twin(llama)
-    assert type(twin) is type(llama) and twin.config.hidden_size == 32  # tried small, as its own class
-    assert packing.packs_examples(llama).packs
+    small = twin.tiny_twin(llama)
+    assert type(small) is type(llama) and small.config.hidden_size == 32  # tried small, as its own class
+    assert packing.packs_examples(llama).ok
 
 
 def test_a_model_whose_attention_crosses_examples_does_not_pack_and_says_why() -> None:
     v = packing.packs_examples(Leaky(2, 2, 16, 64, 16))
-    assert not v.packs and v.why.startswith("packed, the second example attends to the first (max difference")
+    assert not v.ok and v.why.startswith("packed, the second example attends to the first (max difference")
     with pytest.warns(
         UserWarning, match=r"^data\.packing: auto trains Leaky one example per row: packed, the second"
     ):
@@ -69,20 +69,20 @@ def test_a_model_whose_attention_crosses_examples_does_not_pack_and_says_why() -
 
 def test_a_model_without_position_ids_does_not_pack() -> None:
     v = packing.packs_examples(NoPositions())
-    assert not v.packs and v.why == "NoPositions.forward takes no position_ids"
+    assert not v.ok and v.why == "NoPositions.forward takes no position_ids"
 
 
 def test_the_verdict_is_cached_per_class_and_versions(tmp_path, monkeypatch) -> None:
-    assert packing.packs_examples(Leaky(2, 2, 16, 64, 16)).packs is False
-    data = json.loads((tmp_path / "cache" / "packing.json").read_text())
+    assert packing.packs_examples(Leaky(2, 2, 16, 64, 16)).ok is False
+    data = json.loads((tmp_path / "cache" / "model-verdicts.json").read_text())
     (key,) = [k for k in data if "Leaky" in k]
-    assert f"torch {torch.__version__}" in key and data[key]["packs"] is False
+    assert f"torch {torch.__version__}" in key and data[key]["ok"] is False
 
     def no_probe(model):
         raise AssertionError("probed again")
 
     monkeypatch.setattr(packing, "probe", no_probe)
-    assert packing.packs_examples(Leaky(2, 2, 16, 64, 16)).packs is False  # from the cache
-    (tmp_path / "cache" / "packing.json").write_text("[not a mapping")  # a damaged cache is no verdict
-    monkeypatch.setattr(packing, "probe", lambda m: packing.Verdict(True, ""))
-    assert packing.packs_examples(Leaky(2, 2, 16, 64, 16)).packs is True
+    assert packing.packs_examples(Leaky(2, 2, 16, 64, 16)).ok is False  # from the cache
+    (tmp_path / "cache" / "model-verdicts.json").write_text("[not a mapping")  # a damaged cache is no verdict
+    monkeypatch.setattr(packing, "probe", lambda m: twin.Verdict(True, ""))
+    assert packing.packs_examples(Leaky(2, 2, 16, 64, 16)).ok is True

@@ -23,8 +23,9 @@ class Activations:
 
 
 def gpt_activations(
-    m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, device_type: str = "cuda"
-) -> Activations:
+    m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, device_type: str = "cuda",
+    loss_tile: int = 0,
+) -> Activations:  # fmt: skip
     """Bytes the builtin GPT saves for backward, op by op (per token, d = d_model, e = compute bytes):
 
     block: ln1 input d, ln1 output d, qkv output 3d (SDPA saves q, k, v as views of it), attention output d
@@ -34,6 +35,8 @@ def gpt_activations(
     attention with dropout does).
     tail: ln_f input and output 2d, log-softmax of the logits in fp32 (vocab x 4 B), target ids (8 B).
     With checkpointing a block keeps only its input (d) and its other 15d are recomputed one block at a time.
+    With loss_tile the tail keeps no logits: backward recomputes one tile's (its head output in the compute
+    dtype, the fp32 copy and its log-softmax: vocab x (e + 8) B per position) at a time.
     """
     e = DTYPES[precision].itemsize
     stat = 4 if device_type == "cuda" else e
@@ -44,11 +47,14 @@ def gpt_activations(
     math_attn = device_type == "cpu" and m.dropout > 0
     attn = 12 * m.n_head * seq + 3 * d * (4 - e) if math_attn else 4 * m.n_head
     block = 16 * d * e + 4 * stat + attn + 2 * d * mask
-    tail = 2 * d * e + 2 * stat + 4 * m.vocab_size + 8 + 8 + d * mask  # + the input ids
-    fixed = 8 * seq + 4  # position ids and the scalar loss
+    logits = 0 if loss_tile else 4 * m.vocab_size
+    tail = 2 * d * e + 2 * stat + logits + 8 + 8 + d * mask  # + the input ids
+    fixed = 8 * seq + (0 if loss_tile else 4)  # position ids and the scalar loss (a tiled one saves none)
     kept = d * e if checkpointing else block
     saved = tokens * (m.n_layer * kept + tail) + fixed
     peak = saved + (tokens * (block - d * e) if checkpointing else 0)
+    if loss_tile:
+        peak += min(loss_tile, tokens) * m.vocab_size * (e + 8)
     how = "builtin GPT closed form" + (
         " (flash-attention kernels)" if device_type == "cuda" else " (CPU kernels)"
     )
@@ -102,8 +108,9 @@ def probe_activations(
 
 
 def activations(
-    m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda"
-) -> Activations:
+    m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda",
+    loss_tile: int = 0,
+) -> Activations:  # fmt: skip
     if has_analytic_activations(m):
-        return gpt_activations(m, d.batch_size, d.seq_len, precision, checkpointing, device_type)
+        return gpt_activations(m, d.batch_size, d.seq_len, precision, checkpointing, device_type, loss_tile)
     return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing)

@@ -238,7 +238,10 @@ def estimate(
     model = meta_model(model_cfg)
     total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
-    acts = {ac: activations(model_cfg, data_cfg, precision, ac, device_type) for ac in (False, True)}
+    acts = {
+        ac: activations(model_cfg, data_cfg, precision, ac, device_type, train_cfg.loss_tile)
+        for ac in (False, True)
+    }
     host = mem_total() if host_bytes is None else host_bytes
     budget = host_budget_bytes(zero_cfg.offload_optimizer, host, gpus_per_node)
     out = []

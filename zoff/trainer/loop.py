@@ -10,7 +10,7 @@ from zoff.checkpoint import Checkpointer
 from zoff.config import ScheduleConfig, TrainConfig
 from zoff.data import GlobalBatches
 from zoff.engine import Comm, ZeroEngine
-from zoff.trainer.loss import micro_batch_loss
+from zoff.trainer.loss import forward_loss
 from zoff.trainer.metrics import MetricsWriter
 from zoff.trainer.preempt import StopRequest
 from zoff.trainer.schedule import lr_at
@@ -41,8 +41,7 @@ def train_loop(
         local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         for micro in range(accum):
             batch = batches.micro_batch_at(step, micro)
-            out = engine.model(batch.inputs.to(engine.device), **batch.model_kwargs(engine.device))
-            loss = micro_batch_loss(out, batch, accum)
+            loss = forward_loss(engine.model, batch, accum, engine.device, train.loss_tile)
             engine.backward(loss, sync=micro == accum - 1)
             local_loss += loss.detach()
         result = engine.step(lr)
@@ -71,7 +70,7 @@ def train_loop(
                 record |= {"trained_tokens": trained, "trained_tokens_per_s": trained / dt}
             writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
         if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
-            val = evaluate(engine, batches, train.eval_batches, comm)
+            val = evaluate(engine, batches, train.eval_batches, comm, train.loss_tile)
             if writer is not None:
                 writer.eval(done, val)
         if ckpt is not None and ckpt.due(done, stopping):
@@ -87,13 +86,12 @@ def train_loop(
 
 
 @torch.no_grad()
-def evaluate(engine: ZeroEngine, batches: GlobalBatches, n_batches: int, comm: Comm) -> float:
+def evaluate(engine: ZeroEngine, batches: GlobalBatches, n_batches: int, comm: Comm, tile: int = 0) -> float:
     """Mean loss over the first n global batches of the val split (same batches every time)."""
     engine.model.eval()
     total, micro = 0.0, batches.val_batches(n_batches)
     for batch in micro:
-        out = engine.model(batch.inputs.to(engine.device), **batch.model_kwargs(engine.device))
-        total += micro_batch_loss(out, batch, 1).item()
+        total += forward_loss(engine.model, batch, 1, engine.device, tile).item()
     (mean,) = comm.sum_scalars([total / len(micro) / comm.world])
     engine.model.train()
     return mean

@@ -83,17 +83,17 @@ def packs(cfg: Config, model: torch.nn.Module, warn: bool = False) -> bool:
         return False
     verdict = packs_examples(model)
     name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
-    if cfg.data.packing == "always" and not verdict.packs:
+    if cfg.data.packing == "always" and not verdict.ok:
         raise UserError(
             f"data.packing: always, but {name} does not keep packed examples apart ({verdict.why}); "
             "use data.packing: auto or never"
         )
-    if warn and not verdict.packs:
+    if warn and not verdict.ok:
         warnings.warn(
             f"data.packing: auto trains {name} one example per row: {verdict.why}",
             stacklevel=2,
         )
-    return verdict.packs
+    return verdict.ok
 
 
 def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str | None = None) -> dict | None:

@@ -354,6 +354,9 @@ def _preflight(cfg: Config) -> nn.Module:
             )
     preflight_data(cfg.data, pack=cfg.data.format != "text" and packs(cfg, model, warn=True))
     check_swap_path(cfg, model)
+    from zoff.trainer.trackers import check_installed
+
+    check_installed(cfg.log)
     if cfg.log.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401

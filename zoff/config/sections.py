@@ -278,6 +278,13 @@ class LogConfig:
     run_dir: str | None = None  # default: runs/<config name>-<timestamp>
     progress: bool = True  # a live progress bar on rank 0 (plain lines when not a terminal)
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars under <run_dir>/tensorboard
+    # also log to Weights & Biases (zoff[wandb]; WANDB_MODE=offline to keep it local) and to MLflow
+    # (zoff[mlflow]; MLFLOW_TRACKING_URI): the config, every metric, the plan's memory; a restart continues
+    # the same tracker run (its id is kept in <run_dir>/trackers.json)
+    wandb: bool = False
+    mlflow: bool = False  # see wandb: MLflow, the same figures
+    project: str = "zoff"  # the W&B project and the MLflow experiment
+    run_name: str | None = None  # the trackers' run name; default: the run directory's name
 
 
 @dataclass(frozen=True)

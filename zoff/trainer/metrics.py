@@ -20,6 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from zoff.trainer.trackers import Trackers
+
 
 def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
     """A logger writing to <run_dir>/logs/rank<r>.log (every rank) and, on rank 0, to the console."""
@@ -48,6 +50,7 @@ class MetricsWriter:
         flops_per_token: float | None = None,
         precision: str | None = None,
         device: torch.device | None = None,
+        trackers: Trackers | None = None,
     ):
         """flops_per_token and precision give MFU where the device's peak is known (peak_flops)."""
         self.path = run_dir / "metrics.jsonl"
@@ -58,6 +61,7 @@ class MetricsWriter:
         self.peak_flops = peak_flops(self.device, precision)
         self.flops_per_token = flops_per_token
         self.tb = _tensorboard_writer(run_dir, start_step) if tensorboard else None
+        self.trackers = trackers
         self.console = Console(stderr=False)
         self.log = log
         self.records: list[dict] = []
@@ -92,6 +96,8 @@ class MetricsWriter:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             self._scalars(record)
+            if self.trackers is not None:
+                self.trackers.log(record)
             self.log.info("step %d %s", record["step"], info)
             if not self.live:
                 print(f"step {record['step']:>6}  {info}", flush=True)
@@ -139,6 +145,8 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self._scalars(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
         self.records.append(record)
         msg = f"step {step:>6}  val_loss {val_loss:.4f}"
         self.log.info(msg)
@@ -165,6 +173,8 @@ class MetricsWriter:
             **(extra or {}),
         }
         (self.path.parent / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.trackers is not None:
+            self.trackers.close(summary)
         table = Table(title="zoff run summary", show_header=False)
         for k, v in summary.items():
             table.add_row(k, f"{v:,.4f}" if isinstance(v, float) else str(v))

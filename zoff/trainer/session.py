@@ -28,6 +28,7 @@ from zoff.models.packing import packs_examples
 from zoff.trainer.loop import train_loop
 from zoff.trainer.metrics import MetricsWriter, rank_logger
 from zoff.trainer.preempt import STOP
+from zoff.trainer.trackers import Trackers
 
 
 @dataclass
@@ -114,10 +115,14 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     writer = None
     if s.comm.rank == 0:
         print("\n".join(plan), flush=True)
+        memory = {f"{k}_mib": v / 2**20 for k, v in s.engine.memory_report().items()}
+        trackers = (
+            Trackers(cfg.log, run_dir, cfg.to_dict(), memory) if cfg.log.wandb or cfg.log.mlflow else None
+        )
         writer = MetricsWriter(
             run_dir, cfg.train.max_steps, start, cfg.log.progress, log, tensorboard=cfg.log.tensorboard,
             flops_per_token=model_flops_per_token(s.engine.model, cfg.model, cfg.data.seq_len),
-            precision=cfg.train.precision, device=device,
+            precision=cfg.train.precision, device=device, trackers=trackers,
         )  # fmt: skip
         if state is not None:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -153,7 +153,8 @@ def validate(
         raise UserError("zoff validate: a CONFIG file is needed (or --explain KEY)")
     from zoff.hub import pin as pin_hub_ids
 
-    cfg = pin_hub_ids(load_config(config, overrides or []))  # fetches Hub ids: the printed config pins them
+    # Hub ids resolved to their commit (config files only: a 70B's weights are not fetched to print a config)
+    cfg = pin_hub_ids(load_config(config, overrides or []), weights=False)
     _preflight(cfg)
     sys.stdout.write(dump_yaml(cfg))
 
@@ -343,10 +344,11 @@ def _preflight(cfg: Config) -> nn.Module:
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     if cfg.train.loss_tile:
-        from zoff.models.head import head_is_last, output_head
+        from zoff.models.head import output_head
+        from zoff.trainer.loss import loss_tiles
 
         output_head(model)
-        verdict = head_is_last(model)
+        verdict = loss_tiles(model)
         if not verdict.ok:
             raise UserError(
                 f"train.loss_tile: {type(model).__name__} cannot have its loss tiled: {verdict.why}; "

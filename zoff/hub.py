@@ -22,6 +22,7 @@ MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.
 TOKENIZER_FILES = [
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "config.json",  # AutoTokenizer reads the model type from it where tokenizer_config.json names no class
 ]  # fmt: skip
 
 
@@ -46,14 +47,16 @@ def folder(spec: str, revision: str | None, key: str, files: list[str]) -> Path:
     return _snapshot(spec, revision, key, files, local_only=True)[0]
 
 
-def pin(cfg):
-    """`cfg` with each Hub id fetched and its revision pinned to the commit fetched (zoff.config.Config)."""
+def pin(cfg, weights: bool = True):
+    """`cfg` with each Hub id fetched and its revision pinned to the commit fetched (zoff.config.Config).
+    weights False (zoff validate): the model's config and index only, not its safetensors files."""
     import dataclasses
 
     model, data = cfg.model, cfg.data
     if is_hub_id(model.path):
         code = ["*.py"] if model.config.get("trust_remote_code") else []  # only when the user allows it
-        _, sha = fetch(model.path, model.revision, "model.path", MODEL_FILES + code)
+        files = MODEL_FILES if weights else [f for f in MODEL_FILES if not f.endswith(".safetensors")]
+        _, sha = fetch(model.path, model.revision, "model.path", files + code)
         model = dataclasses.replace(model, revision=sha)
     if is_hub_id(data.tokenizer):
         _, sha = fetch(data.tokenizer, data.tokenizer_revision, "data.tokenizer", TOKENIZER_FILES)

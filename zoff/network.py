@@ -81,15 +81,32 @@ def node_address(lc: LaunchConfig) -> str:
     named interface's across nodes, else the one the system routes toward the rendezvous endpoint."""
     if lc.rdzv_endpoint is None:
         return LOOPBACK
+    ip, port = endpoint_address(lc.rdzv_endpoint)
+    host = lc.rdzv_endpoint.rpartition(":")[0]
+    spans = int(lc.nnodes.split(":")[-1]) > 1
+    if spans and ip.startswith("127.") and host != "localhost" and not _is_ip(host):
+        # Debian-style /etc/hosts maps the machine's own name to 127.0.1.1: the store would listen where no
+        # other node can reach it, and the run would wait out the rendezvous timeout
+        raise UserError(
+            f"launch.rdzv_endpoint: '{host}' resolves to the loopback address {ip} on this machine, which other "
+            "nodes cannot reach: give the endpoint's routable address"
+        )
     if lc.interface:
         return interface_address(lc.interface)
-    ip, port = endpoint_address(lc.rdzv_endpoint)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((ip, port))  # a UDP connect sends nothing: it only asks the routing table
         except OSError as e:
             raise UserError(f"launch.rdzv_endpoint: no route to {lc.rdzv_endpoint} ({e.strerror})") from None
         return s.getsockname()[0]
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return False
+    return True
 
 
 def _rendezvous(params):

@@ -111,7 +111,7 @@ def _check_entry(key: str, v: object, data_bytes: int) -> None:
         isinstance(xs, list) and (n is None or len(xs) == n)
         and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
     )  # fmt: skip
-    if not ints(shape) or len(shape) > 64:
+    if not ints(shape) or len(shape) > 64 or any(x >= 1 << 48 for x in shape):
         raise ValueError(f"tensor {key!r} has shape {str(shape)[:80]}, not a list of sizes")
     if not ints(offsets, 2) or not offsets[0] <= offsets[1] <= data_bytes:
         raise ValueError(f"tensor {key!r} lies past the end of the file")

@@ -136,6 +136,7 @@ def _listening(port: int) -> bool:
     return False
 
 
+@pytest.mark.grid  # the default suite's time budget (31 s): the restarts above run there
 def test_shrinking_restart_continues_on_two_ranks_with_doubled_accumulation(agents, tmp_path):
     steps = 60  # the kill comes at steps 12-40: the resume lands at 10-40 and has steps left to run
     cfg = (*COMMON, f"train.max_steps={steps}", "checkpoint.every_steps=10", "train.global_batch_size=16")

@@ -147,3 +147,19 @@ def test_the_ranks_sockets_use_loopback_on_one_node_and_the_named_interface_acro
     assert network_env(named) == {"GLOO_SOCKET_IFNAME": "eth1"}
     with pytest.raises(ConfigError, match=r"^launch\.interface: expected a network interface name"):
         config_from_dict({"launch": {"interface": "eth0; rm -rf /"}})
+
+
+def test_an_endpoint_name_that_resolves_to_loopback_is_refused_across_nodes(tmp_path: Path) -> None:
+    """Debian maps a machine's own name to 127.0.1.1: a store bound there is unreachable from other nodes."""
+    name = socket.gethostname()
+    if not socket.gethostbyname(name).startswith("127."):
+        pytest.skip(f"{name} resolves to a routable address here")
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "train", str(REPO / "configs" / "tiny.yaml"), "--nnodes", "2",
+         "--rdzv-endpoint", f"{name}:29999", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert f"launch.rdzv_endpoint: '{name}' resolves to the loopback address" in lines[0]
+    assert not (tmp_path / "run").exists()

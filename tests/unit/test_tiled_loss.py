@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from zoff.data.batch import IGNORE, MicroBatch
 from zoff.models.gpt import GPT
-from zoff.models.head import head_is_last, head_replaced, output_head
-from zoff.trainer.loss import forward_loss, tiled_cross_entropy
+from zoff.models.head import head_replaced, output_head
+from zoff.trainer.loss import forward_loss, loss_tiles, tiled_cross_entropy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,13 +84,16 @@ def test_the_head_is_restored_even_on_error() -> None:
 def test_a_model_whose_logits_change_after_the_head_is_refused(tmp_path, monkeypatch) -> None:
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("ZOFF_CACHE_DIR", str(tmp_path))
-    assert head_is_last(GPT(2, 2, 16, 64, 16)).ok
+    assert loss_tiles(GPT(2, 2, 16, 64, 16)).ok
     gemma = transformers.Gemma2ForCausalLM(
         transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                   num_key_value_heads=1, head_dim=16, vocab_size=96)
     )  # fmt: skip
-    v = head_is_last(gemma)  # final_logit_softcapping: tanh after the head
+    v = loss_tiles(gemma)  # final_logit_softcapping: tanh after the head
     assert not v.ok and v.why == "its logits are changed after the output head (a soft-cap or a scale)"
+    # The verdict is cached per config, not per class: the same class without the soft-cap tiles.
+    gemma.config.final_logit_softcapping = None
+    assert loss_tiles(gemma).ok
     p = subprocess.run(
         [sys.executable, "-m", "zoff", "validate", str(REPO / "configs" / "tiny.yaml"), "train.loss_tile=64",
          "model.name=hf:Gemma2ForCausalLM", "model.config={hidden_size: 32, intermediate_size: 64, "

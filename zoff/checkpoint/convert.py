@@ -382,6 +382,8 @@ def _hf_files(ckpt: Path, cfg: Config, tmp: Path, out: Path, target: torch.dtype
         )
         written.append(out / "generation_config.json")
     for f in tokenizer.files() if tokenizer else []:
+        if (tmp / f.name).exists():  # the export's own config is never replaced by a folder's file
+            continue
         shutil.copy2(f, tmp / f.name)
         written.append(out / f.name)
     return written

@@ -28,7 +28,9 @@ from zoff.errors import UserError
 BYTES_EOS = 0  # the NUL byte never occurs in text, so byte-level corpora keep a 256-token vocabulary
 CACHE_VERSION = 2
 ENCODE_BATCH = 512  # documents per encode call: the Rust tokenizer parallelises over them
-NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".py", ".index.json")
+# a model folder that is also its tokenizer's (a Hub repository, usually): its model files are not the tokenizer's
+MODEL_FILES = ("config.json", "generation_config.json")
 
 
 class Tokenizer:
@@ -64,7 +66,9 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: Path):
         self.path, self.name = path, str(path)
         self._files = sorted(
-            f for f in path.iterdir() if f.is_file() and not f.name.endswith(NOT_TOKENIZER_FILES)
+            f
+            for f in path.iterdir()
+            if f.is_file() and not f.name.endswith(NOT_TOKENIZER_FILES) and f.name not in MODEL_FILES
         )
         digest = hashlib.sha256()
         for f in self._files:
@@ -204,12 +208,13 @@ def _build(
     tmp.mkdir()
     t0 = time.perf_counter()
     eos = np.asarray([tok.eos_id], dtype=tok.dtype)
-    counts, n_docs, bad = {True: 0, False: 0}, 0, []
+    counts, n_docs, bad = {True: 0, False: 0}, 0, {"count": 0, "first": ""}
 
     def good(pairs: Iterable[tuple[bool, str | bytes]]) -> Iterator[tuple[bool, str | bytes]]:
         for pair in pairs:
-            if isinstance(pair[1], Bad):  # data.bad_records: skip
-                bad.append(str(pair[1]))
+            if isinstance(pair[1], Bad):  # data.bad_records: skip (counted; only the first is kept)
+                bad["count"] += 1
+                bad["first"] = bad["first"] or str(pair[1])
             else:
                 yield pair
 
@@ -223,7 +228,9 @@ def _build(
                 n_docs += 1
     if n_docs == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        skipped = f" ({len(bad):,} bad records skipped; the first: {bad[0]})" if bad else ""
+        skipped = (
+            f" ({bad['count']:,} bad records skipped; the first: {bad['first']})" if bad["count"] else ""
+        )
         raise UserError(f"data: {what} holds no documents{skipped}")
     if counts[True] == 0 and val_fraction > 0:  # one document (or too few): its tail is the validation split
         cut = int(counts[False] * (1 - val_fraction))
@@ -232,7 +239,7 @@ def _build(
     meta = {
         "dtype": tok.dtype.name, "train_tokens": counts[False], "val_tokens": counts[True], "documents": n_docs,
         "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tok.name, "source": what,
-        "seconds": round(time.perf_counter() - t0, 3), "bad_records": len(bad), "first_bad": bad[0] if bad else "",
+        "seconds": round(time.perf_counter() - t0, 3), "bad_records": bad["count"], "first_bad": bad["first"],
     }  # fmt: skip
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     os.rename(tmp, entry)

@@ -1,21 +1,14 @@
-"""The output head, for the tiled loss (train.loss_tile): which module it is, the model run without it (its
-output is then the final hidden states), and whether that is all the head does.
-
-A model whose logits are changed after the head (Gemma-2's final soft-capping, a logit scale) would train on
-wrong numbers if the loss applied the bare head, so that is tried rather than assumed: on a tiny twin of the
-model's class (twin.py), logits must equal the head applied to the headless output; the verdict is cached.
-"""
+"""The output head, for the tiled loss (train.loss_tile): which module it is, and the model run with
+something else in its place (trainer/loss.py puts the tiled cross-entropy there)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import nn
 
 from zoff.errors import UserError
-from zoff.models.twin import Verdict, cached_verdict, output_tensor, vocab_of
 
 
 def output_head(model: nn.Module) -> nn.Linear:
@@ -50,25 +43,3 @@ def head_replaced(model: nn.Module, head: nn.Module, replacement: nn.Module) -> 
     finally:
         for parent, attr in owners:
             setattr(parent, attr, head)
-
-
-def head_is_last(model: nn.Module) -> Verdict:
-    """Whether the logits are the head applied to the headless output, tried on a tiny twin (cached)."""
-    return cached_verdict("head", model, _try)
-
-
-@torch.no_grad()
-def _try(model: nn.Module) -> Verdict:
-    model.eval()
-    x = torch.randint(0, vocab_of(model), (1, 6), generator=torch.Generator().manual_seed(0))
-    try:
-        logits = output_tensor(model(x))
-        head = output_head(model)
-        with head_replaced(model, head, nn.Identity()):
-            hidden = output_tensor(model(x))
-        again = head(hidden)
-    except Exception as e:  # noqa: BLE001 - a model that cannot run headless cannot tile its loss
-        return Verdict(False, f"it does not run without its head ({type(e).__name__}: {str(e)[:120]})")
-    if again.shape != logits.shape or not torch.allclose(again, logits, rtol=1e-5, atol=1e-6):
-        return Verdict(False, "its logits are changed after the output head (a soft-cap or a scale)")
-    return Verdict(True, "")

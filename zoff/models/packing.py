@@ -31,9 +31,9 @@ def probe(model: nn.Module) -> Verdict:
     """Run a packed pair of examples and each example alone; equal outputs: the model keeps them apart."""
     model.eval()
     g = torch.Generator().manual_seed(0)
-    alone = [torch.randint(0, vocab_of(model), (1, n), generator=g) for n in LENGTHS]
     positions = [torch.arange(n).unsqueeze(0) for n in LENGTHS]
     try:
+        alone = [torch.randint(0, vocab_of(model), (1, n), generator=g) for n in LENGTHS]
         packed = output_tensor(model(torch.cat(alone, 1), position_ids=torch.cat(positions, 1)))
         each = [output_tensor(model(x, position_ids=p)) for x, p in zip(alone, positions, strict=True)]
     except Exception as e:  # noqa: BLE001 - any failure to run packed is a model that does not pack

@@ -6,6 +6,7 @@ second)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 
 from zoff.cache import cache_dir
+
+PROBE_VERSION = 1  # bump when a try changes what it checks: older verdicts are then not reused
 
 SHRUNK = {  # the sizes a tiny twin gets, for the config names transformers' families use
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -37,16 +40,30 @@ def base_of(model: nn.Module) -> nn.Module:
 
 
 def cached_verdict(question: str, model: nn.Module, attempt: Callable[[nn.Module], Verdict]) -> Verdict:
-    """`attempt` on a tiny twin of `model`'s class, cached under (question, class, versions)."""
+    """`attempt` on a tiny twin of `model`, cached under (question, class, the twin's whole config, versions):
+    two models of one class whose configs differ (a logit scale, an attention kind) are tried apart. Only a
+    verdict the try reached is cached, never a twin that could not be built."""
     base = base_of(model)
-    key = f"{question}|{_key(type(base))}"
+    twin = tiny_twin(base)
+    if twin is None:
+        return Verdict(False, "no tiny instance of it can be built to try")
+    key = f"{question}|v{PROBE_VERSION}|{_key(type(base))}|{_config_digest(twin)}"
     cached = _read_cache().get(key)
     if isinstance(cached, dict) and isinstance(cached.get("ok"), bool):
         return Verdict(cached["ok"], str(cached.get("why", "")))
-    twin = tiny_twin(base)
-    verdict = Verdict(False, "no tiny instance of it can be built to try") if twin is None else attempt(twin)
+    verdict = attempt(twin)
     _write_cache(key, verdict)
     return verdict
+
+
+def _config_digest(twin: nn.Module) -> str:
+    """A digest of everything the twin was built from: its transformers config (attention kind included),
+    or for the builtin GPT its class alone (its twin's arguments are fixed)."""
+    config = getattr(twin, "config", None)
+    if config is None:
+        return "fixed"
+    text = config.to_json_string(use_diff=False) + str(getattr(config, "_attn_implementation", ""))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def tiny_twin(model: nn.Module) -> nn.Module | None:

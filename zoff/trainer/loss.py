@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from zoff.data.batch import IGNORE, MicroBatch
 from zoff.models import lm_loss
 from zoff.models.head import head_replaced, output_head
+from zoff.models.twin import Verdict, cached_verdict, vocab_of
 
 
 def micro_batch_loss(output, batch: MicroBatch, accum: int) -> torch.Tensor:
@@ -85,3 +86,26 @@ def _tile_loss(
     h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return F.cross_entropy(F.linear(h, weight, bias).float(), t, ignore_index=IGNORE, reduction="sum")
+
+
+def loss_tiles(model: nn.Module) -> Verdict:
+    """Whether the tiled loss equals the untiled one for this model: tried on a tiny twin of it at batch 2
+    (cached). A model that changes its logits after the head (Gemma-2's soft-cap, Granite's scale) or reshapes
+    them would train on wrong numbers with the head's output replaced by the loss."""
+    return cached_verdict("tiled-loss", model, _try_tiles)
+
+
+@torch.no_grad()
+def _try_tiles(model: nn.Module) -> Verdict:
+    model.eval()
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.randint(0, vocab_of(model), (2, 6), generator=g) for _ in range(2))
+        batch = MicroBatch(x, y)
+        whole = forward_loss(model, batch, 1, torch.device("cpu"), 0)
+        tiled = forward_loss(model, batch, 1, torch.device("cpu"), 5)
+    except Exception as e:  # noqa: BLE001 - a model that cannot run with its head replaced cannot tile
+        return Verdict(False, f"it does not run with its head replaced ({type(e).__name__}: {str(e)[:120]})")
+    if tiled.shape != whole.shape or not torch.allclose(tiled, whole, rtol=1e-5, atol=1e-6):
+        return Verdict(False, "its logits are changed after the output head (a soft-cap or a scale)")
+    return Verdict(True, "")

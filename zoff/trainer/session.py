@@ -131,6 +131,10 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
         train_loop(
             s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start, stop
         )
+    except BaseException:
+        if writer is not None and writer.trackers is not None:
+            writer.trackers.close()  # the tracker runs end marked failed, not left running
+        raise
     finally:
         s.engine.close()  # the disk tier's swap files go with a clean exit (and with an error)
     log.info("engine stats %s", json.dumps(s.engine.stats()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import warnings
 from pathlib import Path
 
 from zoff.config import LogConfig
@@ -62,27 +63,42 @@ class Trackers:
             (run_dir / IDS).write_text(json.dumps(ids, indent=1) + "\n")
 
     def log(self, record: dict) -> None:
-        """A metrics.jsonl record's numbers, at its step."""
+        """A metrics.jsonl record's numbers, at its step. Best effort: a tracker that fails mid-run (its server
+        gone) is dropped with one warning; the run, and metrics.jsonl, go on."""
         numbers = {k: float(v) for k, v in record.items() if k != "step" and _number(v)}
         if not numbers:
             return
+        step = int(record["step"])
         if self.wandb is not None:
-            self.wandb.log(numbers, step=int(record["step"]))
+            self._guard("wandb", lambda: self.wandb.log(numbers, step=step))
         if self.mlflow is not None:
             import mlflow
 
-            mlflow.log_metrics(numbers, step=int(record["step"]))
+            self._guard("mlflow", lambda: mlflow.log_metrics(numbers, step=step))
 
-    def close(self, summary: dict) -> None:
-        numbers = {k: float(v) for k, v in summary.items() if _number(v)}
+    def close(self, summary: dict | None = None) -> None:
+        """Finish both runs: with the summary after a run that ended, marked failed without one."""
+        numbers = {k: float(v) for k, v in (summary or {}).items() if _number(v)}
         if self.wandb is not None:
-            self.wandb.summary.update(numbers)
-            self.wandb.finish()
+            run, self.wandb = self.wandb, None
+            if summary is not None:
+                run.summary.update(numbers)
+            run.finish(exit_code=0 if summary is not None else 1)
         if self.mlflow is not None:
             import mlflow
 
-            mlflow.log_dict(summary, "summary.json")
-            mlflow.end_run()
+            self.mlflow = None
+            if summary is not None:
+                mlflow.log_dict(summary, "summary.json")
+            mlflow.end_run("FINISHED" if summary is not None else "FAILED")
+
+    def _guard(self, name: str, call) -> None:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the trackers' clients raise their own kinds (HTTP, auth, I/O)
+            warnings.warn(f"log.{name}: logging failed ({type(e).__name__}: {str(e)[:200]}); metrics.jsonl goes "
+                          f"on without {name}", stacklevel=2)  # fmt: skip
+            setattr(self, name, None)
 
     def _ids(self) -> dict:
         try:

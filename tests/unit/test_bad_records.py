@@ -110,3 +110,23 @@ def test_fine_tuning_skips_by_default_and_errors_when_asked(tmp_path: Path) -> N
 def test_the_setting_is_checked_at_load(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"data\.bad_records"):
         cfg(tmp_path, bad_records="ignore")
+
+
+def test_zoff_train_names_a_bad_pretraining_line_before_any_rank_starts(tmp_path: Path) -> None:
+    """The pre-flight tokenizes pretraining text once (the ranks read its cache): a bad line is one line,
+    exit 2, and no run directory."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    _, mixed = good_and_bad(tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "zoff", "train", str(repo / "configs" / "tiny.yaml"), "data.name=jsonl",
+         f"data.paths=[{mixed}]", f"data.cache_dir={tmp_path / 'cache'}", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "mixed.jsonl:2: invalid UTF-8 at byte 13" in lines[0], (
+        p.stderr
+    )
+    assert not (tmp_path / "run").exists()

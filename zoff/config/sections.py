@@ -63,8 +63,7 @@ class DataConfig:
     # take the host's memory
     max_line_bytes: int = field(default=16 << 20, metadata=_rng(1024, 1 << 34))
     # a record that cannot be read (an overlong or not-JSON line, invalid UTF-8 for a tokenizer that decodes
-    # text, a missing field, a malformed conversation): error stops the run naming it (fine-tuning data before
-    # any rank starts, pretraining text when it is tokenized, before the first step); skip
+    # text, a missing field, a malformed conversation): error stops before any rank starts, naming it; skip
     # leaves it out and reports the count and the first; auto is error for pretraining text, skip for
     # chat/instruction records
     bad_records: Literal["auto", "error", "skip"] = "auto"

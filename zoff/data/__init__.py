@@ -77,17 +77,17 @@ def check_vocab(corpus: Corpus, model_vocab: int) -> None:
 
 
 def preflight(cfg: DataConfig, pack: bool = False) -> None:
-    """Fail early, before any rank starts: the files exist and the tokenizer loads. Fine-tuning examples are
-    built here once (rendered, masked, packed as `pack` says, checked, cached), so that bad records are named
-    by one line before any rank starts, and the ranks read the cache."""
+    """Fail early, before any rank starts: the corpus is built here once (pretraining text tokenized; fine-tuning
+    examples rendered, masked, packed as `pack` says), checked and cached, so that a missing file, a tokenizer
+    that does not load, a bad record (data.bad_records) or too little text is one line before any rank starts,
+    and the ranks read the cache."""
     if cfg.format != "text":
         from zoff.data.sft import load_sft_corpus  # (sft imports this module)
 
         load_sft_corpus(cfg, 0, pack)
         return
     if cfg.name != "synthetic":
-        _source_files(cfg)
-        load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision)
+        load_corpus(cfg, 0)
 
 
 # ---------------------------------------------------------------------------------------------- sources

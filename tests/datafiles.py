@@ -84,3 +84,24 @@ def save_tokenizer(src: Path, dst: Path, template: str | None) -> Path:
         tok.chat_template = template
     tok.save_pretrained(str(dst))
     return dst
+
+
+def chat_llama_files(root: Path, seq_len: int) -> dict[str, str]:
+    """A chat fine-tuning setup: a ChatML BPE tokenizer folder, a tiny random Llama folder (seed 3) whose
+    vocabulary is the tokenizer's, and chat.jsonl of CONVERSATIONS twice. Paths by "tok", "llama", "data"."""
+    import torch
+    import transformers
+
+    texts = [m["content"] for c in CONVERSATIONS for m in c] * 3
+    tok_dir = save_tokenizer(make_tokenizer(root / "bpe", texts, vocab=320), root / "tok", CHATML)
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tok_dir)))
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=48, max_position_embeddings=seq_len, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS * 2))
+    return {"tok": str(tok_dir), "llama": str(root / "llama"), "data": str(data)}

@@ -6,14 +6,13 @@ differs)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.datafiles import CHATML, CONVERSATIONS, make_tokenizer, save_tokenizer
+from tests.datafiles import chat_llama_files
 from tests.harness import assert_close_losses, assert_close_params, run_zoff, tiny_cfg
 
 transformers = pytest.importorskip("transformers")
@@ -25,19 +24,7 @@ SEQ = 128
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("finetune-resume")
-    texts = [m["content"] for c in CONVERSATIONS for m in c] * 3
-    tok_dir = save_tokenizer(make_tokenizer(root / "bpe", texts, vocab=320), root / "tok", CHATML)
-    vocab = len(transformers.AutoTokenizer.from_pretrained(str(tok_dir)))
-    torch.manual_seed(3)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=48, max_position_embeddings=SEQ, tie_word_embeddings=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
-    data = root / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS * 2))
-    return {"tok": str(tok_dir), "llama": str(root / "llama"), "data": str(data)}
+    return chat_llama_files(tmp_path_factory.mktemp("finetune-resume"), SEQ)
 
 
 def _cfg(files: dict, kind: str, micro: int, accum: int, stage: int) -> dict:

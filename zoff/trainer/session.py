@@ -25,6 +25,7 @@ from zoff.models import (
     model_flops_per_token,
 )
 from zoff.models.packing import packs_examples
+from zoff.models.twin import base_of
 from zoff.trainer.loop import train_loop
 from zoff.trainer.metrics import MetricsWriter, rank_logger
 from zoff.trainer.preempt import STOP
@@ -83,7 +84,7 @@ def packs(cfg: Config, model: torch.nn.Module, warn: bool = False) -> bool:
     if cfg.data.packing == "never":
         return False
     verdict = packs_examples(model)
-    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+    name = type(base_of(model)).__name__
     if cfg.data.packing == "always" and not verdict.ok:
         raise UserError(
             f"data.packing: always, but {name} does not keep packed examples apart ({verdict.why}); "

@@ -65,10 +65,14 @@ def free_port() -> int:
 def _entry(
     rank: int, world: int, port: int, fn, args: tuple, out: str, env: dict | None = None, cwd=None
 ) -> None:
+    global TEST_DEVICE, BACKEND
     if env is not None:  # a fork server's child starts with the server's environment: the test's instead
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+        # and this module was imported by the server: read the test's device again (a cuda test sets it late)
+        TEST_DEVICE = os.environ.get("ZOFF_TEST_DEVICE", "cpu")
+        BACKEND = "nccl" if TEST_DEVICE == "cuda" else "gloo"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)

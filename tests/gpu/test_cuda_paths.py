@@ -285,3 +285,21 @@ def test_stages_over_nccl_equal_the_reference_on_two_gpus(stage: int, monkeypatc
     ref = harness.reference_run(config_from_dict(cfg), 2)
     harness.assert_close_losses(got["losses"], ref["losses"])
     harness.assert_close_params(got["params"], ref["params"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("factory", ["rank_dependent", "skips_last"])
+def test_a_block_skipped_on_one_gpu_is_named_within_seconds(factory: str, monkeypatch) -> None:
+    """Stage 3 over NCCL, a block one rank runs and the other does not: the same-gathers check runs over its
+    gloo group, before any NCCL gather is issued, so both ranks name the block at once (the CPU tests,
+    tests/integration/test_stage3_errors.py, run the same path with side_checks forced on gloo)."""
+    import tests.harness as harness
+    from tests.integration import test_stage3_errors as stage3
+
+    monkeypatch.setenv("ZOFF_TEST_DEVICE", "cuda")  # the ranks read it in harness._entry
+    t0 = time.monotonic()
+    got = harness.spawn(stage3._train, 2, stage3._cfg(factory, 3))  # launch.timeout_s at its default, 600 s
+    assert time.monotonic() - t0 < 120, "a rank waited for a collective timeout"
+    for message in got:
+        assert message.startswith("SkippedBlockError: zero.stage 3:"), message
+        assert "zero.block_classes:" in message, message

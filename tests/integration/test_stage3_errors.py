@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.harness import spawn, tiny_cfg
+from tests.harness import rank_device, spawn, tiny_cfg
 from zoff.config import config_from_dict
+from zoff.engine.collectives import Comm
 from zoff.trainer.loop import train_loop
 from zoff.trainer.session import build_session
 
@@ -58,6 +60,26 @@ class RankDependentBlocks(nn.Module):
         return self.head(h)
 
 
+class RankSkipsLastBlock(nn.Module):
+    """Rank 0 never runs block 2 (its forward ends after block 1); the other ranks run all three."""
+
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks[:2] if os.environ.get("RANK") == "0" else self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def skips_last(cfg) -> nn.Module:
+    return RankSkipsLastBlock(int(cfg.vocab_size), int(cfg.d_model))
+
+
 def reads_outside(cfg) -> nn.Module:
     return ReadsBlockWeightOutside(int(cfg.vocab_size), int(cfg.d_model))
 
@@ -66,9 +88,15 @@ def rank_dependent(cfg) -> nn.Module:
     return RankDependentBlocks(int(cfg.vocab_size), int(cfg.d_model))
 
 
-def _train(rank: int, world: int, cfg_dict: dict) -> str:
+def _train(rank: int, world: int, cfg_dict: dict, side_checks: bool = False) -> str:
+    """Train; the error's message if it fails. `side_checks`: the same-gathers check as NCCL runs it (over a
+    gloo group beside the data group, names checked before the gather is issued)."""
+    if side_checks:
+        import zoff.trainer.session as session
+
+        session.Comm = partial(Comm, side_checks=True)  # this rank's process only
     cfg = config_from_dict(cfg_dict)
-    s = build_session(cfg, torch.device("cpu"))
+    s = build_session(cfg, rank_device(rank))  # a GPU per rank under ZOFF_TEST_DEVICE=cuda (tests/gpu)
     try:
         train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
     except Exception as e:  # noqa: BLE001 - the test reads the message
@@ -98,9 +126,11 @@ def test_reading_a_released_parameter_names_it_and_the_reader() -> None:
     assert spawn(_train, 2, _cfg("reads_outside", 2)) == ["trained", "trained"]  # stage 2 keeps params whole
 
 
-def test_blocks_run_on_some_ranks_only_are_refused() -> None:
-    """Rank 0 gathers blocks.1 again where rank 1 gathers blocks.2: both name the two blocks and the fix."""
-    r0, r1 = spawn(_train, 2, _cfg("rank_dependent", 3))
+@pytest.mark.parametrize("side_checks", [False, True], ids=["gloo", "side-group"])
+def test_blocks_run_on_some_ranks_only_are_refused(side_checks: bool) -> None:
+    """Rank 0 gathers blocks.1 again where rank 1 gathers blocks.2: both name the two blocks and the fix.
+    side-group: the check as it runs beside NCCL (a gloo group of its own, checked before the gather)."""
+    r0, r1 = spawn(_train, 2, _cfg("rank_dependent", 3), side_checks)
     assert r0.startswith(
         "SkippedBlockError: zero.stage 3: rank 0 gathered block 'blocks.1' while rank 1 gathered block "
         "'blocks.2' in this forward: the ranks ran different blocks, or the same ones in another order; "
@@ -110,6 +140,23 @@ def test_blocks_run_on_some_ranks_only_are_refused() -> None:
         "SkippedBlockError: zero.stage 3: rank 1 gathered block 'blocks.2' while rank 0 gathered block "
         "'blocks.1'"
     ), r1
+
+
+@pytest.mark.parametrize("side_checks", [False, True], ids=["gloo", "side-group"])
+def test_a_block_one_rank_never_runs_is_named_on_every_rank(side_checks: bool) -> None:
+    """Rank 0's forward ends without blocks.2 (it announces the end of its gathers) while ranks 1 and 2 gather
+    it: all three name the block and rank 0, instead of waiting for a gather that never comes."""
+    got = spawn(_train, 3, _cfg("skips_last", 3), side_checks)
+    fix = (
+        "gather the whole model as one unit, which every rank runs: zero.block_classes: [RankSkipsLastBlock]"
+    )
+    for r, message in enumerate(got):
+        ran_on = "[12]" if r == 0 else str(r)
+        assert re.match(
+            rf"SkippedBlockError: zero\.stage 3: block 'blocks\.2' ran on rank {ran_on} but rank 0 skipped it "
+            rf"in this forward \(a data-dependent block.*\); {re.escape(fix)}",
+            message,
+        ), (r, message)
 
 
 def test_a_block_one_rank_skips_is_named_within_seconds_and_the_run_goes_on(tmp_path) -> None:

@@ -87,7 +87,12 @@ DONE = Handle()
 class Comm:
     """The data-parallel group as the engine sees it: rank, size and the three ZeRO collectives."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float | None = None,
+        side_checks: bool | None = None,
+    ):
         self.timeout_s = timeout_s
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
@@ -107,10 +112,24 @@ class Comm:
         # sooner). The gathers get a communicator of their own, as the "gather" tag stream does on gloo.
         # Cost: a second NCCL communicator (its buffers, ~100s of MB of GPU memory at large scale).
         self.gather_group = self.group
+        ranks = None
+        if self.world > 1:
+            ranks = (
+                list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+            )
         if nccl and self.world > 1:
-            self.gather_group = dist.new_group(
-                list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group),
-                backend="nccl",
+            self.gather_group = dist.new_group(ranks, backend="nccl")
+        # Stage 3's same-gathers check (exchange_codes) sends tagged host integers, which NCCL cannot: there it
+        # runs over a gloo group of the same ranks, and the names are checked before the NCCL gather is issued
+        # (an NCCL collective cannot be taken back: one a peer never joins holds the group until the watchdog).
+        # Cost: one gloo round trip (8 bytes per peer) on the host before each stage-3 gather, ahead of the
+        # GPU's work. `side_checks` forces that path on gloo too, so the CPU tests run the NCCL code.
+        self.side_checks = nccl if side_checks is None else side_checks
+        self.check_group = self.group
+        if self.side_checks and self.world > 1:
+            timeout = timedelta(seconds=timeout_s) if timeout_s else None
+            self.check_group = dist.new_group(
+                ranks, backend="gloo", **({"timeout": timeout} if timeout else {})
             )
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False) -> Handle:
@@ -239,15 +258,17 @@ class Comm:
     def exchange_codes(self, code: int, stream: str = "gather") -> tuple[Handle, torch.Tensor | None]:
         """Send `code` to every peer and receive theirs (stage 3 names each gather by its unit this way, so a
         rank that gathers another unit, or none, is found at once instead of pairing the wrong buffers or
-        waiting for a partner that never comes). gloo only: (handle, the codes by rank, own included);
-        NCCL's gathers are collectives in one communicator and world 1 has no peer: (DONE, None)."""
-        if self.world == 1 or self.backend == "nccl":
+        waiting for a partner that never comes): (handle, the codes by rank, own included), or (DONE, None)
+        at world 1. Over `check_group`: the data group on gloo, a gloo group beside it on NCCL."""
+        if self.world == 1:
             return DONE, None
         codes = torch.full((self.world,), code, dtype=torch.int64)
         peers = [q for q in range(self.world) if q != self.rank]
         sends = [(codes[self.rank : self.rank + 1], q, 0) for q in peers]
         recvs = [(codes[q : q + 1], q, 0) for q in peers]
-        return self._exchange("gather_check", sends, recvs, None, True, stream=stream), codes
+        return self._exchange(
+            "gather_check", sends, recvs, None, True, stream=stream, group=self.check_group
+        ), codes
 
     def _exchange(
         self,
@@ -258,8 +279,10 @@ class Comm:
         async_op: bool,
         tags: int = 1,
         stream: str = "main",
+        group: dist.ProcessGroup | None = None,
     ) -> Handle:
-        """gloo reduce-scatter / all-gather as direct sends of each rank's slice to its owner.
+        """gloo reduce-scatter / all-gather as direct sends of each rank's slice to its owner (over `group`,
+        default the data group).
 
         Each rank sends and receives (N-1)/N of the buffer, like a ring, and reduces only its own slice. The
         alternatives measured on 2 ranks, 28M fp32 elements: all-reduce 114 ms (what a reduce-scatter or an
@@ -272,11 +295,12 @@ class Comm:
         at = self._tags[stream]
         self._tags[stream] = (at + tags) % _TAGS_PER_STREAM
         base = STREAMS.index(stream) * _TAGS_PER_STREAM + at
-        peer = (lambda q: dist.get_global_rank(self.group, q)) if self.group is not None else (lambda q: q)
+        group = self.group if group is None else group
+        peer = (lambda q: dist.get_global_rank(group, q)) if group is not None else (lambda q: q)
 
         def issue() -> list:
-            works = [dist.irecv(t, peer(q), group=self.group, tag=base + k) for t, q, k in recvs]
-            return works + [dist.isend(t, peer(q), group=self.group, tag=base + k) for t, q, k in sends]
+            works = [dist.irecv(t, peer(q), group=group, tag=base + k) for t, q, k in recvs]
+            return works + [dist.isend(t, peer(q), group=group, tag=base + k) for t, q, k in sends]
 
         handle = self._run(kind, issue, then)
         if not async_op:

@@ -22,13 +22,15 @@ tensor arguments and raises UnsupportedModelError naming the parameter and the m
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
-from zoff.engine.gather_checks import CheckedGather, GatherChecks, ReleasedReadGuard, UnsupportedModelError
+from zoff.engine.gather_checks import GatherChecks, ReleasedReadGuard, UnsupportedModelError
 from zoff.engine.param_swap import ShardRead, SwappedShards
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.staging import NullEvent
@@ -191,8 +193,8 @@ class UnitGatherer(GatherChecks):
         if shard.device != full.device:  # parameter offload: the shard comes up from host memory first
             shard = shard.to(full.device, non_blocking=True)
             self.host_reads.record()
-        named = self.comm.exchange_codes(u)  # every peer must be gathering this unit too (see CheckedGather)
-        self.pending[u] = CheckedGather(self, u, named, self.comm.all_gather(shard, full, True, "gather"))
+        # every peer must be gathering this unit too (see CheckedGather)
+        self.pending[u] = self.checked_gather(u, partial(self.comm.all_gather, shard, full, True, "gather"))
 
     def _prefetch_after(self, u: int, backward: bool) -> None:
         if self.recording or not self.prefetch_numel or u not in self.order:
@@ -220,9 +222,11 @@ class UnitGatherer(GatherChecks):
         issued = {}
         while self.reading:
             v, read = self.reading.pop(0)
-            named = self.comm.exchange_codes(v)
-            handle = self.comm.all_gather(read.wait(), self.full[v], async_op=True, stream="gather")
-            issued[v] = (CheckedGather(self, v, named, handle), read)
+            shard = read.wait()
+            gather = self.checked_gather(
+                v, partial(self.comm.all_gather, shard, self.full[v], True, "gather")
+            )
+            issued[v] = (gather, read)
             if v == through:
                 break
         return issued

@@ -8,6 +8,7 @@ parameter or block, the ranks and the config key that fixes it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ class CheckedGather:
     wrong buffers or waiting for the collective timeout. Cost on gloo: one 8-byte message per peer per gather."""
 
     def __init__(
-        self, gatherer: GatherChecks, u: int, named: tuple[Handle, torch.Tensor | None], gather: Handle
+        self, gatherer: GatherChecks, u: int, named: tuple[Handle, torch.Tensor | None] | None, gather: Handle
     ):
         self.gatherer, self.u, self.named, self.gather = gatherer, u, named, gather
 
@@ -70,6 +71,18 @@ class GatherChecks:
     """The gatherer's checks (a mixin of UnitGatherer: model, plan, comm, in_backward are its attributes)."""
 
     broken = False  # a mismatch was found: the peers will answer no pending gather
+
+    def checked_gather(self, u: int, issue: Callable[[], Handle]) -> CheckedGather:
+        """Name unit u to the peers and issue its gather (`issue`). On gloo the names travel beside the data and
+        are checked in wait(); with side checks (NCCL) they are checked first, so a mismatched NCCL gather is
+        never issued."""
+        named = self.comm.exchange_codes(u)
+        if self.comm.side_checks:
+            handle, codes = named
+            handle.wait()
+            self.check_codes(u, codes)
+            named = None
+        return CheckedGather(self, u, named, issue())
 
     def check_end(self) -> None:
         """This rank has no more gathers in this forward (or backward): tell the peers, and check that they

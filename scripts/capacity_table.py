@@ -82,8 +82,9 @@ def render(data: dict) -> str:
     lines.append("")
     lines.append(
         f"Estimated {data['date']} at commit {data['commit']} from `{data['base_config']}`'s context, batch "
-        "and precision (`python scripts/capacity_table.py`; docs/results/capacity.json). Estimates held equal "
-        "to the engine's allocations by tests on CPU, not GPU runs."
+        "and precision (`python scripts/capacity_table.py`; docs/results/capacity.json). Estimates, not GPU runs: held "
+        "equal to the engine's allocations by tests on CPU, the activation peaks to an H200's allocator "
+        "(docs/gpus.md)."
     )
     return "\n".join(lines) + "\n"
 

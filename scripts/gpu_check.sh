@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh [--dry-run] [--out DIR]      (default DIR: runs/gpu_check under the repo root)
 #
 # Steps: the cuda-marked tests, the pattern zoo and the engine equivalence tests over NCCL, `zoff train` on
-# every ZeRO recipe, and the CPU Adam benchmark. Each step's output goes to DIR/<step>.log; the table goes to
+# every ZeRO recipe, activation memory against the estimate, and the CPU Adam benchmark. Each step's output
+# goes to DIR/<step>.log; the table goes to
 # stdout, DIR/summary.md and DIR/summary.json. Exit 0 if every step passed, 1 if one failed, 2 for a usage
 # error or a machine without CUDA. --dry-run prints the environment and the commands, runs nothing.
 # PYTHON picks the interpreter (default: python); it must import torch and zoff. GPU_CHECK_STEP_S bounds each
@@ -72,6 +73,8 @@ done
 steps+=("train-zero2-nvme|zoff train zero2-nvme (world $world)|mkdir -p $(q "$out/nvme") && $(q "$py") -m zoff train configs/quickstart.yaml zero=zero2-nvme zero.offload_optimizer.nvme_path=$(q "$out/nvme") launch.nproc_per_node=$world train.max_steps=30 log.progress=false --run-dir $(q "$out/train-zero2-nvme")")
 # Offload keeps the gradient partition off the device: the GPU's allocated bytes against the estimate.
 steps+=("offload-device-bytes|offload: device bytes vs the estimate|$pytest -s -m cuda tests/gpu/test_cuda_paths.py -k test_offload_keeps_no_gradient_shard_on_the_device")
+# Activation memory measured by the CUDA allocator against the estimate's saved bytes and peak.
+steps+=("activation-memory|activation memory vs the estimate|$(q "$py") scripts/gpu_activation_check.py --out $(q "$out/gpu_activation_check.json")")
 steps+=("bench-adam|CPU Adam benchmark (host)|$(q "$py") scripts/bench_adam.py --sizes 16M,64M --rounds 5 --out $(q "$out/bench_adam.json")")
 
 # ZOFF_COMMIT first: a copied tree can carry a .git that is not the copy's commit.
@@ -125,6 +128,10 @@ vs = ["%dM %s %.2fx" % (r["n"] >> 20, k.replace("zoff ", ""), v) for r in b["res
       for k, v in r["speedups"].items() if "torch fused" in k and "copy" not in k]
 t = b.get("targets", {})
 print("; ".join(vs) + (" (targets: %d/%d pass)" % (sum(t.values()), len(t)) if t else ""))' "$out/bench_adam.json" 2>/dev/null) ;;
+        activation-memory) res=$("$py" -c 'import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["results"] if "error" not in r]
+q = [r["estimate_peak"] / r["measured_peak"] for r in rows]
+print("%d cases, peak estimate / measured %.3f to %.3f" % (len(q), min(q), max(q)))' "$out/gpu_activation_check.json" 2>/dev/null) ;;
         *) res=$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran' "$log" | tail -n1 | tr -d '=') ;;
     esac
     [[ -n ${res// /} ]] || res="$(tail -n1 "$log")"  # no result: the log's last line says why

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -171,9 +172,28 @@ def test_gpt_activations_match_saved_tensors(model_cfg: dict, batch: int, seq: i
         if m.dropout == 0:  # the CUDA form differs only in LayerNorm statistics' dtype (fp32)
             cuda = A.gpt_activations(m, batch, seq, precision, ac, "cuda").saved
             assert abs(cuda - real[ac]) <= 0.15 * real[ac], (ac, cuda, real[ac])
-    # With checkpointing, backward recomputes one block at a time: what a block saves beyond its input.
+    # With checkpointing, backward recomputes one block at a time: what a block saves beyond its input is
+    # held on top of everything saved (the peak's other moments: test_activation_peaks_match_the_gpu).
     est = A.gpt_activations(m, batch, seq, precision, True, "cpu")
-    assert est.peak - est.saved == (real[False] - real[True]) // m.n_layer
+    assert est.peak - est.saved >= (real[False] - real[True]) // m.n_layer
+
+
+def test_activation_peaks_match_the_gpu() -> None:
+    """The estimate against the CUDA allocator (scripts/gpu_activation_check.py on an H200, kept in
+    docs/results/gpu_activation_check.json): saved bytes to the allocator's rounding, and the peak, with the
+    loss's and the blocks' backward moments, never under what was measured by more than that rounding and at
+    most 6% over. (Before the moments were counted the peak was 0.54x the measured one for GPT-2's vocabulary:
+    the shipped gpt2-124m-24gb.yaml said 15.8 GiB and allocated 28.1 GiB.)"""
+    spec = importlib.util.spec_from_file_location("gac", REPO / "scripts" / "gpu_activation_check.py")
+    gac = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gac)
+    rows = json.loads(gac.JSON.read_text())["results"]
+    assert len(rows) >= 10 and not any("error" in r for r in rows)
+    slack = 8 << 20  # the caching allocator rounds each block (512 B; 2 MiB segments for large ones)
+    for r in rows:
+        est = gac.current_estimate(r)
+        assert abs(est.saved - r["measured_saved"]) <= 0.01 * r["measured_saved"] + slack, r
+        assert r["measured_peak"] - slack <= est.peak <= 1.06 * r["measured_peak"], (est.peak, r)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -198,7 +218,11 @@ def test_gpt_activations_with_a_tiled_loss_match_saved_tensors(precision: str) -
     assert est.saved == real
     untiled = A.gpt_activations(m, batch, seq, precision, False, "cpu")
     assert untiled.saved - est.saved == batch * seq * 4 * m.vocab_size + 4  # the logits, the scalar loss
-    assert est.peak - est.saved == tile * m.vocab_size * (DTYPES[precision].itemsize + 8)
+    e, d = (
+        DTYPES[precision].itemsize,
+        m.d_model,
+    )  # one tile's recompute and gradients, the head's weight gradient
+    assert est.peak - est.saved == tile * m.vocab_size * 12 + m.vocab_size * d * e + batch * seq * d * e
 
 
 def test_probe_measures_any_model_on_the_meta_device() -> None:

@@ -35,8 +35,18 @@ def gpt_activations(
     attention with dropout does).
     tail: ln_f input and output 2d, log-softmax of the logits in fp32 (vocab x 4 B), target ids (8 B).
     With checkpointing a block keeps only its input (d) and its other 15d are recomputed one block at a time.
-    With loss_tile the tail keeps no logits: backward recomputes one tile's (its head output in the compute
-    dtype, the fp32 copy and its log-softmax: vocab x (e + 8) B per position) at a time.
+    With loss_tile the tail keeps no logits: backward recomputes one tile's at a time.
+
+    The peak adds what lives only for a moment on top of everything saved (measured with the CUDA allocator
+    on an H200, docs/results/gpu_activation_check.json, scripts/gpu_activation_check.py; held by
+    tests/integration/test_estimate.py), the largest of:
+    - the untiled loss's backward: the fp32 gradients of the log-softmax's output and input, 8 B x vocab per
+      token (the forward's own moment, logits in the compute dtype and their fp32 copy, is e + 4 <= 8);
+    - a tiled loss's backward: per position of one tile, the recomputed logits, their log-softmax and both
+      fp32 gradients (12 B x vocab), plus the head weight's gradient before it is accumulated (vocab x d) and
+      the hidden states' gradient (d per token);
+    - a block's backward (6d per token: the MLP's 4d gradients and the block's input gradient, and the
+      weight gradient of the 4d x d linears), after its recompute (15d) with checkpointing.
     """
     e = DTYPES[precision].itemsize
     stat = 4 if device_type == "cuda" else e
@@ -52,9 +62,12 @@ def gpt_activations(
     fixed = 8 * seq + (0 if loss_tile else 4)  # position ids and the scalar loss (a tiled one saves none)
     kept = d * e if checkpointing else block
     saved = tokens * (m.n_layer * kept + tail) + fixed
-    peak = saved + (tokens * (block - d * e) if checkpointing else 0)
     if loss_tile:
-        peak += min(loss_tile, tokens) * m.vocab_size * (e + 8)
+        loss_moment = min(loss_tile, tokens) * m.vocab_size * 12 + m.vocab_size * d * e + tokens * d * e
+    else:
+        loss_moment = tokens * m.vocab_size * 8
+    block_moment = tokens * 6 * d * e + 4 * d * d * e + (tokens * (block - d * e) if checkpointing else 0)
+    peak = saved + max(loss_moment, block_moment)
     how = "builtin GPT closed form" + (
         " (flash-attention kernels)" if device_type == "cuda" else " (CPU kernels)"
     )
@@ -92,9 +105,18 @@ def probe_activations(
     if switch:
         model.activation_checkpointing = checkpointing
 
+    vocab = 0
+
     def probe(b: int) -> int:
         idx = torch.zeros(b, seq, dtype=torch.long, device="meta")
-        return saved_bytes(model, lambda: lm_loss(model(idx), torch.zeros_like(idx)))
+
+        def forward() -> None:
+            nonlocal vocab
+            out = model(idx)
+            vocab = getattr(out, "logits", out).shape[-1]
+            lm_loss(out, torch.zeros_like(idx))
+
+        return saved_bytes(model, forward)
 
     try:
         one, two = probe(1), probe(2)
@@ -104,7 +126,8 @@ def probe_activations(
     if checkpointing and not switch:
         how += " (the model has no activation_checkpointing switch)"
     total = (2 * one - two) + batch * (two - one)
-    return Activations(total, total, how)
+    # The loss's backward moment, as gpt_activations has it: fp32 gradients of the log-softmax, 8 B x vocab.
+    return Activations(total, total + batch * seq * vocab * 8, how)
 
 
 def activations(

@@ -10,6 +10,7 @@ import copy
 import importlib.util
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -212,9 +213,16 @@ def zoff_rank(
         "memory": s.engine.memory_report(),
         "planned": s.engine.planned_memory(),
         "stats": s.engine.stats(),
+        "compiled_graphs": _compiled_graphs(),
     }
     s.engine.close()
     return out
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (train.compile's tests); 0 without Dynamo."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
 def zoff_rank_many(rank: int, world: int, cfgs: list[dict]) -> list[dict]:

@@ -159,6 +159,43 @@ def test_a_block_one_rank_never_runs_is_named_on_every_rank(side_checks: bool) -
         ), (r, message)
 
 
+def _train_llama_dropping_its_last_layer_on_rank_0(rank: int, world: int, cfg_dict: dict) -> str:
+    cfg = config_from_dict(cfg_dict)
+    s = build_session(cfg, rank_device(rank))
+    if rank == 0:  # a dropped layer (LayerDrop-style) on one rank: LlamaModel runs config.num_hidden_layers
+        s.engine.model.config.num_hidden_layers -= 1
+    try:
+        train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+def test_a_hugging_face_layer_one_rank_drops_is_named_on_three_ranks(tmp_path) -> None:
+    """Blocks from the model's own _no_split_modules (LlamaDecoderLayer), world 3: rank 0 skips the last
+    layer; every rank names it and rank 0, and the fix gathers LlamaModel (which every rank runs) whole."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=48, max_position_embeddings=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    cfg = tiny_cfg(
+        model={"name": "hf:LlamaForCausalLM", "path": str(tmp_path / "llama"), "seq_len": 16},
+        zero={"stage": 3, "param_persistence_threshold": 0},
+        train={"max_steps": 2, "grad_accum": 1},
+    )
+    got = spawn(_train_llama_dropping_its_last_layer_on_rank_0, 3, cfg)
+    fix = "gather it with the module that holds it, which every rank runs: zero.block_classes: [LlamaModel]"
+    for r, message in enumerate(got):
+        assert re.match(
+            rf"SkippedBlockError: zero\.stage 3: block 'model\.layers\.2' ran on rank {'[12]' if r == 0 else r} "
+            rf"but rank 0 skipped it in this forward .*; {re.escape(fix)}",
+            message,
+        ), (r, message)
+
+
 def test_a_block_one_rank_skips_is_named_within_seconds_and_the_run_goes_on(tmp_path) -> None:
     """zoff train, stage 3, experts as the model's outermost blocks (the pattern zoo's outer_experts): a rank
     whose tokens skip an expert is named within seconds, with launch.timeout_s at its default (600 s),

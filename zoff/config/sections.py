@@ -223,6 +223,13 @@ class TrainConfig:
     # backward: no (tokens x vocabulary) logits tensor exists (32000 x 16K tokens = 2 GiB in fp32); 0: untiled.
     # Costs one more head matmul per tile in backward.
     loss_tile: int = field(default=0, metadata=_rng(0, 1 << 24))
+    # torch.compile each repeated block (the blocks stage 3 gathers: a ModuleList's layers, HF decoder layers,
+    # zero.block_classes) on its own, regional compilation as torchtitan does: the engine's hooks stay eager
+    # around them. Costs the first step its compile time (tens of seconds per block class on a CPU).
+    compile: bool = False
+    # torch.compile's backend: inductor generates kernels; aot_eager traces and runs torch's own ops (no
+    # speed-up: to tell a compile problem from a kernel one)
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
 
 
 @dataclass(frozen=True)

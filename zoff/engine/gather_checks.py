@@ -185,6 +185,9 @@ class ReleasedReadGuard(TorchFunctionMode):
     lookup per tensor argument; backward does not pass through it.
     """
 
+    # train.compile sets it aside inside compiled blocks (trainer/compile.py): Dynamo cannot trace it
+    compiled_regions_exempt = True
+
     def __init__(self, gatherer):
         super().__init__()
         self.gatherer = gatherer

@@ -26,6 +26,7 @@ from zoff.models import (
 )
 from zoff.models.packing import packs_examples
 from zoff.models.twin import base_of
+from zoff.trainer.compile import CompiledBlocks, compile_blocks, compile_seconds
 from zoff.trainer.loop import train_loop
 from zoff.trainer.metrics import MetricsWriter, rank_logger
 from zoff.trainer.preempt import STOP
@@ -40,6 +41,7 @@ class Session:
     batches: GlobalBatches
     comm: Comm
     data_description: str
+    compiled: CompiledBlocks | None = None  # train.compile's blocks
 
 
 def build_session(cfg: Config, device: torch.device) -> Session:
@@ -63,6 +65,11 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         comm=comm,
         host_reserved=_host_reserved(cfg, comm.world, device),
     )
+    compiled = None
+    if (
+        cfg.train.compile
+    ):  # after the engine: its hooks are on the blocks' (eager) __call__, around the forward
+        compiled = compile_blocks(engine.model, cfg.zero.block_classes, cfg.train.compile_backend)
     if cfg.data.format == "text":
         corpus, stream = load_corpus(cfg.data, cfg.train.seed), GlobalBatches
     else:  # fine-tuning examples, packed where the model attends within each example only
@@ -75,7 +82,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
     )
     torch.manual_seed(cfg.train.seed + 1 + comm.rank)  # dropout differs per rank, reproducibly
-    return Session(engine, batches, comm, corpus.description)
+    return Session(engine, batches, comm, corpus.description, compiled)
 
 
 def packs(cfg: Config, model: torch.nn.Module, warn: bool = False) -> bool:
@@ -111,6 +118,8 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
         s.batches.load_state_dict(state["data"])
         log.info("resumed from step %d of %s", start, ckpt.dir)
     plan = _plan_lines(s.engine, s.batches, s.data_description, torch.get_num_threads())
+    if s.compiled is not None:
+        plan.append("  " + s.compiled.describe())
     for line in plan:
         log.info(line)
     writer = None
@@ -142,6 +151,9 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     log.info("memory report %s", json.dumps(s.engine.memory_report()))
     held, ddp = model_state_bytes(s.engine)
     mib = {"model_state_mib_per_rank": held / 2**20, "ddp_model_state_mib_per_rank": ddp / 2**20}
+    if s.compiled is not None:  # rank 0's compile time (every rank compiles its own, at about the same time)
+        mib["compile_s"] = compile_seconds()
+        log.info("train.compile: %.1f s compiling (forward and backward graphs)", mib["compile_s"])
     return writer.close(mib) if writer is not None else None
 
 

@@ -164,6 +164,7 @@ def validate(
         "zoff estimate configs/gpt-7b.yaml --gpus-per-node 1 --gpu-memory 24GiB --cpu-memory 128GiB --suggest",
         "zoff estimate configs/gpt-70b.yaml --gpus-per-node 8 --gpu-memory 80GiB --json",
         "zoff estimate configs/gpt-7b.yaml --max-model --disk 4TB",
+        "zoff estimate configs/gpt-7b.yaml --max-context --gpus-per-node 1 --gpu-memory 24GiB data.batch_size=1",
     )
 )
 def estimate(
@@ -179,6 +180,9 @@ def estimate(
     suggest: bool = typer.Option(False, "--suggest", help="Name the fastest policy that fits, and why"),
     max_model: bool = typer.Option(
         False, "--max-model", help="Per policy, the largest of a ladder of GPT shapes (125M..405B) that fits"
+    ),
+    max_context: bool = typer.Option(
+        False, "--max-context", help="Per policy, the longest context (1K..1M tokens) the config's model fits"
     ),
     disk: str = typer.Option(
         None, "--disk", help="Disk tier per node for swap files, e.g. 4TB (default: free space at nvme_path)"
@@ -196,7 +200,7 @@ def estimate(
     # Counts and sizes arrive as text so that bad values get zoff's one-line error rather than click's usage block.
     run_cli(
         config, list(overrides or []), gpus_per_node, nodes, gpu_memory, cpu_memory, as_json, suggest,
-        max_model=max_model, disk=disk, timed=timed, compute_s=compute_s,
+        max_model=max_model, disk=disk, timed=timed, compute_s=compute_s, max_context=max_context,
     )  # fmt: skip
 
 

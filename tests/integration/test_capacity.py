@@ -141,3 +141,68 @@ def test_json_through_the_real_cli(ladder) -> None:
         if a.largest:
             assert row["largest"]["params"] == a.largest.params
             assert row["largest"]["gpu_bytes"] == a.largest.pe.gpu_bytes <= BOX.gpu
+
+
+# ------------------------------------------------------------------------------------------- --max-context
+def test_max_context_is_the_longest_length_that_fits_by_estimate() -> None:
+    """Per policy: the answer fits by estimate() called directly at that length, STEP tokens more do not, and
+    the answer is a multiple of STEP; checkpointing never shortens it."""
+    from zoff.planning import context as X
+
+    cfg = load_config(BASE, ["data.batch_size=1", "train.loss_tile=4096"])
+    box = M.Budget(24 * GIB, 256 * GIB, disk=0)
+    ctx = X.max_context(cfg.model, cfg.data, cfg.train, cfg.zero, box, 1)
+    by_policy = {a.policy: a for a in ctx.answers}
+    assert [a.policy for a in ctx.answers] == C.row_order()
+    direct: dict[int, M.Estimate] = {}  # estimate() by length, called here, apart from the module's own memo
+
+    def fits(policy: Policy, length: int) -> bool:
+        if length not in direct:
+            m, d = (
+                dataclasses.replace(cfg.model, seq_len=length),
+                dataclasses.replace(cfg.data, seq_len=length),
+            )
+            direct[length] = M.estimate(m, d, cfg.train, cfg.zero, 1, 1, "cuda", box.cpu)
+        return direct[length].get(policy).fits(box)
+
+    answered = 0
+    for a in ctx.answers:
+        if a.longest is None:
+            assert not fits(a.policy, X.STEP) and a.next.seq_len == X.STEP
+            continue
+        answered += 1
+        seq = a.longest.seq_len
+        assert seq % X.STEP == 0 and a.next.seq_len == seq + X.STEP
+        assert fits(a.policy, seq) and not fits(a.policy, seq + X.STEP), a.policy
+        if not a.policy.activation_checkpointing:
+            twin = by_policy[dataclasses.replace(a.policy, activation_checkpointing=True)]
+            assert twin.longest.seq_len >= seq
+    assert answered >= 6  # the offload policies on this box
+
+
+def test_max_context_through_the_real_cli() -> None:
+    """The tiny config on a 64 MiB "GPU": the table, its JSON (the same answers), and --suggest refused."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    args = ["estimate", str(REPO / "configs" / "tiny.yaml"), "--max-context", "--gpus-per-node", "1",
+            "--gpu-memory", "64MiB", "--cpu-memory", "8GiB", "--disk", "0"]  # fmt: skip
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "zoff", *args, *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    table, as_json = run(), run("--json")
+    assert table.returncode == 0 and as_json.returncode == 0, table.stderr + as_json.stderr
+    out = table.stdout
+    assert "Longest context each policy trains (estimated)" in out and "estimates, not GPU runs" in out
+    rows = json.loads(as_json.stdout)["policies"]
+    assert [r["label"] for r in rows] == [C.row_label(p) for p in C.row_order()]
+    longest = [r["longest"]["seq_len"] for r in rows if r["longest"]]
+    assert longest and all(f"{n // 1024}K" in out for n in longest)
+    bad = run("--suggest")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "zoff: error: --max-context: cannot be combined with --suggest (each table names every policy's answer)"
+    ), bad.stderr

@@ -275,18 +275,22 @@ def run_cli(
     disk: str | None = None,
     timed: bool = False,
     compute_s: str | None = None,
+    max_context: bool = False,
 ) -> None:
     """`zoff estimate`: flags are checked before the config is read so a typo fails fast.
 
     max_model: instead of the config's model, the largest of a ladder of GPT shapes each policy fits
-    (zoff.planning.capacity). disk: the disk tier's size per node (default: the free space at
+    (zoff.planning.capacity); max_context: per policy, the longest context the config's model fits
+    (zoff.planning.context). disk: the disk tier's size per node (default: the free space at
     zero.offload_optimizer.nvme_path when that folder exists, else none)."""
     from zoff.config import load_config
 
-    if max_model and suggest:
-        raise UserError(
-            "--max-model: cannot be combined with --suggest (the table names every policy's answer)"
-        )
+    for flag, on in (("--max-model", max_model), ("--max-context", max_context)):
+        if on and (suggest or (max_model and max_context)):
+            other = "--suggest" if suggest else "--max-context"
+            raise UserError(
+                f"{flag}: cannot be combined with {other} (each table names every policy's answer)"
+            )
     budget, device_type = detect_budget(gpu_memory, cpu_memory)
     gpn = parse_count(gpus_per_node, "--gpus-per-node", 1024)
     n = parse_count(nodes, "--nodes", 100_000)
@@ -307,6 +311,14 @@ def run_cli(
             print(json.dumps(capacity.to_json(cap), indent=2))
         else:
             capacity.render(cap)
+        return
+    if max_context:
+        from zoff.planning import context
+
+        ctx = context.max_context(
+            cfg.model, cfg.data, cfg.train, cfg.zero, budget, gpn, n, device_type, disk_source=disk_source
+        )
+        print(json.dumps(context.to_json(ctx), indent=2)) if as_json else context.render(ctx)
         return
     est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type, budget.cpu)
     sug = suggest_policy(est, budget) if suggest else None

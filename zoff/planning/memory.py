@@ -245,12 +245,20 @@ def estimate(
     host = mem_total() if host_bytes is None else host_bytes
     budget = host_budget_bytes(zero_cfg.offload_optimizer, host, gpus_per_node)
     out = []
+    frozen: dict[tuple[int, bool], int] = {}  # (plan's stage, params offloaded): one walk of the model each
+
+    def frozen_bytes(plan: PartitionPlan, pol: Policy) -> int:
+        key = (id(plan), pol.offload_param != "none")
+        if key not in frozen:
+            frozen[key] = frozen_param_bytes(model, plan, precision, pol)
+        return frozen[key]
+
     for pol in (only,) if only is not None else POLICIES:
         plan = plans[{2: 1}.get(pol.stage, pol.stage)]  # stages 1 and 2 share one plan
 
         def states(split: DiskSplit, plan=plan, pol=pol) -> tuple[dict[str, int], dict[str, int]]:
             gpu, cpu = model_states(
-                plan, pol, precision, frozen_bytes=frozen_param_bytes(model, plan, precision, pol), device_type=device_type,
+                plan, pol, precision, frozen_bytes=frozen_bytes(plan, pol), device_type=device_type,
                 fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
                 delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
                 subgroup=subgroup_of(zero_cfg), split=split,

@@ -1,0 +1,174 @@
+"""`zoff estimate --max-context`: the longest sequence each policy trains the config's model at, here.
+
+Every number comes from zoff.planning.memory.estimate() and PolicyEstimate.fits(), as `--max-model`'s do
+(capacity.py); this module only searches the context length. The config's model keeps its shape and the
+micro-batch its sequence count; the context (model.seq_len and data.seq_len together: the builtin GPT's
+learned positions grow with it) is tried at 1K, 2K, ... 1M tokens, then narrowed to STEP tokens between the
+longest length that fits and the next. One estimate() per length answers every policy, and lengths are
+shared between policies, so a table costs a few dozen estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
+from zoff.engine.policy import Policy
+from zoff.planning.capacity import NOTE, limited_by, row_label, row_order
+from zoff.planning.memory import Budget, Estimate, PolicyEstimate, estimate
+from zoff.units import human
+
+STEP = 1024  # the answer's granularity, in tokens
+LADDER = tuple(STEP << k for k in range(11))  # 1K .. 1M tokens
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    seq_len: int
+    pe: PolicyEstimate
+
+
+@dataclass(frozen=True)
+class ContextAnswer:
+    policy: Policy
+    longest: ContextFit | None  # None: not even STEP tokens fit
+    next: ContextFit | None  # STEP tokens more, which do not fit; None when `longest` is the ladder's top
+
+
+@dataclass(frozen=True)
+class ContextCapacity:
+    answers: tuple[ContextAnswer, ...]
+    budget: Budget
+    disk_source: str
+    gpus_per_node: int
+    nodes: int
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+
+
+def max_context(
+    model: ModelConfig,
+    data: DataConfig,
+    train: TrainConfig,
+    zero: ZeroConfig,
+    budget: Budget,
+    gpus_per_node: int,
+    nodes: int = 1,
+    device_type: str = "cuda",
+    *,
+    disk_source: str = "given",
+) -> ContextCapacity:
+    """Per policy, the longest context (a multiple of STEP up to the ladder's top) whose estimate fits."""
+    memo: dict[int, Estimate] = {}
+
+    def at(seq: int) -> dict[Policy, PolicyEstimate]:
+        if seq not in memo:
+            m = dataclasses.replace(model, seq_len=seq)
+            d = dataclasses.replace(data, seq_len=seq)
+            memo[seq] = estimate(m, d, train, zero, gpus_per_node, nodes, device_type, budget.cpu)
+        return {pe.policy: pe for pe in memo[seq].policies}
+
+    answers = []
+    for policy in row_order():
+        fits = [seq for seq in LADDER if at(seq)[policy].fits(budget)]
+        if not fits:
+            answers.append(ContextAnswer(policy, None, ContextFit(STEP, at(STEP)[policy])))
+            continue
+        lo = fits[-1]  # the longest ladder length that fits; needs grow with the length between rungs
+        if lo == LADDER[-1]:
+            answers.append(ContextAnswer(policy, ContextFit(lo, at(lo)[policy]), None))
+            continue
+        hi = lo * 2  # does not fit
+        while hi - lo > STEP:
+            mid = (lo + hi) // 2 // STEP * STEP
+            lo, hi = (mid, hi) if at(mid)[policy].fits(budget) else (lo, mid)
+        answers.append(ContextAnswer(policy, ContextFit(lo, at(lo)[policy]), ContextFit(hi, at(hi)[policy])))
+    return ContextCapacity(tuple(answers), budget, disk_source, gpus_per_node, nodes, model, data, train)
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _needs(fit: ContextFit) -> dict:
+    pe = fit.pe
+    return {
+        "seq_len": fit.seq_len, "gpu_bytes": pe.gpu_bytes, "activation_bytes": pe.gpu.get("activations", 0),
+        "cpu_bytes_per_node": pe.cpu_bytes_per_node, "disk_bytes_per_node": pe.disk * pe.local_ranks,
+    }  # fmt: skip
+
+
+def to_json(cap: ContextCapacity) -> dict:
+    b = cap.budget
+    return {
+        "note": NOTE,
+        "model": cap.model.name, "batch_size": cap.data.batch_size, "precision": cap.train.precision,
+        "loss_tile": cap.train.loss_tile, "gpus_per_node": cap.gpus_per_node, "nodes": cap.nodes,
+        "memory": {"gpu_bytes": b.gpu, "cpu_bytes": b.cpu, "disk_bytes": b.disk, "shared": b.shared,
+                   "gpu_source": b.gpu_source, "cpu_source": b.cpu_source, "disk_source": cap.disk_source},
+        "policies": [
+            {**a.policy.to_dict(), "name": a.policy.name, "label": row_label(a.policy),
+             "longest": _needs(a.longest) if a.longest else None,
+             "next": {**_needs(a.next), "limited_by": limited_by(a.next.pe, b)} if a.next else None}
+            for a in cap.answers
+        ],
+    }  # fmt: skip
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024:,}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def render(cap: ContextCapacity) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    b = cap.budget
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
+    table = Table(
+        title=f"Longest context each policy trains (estimated) on {cap.gpus_per_node} GPU(s) x {cap.nodes} node(s)",
+        title_justify="left",
+    )
+    for col in (
+        "policy",
+        "longest context",
+        "GPU",
+        "of it activations",
+        "CPU/node",
+        "disk/node",
+        "next needs",
+    ):
+        table.add_column(col, justify="left" if col in ("policy", "next needs") else "right")
+    for a in cap.answers:
+        nxt = "- (1M tokens: a lower bound)"
+        if a.next is not None:
+            over = limited_by(a.next.pe, b)
+            sizes = {"gpu": human(a.next.pe.gpu_bytes), "cpu": human(a.next.pe.cpu_bytes_per_node),
+                     "disk": human(a.next.pe.disk * a.next.pe.local_ranks)}  # fmt: skip
+            nxt = f"{_tokens(a.next.seq_len)}: " + ", ".join(f"{k} {sizes[k]}" for k in over)
+        if a.longest is None:
+            table.add_row(row_label(a.policy), "none", "-", "-", "-", "-", nxt, style="dim")
+            continue
+        pe = a.longest.pe
+        table.add_row(
+            row_label(a.policy), _tokens(a.longest.seq_len), human(pe.gpu_bytes),
+            human(pe.gpu.get("activations", 0)), human(pe.cpu_bytes_per_node),
+            human(pe.disk * pe.local_ranks) if pe.disk else "-", nxt,
+        )  # fmt: skip
+    console.print(table)
+    memory = (
+        f"the host's {human(b.cpu)}, shared by the ranks and the offloaded states ({b.gpu_source})"
+        if b.shared
+        else f"{human(b.gpu)} per GPU ({b.gpu_source}), {human(b.cpu)} CPU per node ({b.cpu_source})"
+    )
+    tile = f"loss tile {cap.train.loss_tile}" if cap.train.loss_tile else "untiled loss (train.loss_tile)"
+    lines = [
+        f"memory: {memory}; " + (f"{human(b.disk)} disk per node ({cap.disk_source})" if b.disk else "no disk tier"),
+        f"model: {cap.model.name} as configured, context (model.seq_len = data.seq_len) searched in {STEP}-token "
+        f"steps up to 1M; micro-batch {cap.data.batch_size} sequence(s), {cap.train.precision}, {tile}",
+        f"These are {NOTE}.",
+    ]  # fmt: skip
+    for line in lines:
+        console.print(line, soft_wrap=True)

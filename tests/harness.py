@@ -133,12 +133,23 @@ def free_port_once(out: str) -> int:
     return int(f.read_text())
 
 
-def _join(procs: list, out: str) -> None:
-    """Wait for every rank; the first that fails fails the test with its traceback (the others are stopped)."""
+SPAWN_TIMEOUT_S = float(os.environ.get("ZOFF_TEST_SPAWN_TIMEOUT_S", "900"))
+
+
+def _join(procs: list, out: str, timeout_s: float | None = None) -> None:
+    """Wait for every rank; the first that fails fails the test with its traceback (the others are stopped).
+    Ranks still running after `timeout_s` (default SPAWN_TIMEOUT_S: far above any spawn of the suite) are
+    stopped and the test fails naming them: a hung collective costs one test, not the whole run."""
     import time
 
+    deadline = time.monotonic() + (SPAWN_TIMEOUT_S if timeout_s is None else timeout_s)
     ranks = dict(enumerate(procs))
     while ranks:
+        if time.monotonic() > deadline:
+            for q in ranks.values():
+                q.kill()
+                q.join()
+            raise RuntimeError(f"rank(s) {sorted(ranks)} of the spawned job still running after the timeout")
         for r, p in list(ranks.items()):
             if p.exitcode is None:
                 continue

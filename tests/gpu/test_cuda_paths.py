@@ -303,3 +303,47 @@ def test_a_block_skipped_on_one_gpu_is_named_within_seconds(factory: str, monkey
     for message in got:
         assert message.startswith("SkippedBlockError: zero.stage 3:"), message
         assert "zero.block_classes:" in message, message
+
+
+def _offload_run(base, x, y, off: bool, dev) -> tuple[float, torch.Tensor, int]:
+    """(loss, gradients, device bytes the forward left allocated): in a function of its own, so that nothing
+    of another run (a model, a loss whose graph still holds its parameters) is freed during this one."""
+    import copy
+
+    from zoff.engine.activation_offload import ActivationOffload
+    from zoff.models import enable_activation_checkpointing, lm_loss
+
+    model = copy.deepcopy(base)
+    offload = ActivationOffload(dev) if off else None
+    enable_activation_checkpointing(model, offload.checkpoint if offload else None)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    loss = lm_loss(model(x), y)
+    torch.cuda.synchronize()
+    torch.empty(1, device=dev)  # (the allocator frees blocks whose side-stream uses ended at its next malloc)
+    after_forward = torch.cuda.memory_allocated(dev) - before
+    loss.backward()
+    torch.cuda.synchronize()
+    return loss.item(), torch.cat([p.grad.float().flatten() for p in model.parameters()]), after_forward
+
+
+def test_activation_offload_on_cuda_frees_the_inputs_and_changes_nothing() -> None:
+    """train.activation_offload's CUDA path (pinned buffers, side stream, prefetch one block ahead): the same
+    losses and gradients as checkpointing alone, bit for bit, and after the forward the device holds the
+    blocks' inputs fewer bytes (the estimate's host term)."""
+    from zoff.config import ModelConfig
+    from zoff.planning.activations import gpt_activations
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    base = GPT(6, 4, 256, 512, 256).to(dev, torch.bfloat16)
+    x, y = torch.randint(512, (2, 4, 256), device=dev)
+    _offload_run(
+        base, x, y, False, dev
+    )  # warm-up: cuBLAS's workspace (~32 MiB) is allocated at the first matmul
+    plain, offloaded = (_offload_run(base, x, y, off, dev) for off in (False, True))
+    m = ModelConfig(name="gpt", n_layer=6, n_head=4, d_model=256, vocab_size=512, seq_len=256)
+    inputs = gpt_activations(m, 4, 256, "bf16", True, "cuda", offload=True).host
+    assert offloaded[0] == plain[0] and torch.equal(offloaded[1], plain[1])
+    moved = plain[2] - offloaded[2]
+    assert abs(moved - inputs) <= 1 << 20, (plain[2], offloaded[2], inputs)  # allocator rounding

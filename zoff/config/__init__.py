@@ -252,6 +252,11 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError(
             f"train.global_batch_size: {t.global_batch_size} is not a multiple of data.batch_size ({d.batch_size})"
         )
+    if t.activation_offload and not t.activation_checkpointing:
+        raise ConfigError(
+            "train.activation_offload: offloads the inputs activation checkpointing keeps; it needs "
+            "train.activation_checkpointing: true"
+        )
     oo = cfg.zero.offload_optimizer
     if oo.device == "nvme" and not oo.nvme_path:
         raise ConfigError("zero.offload_optimizer.nvme_path: device nvme needs a directory on a local disk")

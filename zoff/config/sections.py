@@ -219,6 +219,10 @@ class TrainConfig:
     eval_every: int = field(default=0, metadata=_rng(0, 1 << 40))  # 0: only at the end
     eval_batches: int = field(default=4, metadata=_rng(1, 1 << 20))  # global batches of the val split
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    # with activation_checkpointing: each block's kept input goes to host memory (page-locked on a GPU) as the
+    # block runs and comes back one block ahead in backward; results unchanged. Costs two copies of
+    # tokens x d_model per block and step over the host link, overlapped with compute on a side stream.
+    activation_offload: bool = False
     # the output head and the cross-entropy a tile of this many positions at a time, each recomputed in
     # backward: no (tokens x vocabulary) logits tensor exists (32000 x 16K tokens = 2 GiB in fp32); 0: untiled.
     # Costs one more head matmul per tile in backward.

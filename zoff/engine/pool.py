@@ -19,9 +19,12 @@ class BufferPool:
     (largest first) until the new one fits the budget; with no budget nothing is evicted.
     """
 
-    def __init__(self, device: torch.device | None = None, budget_bytes: int | None = None):
+    def __init__(
+        self, device: torch.device | None = None, budget_bytes: int | None = None, pin: bool = False
+    ):
         self.device = device or torch.device("cpu")
         self.budget = budget_bytes
+        self.pin = pin  # page-locked host buffers (copies to and from a GPU run asynchronously)
         self._free: list[torch.Tensor] = []
         self.held_bytes = self.peak_bytes = 0
 
@@ -35,7 +38,7 @@ class BufferPool:
             self.held_bytes -= _nbytes(self._free.pop())
         self.held_bytes += need
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         self._free.append(buf)

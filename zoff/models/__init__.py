@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -112,13 +113,24 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
         return build_model(cfg)
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
+def enable_activation_checkpointing(model: nn.Module, checkpoint_fn: Callable | None = None) -> None:
     """Switch on activation checkpointing: builtin and factory models by their `activation_checkpointing`
     attribute, transformers models by their own switch, non-reentrant (what stage 3's gathering and the
-    reduction of gradients that fire twice are tested with). A model with neither is an error."""
+    reduction of gradients that fire twice are tested with). A model with neither is an error.
+
+    checkpoint_fn: what runs each checkpointed block in place of torch's checkpoint (train.activation_offload's):
+    the builtin GPT's `checkpoint_fn`, a transformers layer's `_gradient_checkpointing_func`."""
     if isinstance(getattr(model, "activation_checkpointing", None), bool):
         model.activation_checkpointing = True
-    elif hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        if checkpoint_fn is not None:
+            if not hasattr(model, "checkpoint_fn"):
+                raise UserError(
+                    f"train.activation_offload: {type(model).__name__} has no `checkpoint_fn` attribute that its "
+                    "forward calls for each checkpointed block (the builtin GPT's); set the key to false"
+                )
+            model.checkpoint_fn = checkpoint_fn
+        return
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -127,6 +139,15 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
             f"train.activation_checkpointing: {type(model).__name__} has no switch for it (give the module a "
             "bool attribute `activation_checkpointing` that its forward honours, or set the key to false)"
         )
+    if checkpoint_fn is not None:
+        layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+        if not layers:
+            raise UserError(
+                f"train.activation_offload: {type(model).__name__}'s layers have no _gradient_checkpointing_func "
+                "to run through zoff's offloading checkpoint; set the key to false"
+            )
+        for m in layers:
+            m._gradient_checkpointing_func = checkpoint_fn
 
 
 def _from_factory(cfg: ModelConfig) -> nn.Module:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,9 @@ class GPT(nn.Module):
         if tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.activation_checkpointing = False
+        # what runs a checkpointed block: torch's non-reentrant checkpoint, or train.activation_offload's
+        # (engine/activation_offload.py), which keeps the block's input in host memory
+        self.checkpoint_fn: Callable | None = None
         for name, p in self.named_parameters():
             if not p.is_meta:
                 self.init_parameter(name, p.data)
@@ -121,7 +125,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keeps only each block's input; the block's activations are recomputed in backward.
-                x = checkpoint(block, x, mask, use_reentrant=False)
+                x = (self.checkpoint_fn or checkpoint)(block, x, mask, use_reentrant=False)
             else:
                 x = block(x, mask)
         return self.lm_head(self.ln_f(x))

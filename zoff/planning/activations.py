@@ -20,11 +20,12 @@ class Activations:
     saved: int  # bytes saved for backward after the forward of one micro-batch (loss included)
     peak: int  # saved, plus with checkpointing one block's recomputed activations
     method: str
+    host: int = 0  # train.activation_offload: the checkpointed blocks' inputs, in host memory
 
 
 def gpt_activations(
     m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, device_type: str = "cuda",
-    loss_tile: int = 0,
+    loss_tile: int = 0, offload: bool = False,
 ) -> Activations:  # fmt: skip
     """Bytes the builtin GPT saves for backward, op by op (per token, d = d_model, e = compute bytes):
 
@@ -47,6 +48,10 @@ def gpt_activations(
       the hidden states' gradient (d per token);
     - a block's backward (6d per token: the MLP's 4d gradients and the block's input gradient, and the
       weight gradient of the 4d x d linears), after its recompute (15d) with checkpointing.
+
+    With `offload` (train.activation_offload, with checkpointing) the blocks' inputs (d per token each) are
+    in host memory (`host`) and none stays on the device after the forward; backward holds two at a time there
+    (the block recomputing and the one fetched ahead of it).
     """
     e = DTYPES[precision].itemsize
     stat = 4 if device_type == "cuda" else e
@@ -60,18 +65,21 @@ def gpt_activations(
     logits = 0 if loss_tile else 4 * m.vocab_size
     tail = 2 * d * e + 2 * stat + logits + 8 + 8 + d * mask  # + the input ids
     fixed = 8 * seq + (0 if loss_tile else 4)  # position ids and the scalar loss (a tiled one saves none)
-    kept = d * e if checkpointing else block
+    offload = offload and checkpointing
+    kept = (0 if offload else d * e) if checkpointing else block
     saved = tokens * (m.n_layer * kept + tail) + fixed
     if loss_tile:
         loss_moment = min(loss_tile, tokens) * m.vocab_size * 12 + m.vocab_size * d * e + tokens * d * e
     else:
         loss_moment = tokens * m.vocab_size * 8
     block_moment = tokens * 6 * d * e + 4 * d * d * e + (tokens * (block - d * e) if checkpointing else 0)
+    if offload:
+        block_moment += 2 * tokens * d * e
     peak = saved + max(loss_moment, block_moment)
     how = "builtin GPT closed form" + (
         " (flash-attention kernels)" if device_type == "cuda" else " (CPU kernels)"
     )
-    return Activations(saved, peak, how)
+    return Activations(saved, peak, how, m.n_layer * tokens * d * e if offload else 0)
 
 
 def saved_bytes(model: nn.Module, fn) -> int:
@@ -132,8 +140,11 @@ def probe_activations(
 
 def activations(
     m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda",
-    loss_tile: int = 0,
+    loss_tile: int = 0, offload: bool = False,
 ) -> Activations:  # fmt: skip
+    """The builtin GPT's closed form; other models' meta-device probe (which does not model `offload`)."""
     if has_analytic_activations(m):
-        return gpt_activations(m, d.batch_size, d.seq_len, precision, checkpointing, device_type, loss_tile)
+        return gpt_activations(
+            m, d.batch_size, d.seq_len, precision, checkpointing, device_type, loss_tile, offload
+        )
     return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing)

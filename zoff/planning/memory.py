@@ -239,7 +239,9 @@ def estimate(
     total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
     acts = {
-        ac: activations(model_cfg, data_cfg, precision, ac, device_type, train_cfg.loss_tile)
+        ac: activations(
+            model_cfg, data_cfg, precision, ac, device_type, train_cfg.loss_tile, train_cfg.activation_offload
+        )
         for ac in (False, True)
     }
     host = mem_total() if host_bytes is None else host_bytes
@@ -266,6 +268,8 @@ def estimate(
             cpu["staging"] = host_staging(pol, zero_cfg, device_type)
             gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
             gpu["activations"] = acts[pol.activation_checkpointing].peak
+            if acts[pol.activation_checkpointing].host:  # train.activation_offload's host copies
+                cpu["activations"] = acts[pol.activation_checkpointing].host
             return gpu, cpu
 
         gpu, cpu = states(DiskSplit())

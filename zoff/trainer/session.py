@@ -16,6 +16,7 @@ from zoff.checkpoint.base_ref import base_reference
 from zoff.config import Config, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
+from zoff.engine.activation_offload import ActivationOffload
 from zoff.engine.policy import data_parallel_bytes
 from zoff.errors import UserError
 from zoff.models import (
@@ -52,7 +53,8 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     # shard by shard by the engine.
     model = build_for_engine(cfg.model)
     if cfg.train.activation_checkpointing:
-        enable_activation_checkpointing(model)
+        offload = ActivationOffload(device) if cfg.train.activation_offload else None
+        enable_activation_checkpointing(model, offload.checkpoint if offload else None)
     accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
     engine = build_engine(
         model,

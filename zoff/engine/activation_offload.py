@@ -1,0 +1,129 @@
+"""train.activation_offload: the inputs activation checkpointing keeps for each block live in host memory.
+
+With checkpointing a block keeps only its input (tokens x d) until backward recomputes it; over L blocks those
+inputs are what remains of the activations (16.2 GiB of configs/gpt-7b.yaml's at context 32768). Here each
+input is copied to a page-locked host buffer on a side stream as the block's forward runs (the device copy
+is freed as soon as that copy has read it), and backward brings it back one block ahead: when block k's
+recompute asks for its input, block k-1's is already on its way. Results are unchanged: the recompute runs on
+a bit-identical copy, and autograd's graph still runs through the original tensor.
+
+How: the block goes to torch's non-reentrant checkpoint with a `HostSaved` handle in place of each floating
+input that requires grad (the residual stream; rotary tables and masks, shared by every block, stay), and the
+function checkpoint runs unwraps them. In forward that gives the device tensor itself; in the recompute the
+fetched copy, marked as requiring grad so that autograd records (and checkpoint's check of the recomputed
+tensors sees) the same operations as in forward. Nothing else holds the input: checkpoint keeps its
+arguments (the handle) and the saved tensors it discards.
+
+On a host without a GPU the same code runs with host buffers (not pinned) and null streams, so the tests cover
+it here; the memory simply moves from one host tensor to another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from zoff.engine.pool import BufferPool
+from zoff.engine.staging import NullEvent
+
+
+class HostSaved:
+    """One block input: the device tensor until its host copy is issued, then the host copy."""
+
+    def __init__(self, offload: ActivationOffload, x: torch.Tensor):
+        self.offload, self.index = offload, len(offload.saved)
+        self.device_x: torch.Tensor | None = x
+        self.shape, self.dtype, self.device, self.requires_grad = x.shape, x.dtype, x.device, x.requires_grad
+        self.host: torch.Tensor | None = None
+        self.fetched: torch.Tensor | None = None
+        self.event = offload.new_event()
+
+    def store(self) -> None:
+        """Copy to the host on the side stream; the device tensor is the allocator's again once the copy ran."""
+        x, off = self.device_x, self.offload
+        self.host = off.pool.take(x.numel(), x.dtype)
+        with off.on_side():
+            self.host.copy_(x.reshape(-1), non_blocking=off.cuda)
+            self.event.record(off.stream)
+        if off.cuda:
+            x.record_stream(off.stream)  # (the caching allocator reuses its memory only after the copy)
+        self.device_x = None
+        off.stored_bytes += x.numel() * x.element_size()
+        off.peak_stored_bytes = max(off.peak_stored_bytes, off.stored_bytes)
+
+    def prefetch(self) -> None:
+        """Issue the copy back to the device on the side stream (after the copy out has finished)."""
+        if self.fetched is not None or self.host is None:
+            return
+        off = self.offload
+        with off.on_side():
+            self.event.synchronize() if not off.cuda else off.stream.wait_event(self.event)
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            out.reshape(-1).copy_(self.host, non_blocking=off.cuda)
+            self.event.record(off.stream)
+        self.fetched = out
+
+    def get(self) -> torch.Tensor:
+        """The input: the device tensor in forward, the fetched copy in backward's recompute."""
+        if self.device_x is not None:
+            return self.device_x
+        off = self.offload
+        self.prefetch()
+        if self.index > 0:  # the block before this one recomputes next: start its copy now
+            off.saved[self.index - 1].prefetch()
+        if off.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            self.fetched.record_stream(torch.cuda.current_stream(self.device))
+        x, self.fetched = self.fetched, None
+        self.event.synchronize()  # (the host buffer is read: it can serve another input)
+        off.pool.give(self.host)
+        off.stored_bytes -= self.host.numel() * self.host.element_size()
+        self.host = None
+        return x.detach().requires_grad_(self.requires_grad)
+
+
+class ActivationOffload:
+    """The handles of one forward's checkpointed blocks and the host buffers they use (reused every step)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pool = BufferPool(torch.device("cpu"), pin=self.cuda)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.saved: list[HostSaved] = []
+        self.stored_bytes = self.peak_stored_bytes = 0
+
+    def new_event(self):
+        return torch.cuda.Event() if self.cuda else NullEvent()
+
+    def on_side(self):
+        if not self.cuda:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream())  # after the compute that made the tensor
+        return torch.cuda.stream(self.stream)
+
+    def checkpoint(self, fn: Callable, *args, **kwargs):
+        """torch.utils.checkpoint.checkpoint(fn, *args, **kwargs) (non-reentrant), its block inputs offloaded."""
+        kwargs.pop("use_reentrant", None)
+        if all(h.host is None and h.device_x is None for h in self.saved):
+            self.saved = []  # every input of the last forward was consumed by its backward: a new forward
+        handles = [
+            HostSaved(self, a)
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.is_floating_point()
+            else a
+            for a in args
+        ]
+        for h in handles:
+            if isinstance(h, HostSaved):
+                self.saved.append(h)
+
+        def run(*inputs, **kw):
+            return fn(*(a.get() if isinstance(a, HostSaved) else a for a in inputs), **kw)
+
+        out = checkpoint(run, *handles, use_reentrant=False, **kwargs)
+        for h in handles:
+            if isinstance(h, HostSaved):
+                h.store()
+        return out

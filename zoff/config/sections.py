@@ -227,6 +227,10 @@ class TrainConfig:
     # backward: no (tokens x vocabulary) logits tensor exists (32000 x 16K tokens = 2 GiB in fp32); 0: untiled.
     # Costs one more head matmul per tile in backward.
     loss_tile: int = field(default=0, metadata=_rng(0, 1 << 24))
+    # each block's MLP a tile of this many tokens at a time, each tile recomputed in backward: its wide
+    # intermediates (8 x d_model per token in the builtin GPT) exist one tile at a time; 0: untiled. Costs the
+    # MLP's forward once more per step.
+    mlp_tile: int = field(default=0, metadata=_rng(0, 1 << 24))
     # torch.compile each repeated block (the blocks stage 3 gathers: a ModuleList's layers, HF decoder layers,
     # zero.block_classes) on its own, regional compilation as torchtitan does: the engine's hooks stay eager
     # around them. Costs the first step its compile time (tens of seconds per block class on a CPU).

@@ -5,7 +5,11 @@ Part of the memory arithmetic (zoff.planning.memory re-exports it); no process g
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 from torch import nn
@@ -25,7 +29,7 @@ class Activations:
 
 def gpt_activations(
     m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, device_type: str = "cuda",
-    loss_tile: int = 0, offload: bool = False,
+    loss_tile: int = 0, offload: bool = False, mlp_tile: int = 0,
 ) -> Activations:  # fmt: skip
     """Bytes the builtin GPT saves for backward, op by op (per token, d = d_model, e = compute bytes):
 
@@ -52,6 +56,11 @@ def gpt_activations(
     With `offload` (train.activation_offload, with checkpointing) the blocks' inputs (d per token each) are
     in host memory (`host`) and none stays on the device after the forward; backward holds two at a time there
     (the block recomputing and the one fetched ahead of it).
+
+    With `mlp_tile` (train.mlp_tile) the MLP keeps nothing of its own (its fc output and GELU output, 8d, go),
+    and backward recomputes one tile at a time: that tile's 8d and their gradients (16d per token of the
+    tile) instead of the whole MLP's gradients. (This moment is read from the code, not yet measured on a
+    GPU as the others were.)
     """
     e = DTYPES[precision].itemsize
     stat = 4 if device_type == "cuda" else e
@@ -61,7 +70,7 @@ def gpt_activations(
     # score, and fp32 copies of q, k, v in place of the 16-bit qkv output.
     math_attn = device_type == "cpu" and m.dropout > 0
     attn = 12 * m.n_head * seq + 3 * d * (4 - e) if math_attn else 4 * m.n_head
-    block = 16 * d * e + 4 * stat + attn + 2 * d * mask
+    block = (8 if mlp_tile else 16) * d * e + 4 * stat + attn + 2 * d * mask
     logits = 0 if loss_tile else 4 * m.vocab_size
     tail = 2 * d * e + 2 * stat + logits + 8 + 8 + d * mask  # + the input ids
     fixed = 8 * seq + (0 if loss_tile else 4)  # position ids and the scalar loss (a tiled one saves none)
@@ -72,7 +81,11 @@ def gpt_activations(
         loss_moment = min(loss_tile, tokens) * m.vocab_size * 12 + m.vocab_size * d * e + tokens * d * e
     else:
         loss_moment = tokens * m.vocab_size * 8
-    block_moment = tokens * 6 * d * e + 4 * d * d * e + (tokens * (block - d * e) if checkpointing else 0)
+    if mlp_tile:  # the block's input gradients, one MLP tile's recompute and gradients
+        grads = tokens * 2 * d * e + min(mlp_tile, tokens) * 16 * d * e
+    else:
+        grads = tokens * 6 * d * e
+    block_moment = grads + 4 * d * d * e + (tokens * (block - d * e) if checkpointing else 0)
     if offload:
         block_moment += 2 * tokens * d * e
     peak = saved + max(loss_moment, block_moment)
@@ -99,7 +112,7 @@ def saved_bytes(model: nn.Module, fn) -> int:
 
 
 def probe_activations(
-    m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool
+    m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, mlp_tile: int = 0
 ) -> Activations:
     """Any model: forward + loss on the meta device at batch 1 and 2 and the real sequence length.
 
@@ -109,6 +122,10 @@ def probe_activations(
     """
 
     model = meta_model(m).to(DTYPES[precision]).train()
+    if mlp_tile:  # as the run tiles them (models/tiling.py): the tiles' checkpoints keep nothing
+        from zoff.models.tiling import tile_mlps
+
+        tile_mlps(model, mlp_tile)
     switch = hasattr(model, "activation_checkpointing")
     if switch:
         model.activation_checkpointing = checkpointing
@@ -127,7 +144,8 @@ def probe_activations(
         return saved_bytes(model, forward)
 
     try:
-        one, two = probe(1), probe(2)
+        with _mask_checks_skipped():
+            one, two = probe(1), probe(2)
     except Exception as e:  # data-dependent ops cannot run on meta: say so instead of guessing
         return Activations(0, 0, f"not available: the meta-device probe failed ({type(e).__name__}: {e})")
     how = f"measured: meta-device forward at batch 1 and 2 x seq {seq}, scaled to batch {batch}"
@@ -138,13 +156,27 @@ def probe_activations(
     return Activations(total, total + batch * seq * vocab * 8, how)
 
 
+@contextlib.contextmanager
+def _mask_checks_skipped() -> Iterator[None]:
+    """transformers (5.x) builds its attention masks with data-dependent shortcuts (`.all()` of a mask, read
+    on the host), which a meta tensor cannot answer; it skips them while tracing, so the probe says it is
+    tracing. The mask is then built in full, as a traced model's is: the probe counts it (an over-estimate,
+    the safe side). Without this every transformers model's probe failed and its activations counted 0."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "is_tracing"):
+        yield
+        return
+    with mock.patch.object(masking, "is_tracing", lambda *args, **kwargs: True):
+        yield
+
+
 def activations(
     m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda",
-    loss_tile: int = 0, offload: bool = False,
+    loss_tile: int = 0, offload: bool = False, mlp_tile: int = 0,
 ) -> Activations:  # fmt: skip
     """The builtin GPT's closed form; other models' meta-device probe (which does not model `offload`)."""
     if has_analytic_activations(m):
         return gpt_activations(
-            m, d.batch_size, d.seq_len, precision, checkpointing, device_type, loss_tile, offload
+            m, d.batch_size, d.seq_len, precision, checkpointing, device_type, loss_tile, offload, mlp_tile
         )
-    return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing)
+    return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing, mlp_tile)

@@ -240,7 +240,14 @@ def estimate(
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
     acts = {
         ac: activations(
-            model_cfg, data_cfg, precision, ac, device_type, train_cfg.loss_tile, train_cfg.activation_offload
+            model_cfg,
+            data_cfg,
+            precision,
+            ac,
+            device_type,
+            train_cfg.loss_tile,
+            train_cfg.activation_offload,
+            train_cfg.mlp_tile,
         )
         for ac in (False, True)
     }

@@ -26,6 +26,7 @@ from zoff.models import (
     model_flops_per_token,
 )
 from zoff.models.packing import packs_examples
+from zoff.models.tiling import tile_mlps
 from zoff.models.twin import base_of
 from zoff.trainer.compile import CompiledBlocks, compile_blocks, compile_seconds
 from zoff.trainer.loop import train_loop
@@ -55,6 +56,11 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     if cfg.train.activation_checkpointing:
         offload = ActivationOffload(device) if cfg.train.activation_offload else None
         enable_activation_checkpointing(model, offload.checkpoint if offload else None)
+    if cfg.train.mlp_tile and not tile_mlps(model, cfg.train.mlp_tile):
+        raise UserError(
+            f"train.mlp_tile: {type(model).__name__} has no MLP to tile (a module named mlp whose class ends in "
+            "MLP, or one whose class sets zoff_sequence_wise = True); set the key to 0"
+        )
     accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
     engine = build_engine(
         model,

@@ -210,3 +210,25 @@ def test_concurrent_loaders_on_one_machine_tokenize_once(tmp_path):
     assert len(builds(tmp_path)) == 1
     assert len({(tmp_path / f"{i}.txt").read_text() for i in range(3)}) == 1
     assert not [p for p in (tmp_path / "cache" / "tokens").iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("val_fraction", [0.05, 0.0])
+def test_synthetic_tokens_too_few_for_a_window_of_each_split_is_one_line(val_fraction: float) -> None:
+    """The val split must hold a window too (the final evaluation reads it): once an IndexError after the
+    whole run had trained. The error names the key and the smallest count that works, and that count works."""
+    from zoff.data import preflight
+
+    cfg = lambda n: config_from_dict(  # noqa: E731
+        {"model": {"name": "gpt", "seq_len": 1024},
+         "data": {"name": "synthetic", "seq_len": 1024, "synthetic_tokens": n, "val_fraction": val_fraction}}
+    ).data  # fmt: skip
+    with pytest.raises(UserError) as e:
+        preflight(cfg(2000))
+    msg = str(e.value)
+    assert msg.startswith("data.synthetic_tokens: 2,000 tokens split into") and "data.seq_len 1024" in msg
+    least = int(msg.rsplit("at least ", 1)[1].replace(",", ""))
+    preflight(cfg(least))
+    corpus = load_corpus(cfg(least), 0)
+    assert min(len(corpus.train), len(corpus.val)) >= 1025
+    with pytest.raises(UserError, match="data.synthetic_tokens"):
+        preflight(cfg(least - 1))

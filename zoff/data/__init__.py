@@ -15,7 +15,7 @@ import glob
 import os
 import sysconfig
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,7 +39,9 @@ class Corpus:
 
 
 def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
+    need = cfg.seq_len + 1  # one window of each split (the final evaluation reads the val split too)
     if cfg.name == "synthetic":
+        _check_synthetic_size(cfg)
         return _synthetic(cfg, seed)
     tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision)
     files, what = _source_files(cfg)
@@ -51,7 +53,6 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     root = cache_root(cfg.cache_dir)
     docs = lambda: _split(_capped(_documents(cfg, files), cfg.max_bytes), cfg.val_fraction)  # noqa: E731
     got = cached_corpus(root, cache_key(parts), tok, docs, cfg.val_fraction, what)
-    need = cfg.seq_len + 1
     if len(got.train) < need or len(got.val) < need:
         raise UserError(
             f"data: {what} hold too little text for data.seq_len {cfg.seq_len} "
@@ -88,6 +89,36 @@ def preflight(cfg: DataConfig, pack: bool = False) -> None:
         return
     if cfg.name != "synthetic":
         load_corpus(cfg, 0)
+    else:  # (generating it costs a Python loop over every token: its sizes are known without)
+        _check_synthetic_size(cfg)
+
+
+def _synthetic_cut(cfg: DataConfig) -> int:
+    """Where the synthetic stream splits into train and val (tokens before the cut train)."""
+    n = cfg.synthetic_tokens
+    return int(n * (1 - cfg.val_fraction)) if cfg.val_fraction > 0 else n - cfg.seq_len - 1
+
+
+def _check_synthetic_size(cfg: DataConfig) -> None:
+    """Each split holds a window of data.seq_len + 1 tokens, or one line naming the key (the run would
+    otherwise train and fail in its final evaluation)."""
+    need = cfg.seq_len + 1
+
+    def splits(n: int) -> tuple[int, int]:
+        cut = _synthetic_cut(replace(cfg, synthetic_tokens=n))
+        return cut, n - cut
+
+    train, val = splits(cfg.synthetic_tokens)
+    if train < need or val < need:
+        share = min(cfg.val_fraction, 1 - cfg.val_fraction)
+        least = 2 * need if share <= 0 else int((need - 1) / share)  # a lower bound: the cut rounds down
+        while min(splits(least)) < need:
+            least += 1
+        raise UserError(
+            f"data.synthetic_tokens: {cfg.synthetic_tokens:,} tokens split into {max(train, 0):,} train / "
+            f"{val:,} val, too few for data.seq_len {cfg.seq_len} (each split needs {need:,}); set "
+            f"data.synthetic_tokens to at least {least:,}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -286,7 +317,7 @@ def _synthetic(cfg: DataConfig, seed: int) -> Corpus:
     toks[0] = 0
     for i in range(1, n):  # a python loop over 2e5 items costs ~0.2 s, once
         toks[i] = nxt[toks[i - 1], choice[i]]
-    cut = int(n * (1 - cfg.val_fraction)) if cfg.val_fraction > 0 else n - cfg.seq_len - 1
+    cut = _synthetic_cut(cfg)
     return Corpus(
         toks[:cut].to(torch.uint8), toks[cut:].to(torch.uint8), f"synthetic Markov bytes: {n:,} tokens"
     )

@@ -38,3 +38,29 @@ def test_train_with_zero_auto_runs_the_chosen_policy(tmp_path: Path) -> None:
 def test_zero_auto_is_a_config_value() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["zero=auto"])
     assert cfg.zero.auto and cfg.zero.recipe is None
+
+
+def test_zero_auto_keeps_block_inputs_in_host_memory_when_nothing_fits_without(monkeypatch) -> None:
+    """configs/gpt-7b.yaml at 64K tokens (one sequence, tiled loss) on one 24 GiB GPU with 256 GiB of RAM: no
+    policy fits with the inputs of checkpointed blocks on the GPU; with train.activation_offload (bit for bit
+    the same results) zero3-offload does, and auto says so. Where even that does not fit, the first error."""
+    from zoff.errors import UserError
+    from zoff.planning import estimate as E
+    from zoff.planning.memory import Budget
+
+    gib = 2**30
+    box = Budget(24 * gib, 256 * gib)
+    monkeypatch.setattr(E, "detect_budget", lambda gpu, cpu: (box, "cuda"))
+    overrides = ["zero=auto", "data.batch_size=1", "model.seq_len=65536", "data.seq_len=65536",
+                 "train.loss_tile=4096", "launch.nproc_per_node=1"]  # fmt: skip
+    cfg = load_config(REPO / "configs" / "gpt-7b.yaml", overrides)
+    with pytest.raises(UserError):
+        resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 1, box.gpu, box.cpu)
+    chosen, why = E.choose_policy(cfg)
+    assert chosen.train.activation_offload and chosen.train.activation_checkpointing
+    assert (chosen.zero.stage, chosen.zero.offload_param.device) == (3, "cpu")
+    assert "with its inputs in host memory (train.activation_offload: nothing fits without)" in why
+    too_long = load_config(REPO / "configs" / "gpt-7b.yaml", [*overrides[:2], "model.seq_len=262144",
+                                                              "data.seq_len=262144", *overrides[4:]])  # fmt: skip
+    with pytest.raises(UserError, match="zero: auto: "):
+        E.choose_policy(too_long)

@@ -366,10 +366,27 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
     budget, device_type = detect_budget(None, None)
     local = cfg.launch.nproc_per_node
     world = cfg.launch.min_world
-    stage, opt_dev, param_dev, ckpt, reason = resolve_auto(
-        cfg.model, cfg.data, cfg.train, cfg.zero, world, budget.gpu, budget.cpu,
-        local_ranks=local, shared=budget.shared, device_type=device_type,
-    )  # fmt: skip
+
+    def resolve(train: TrainConfig) -> tuple[int, str, str, bool, str]:
+        return resolve_auto(
+            cfg.model, cfg.data, train, cfg.zero, world, budget.gpu, budget.cpu,
+            local_ranks=local, shared=budget.shared, device_type=device_type,
+        )  # fmt: skip
+
+    offload = cfg.train.activation_offload
+    try:
+        stage, opt_dev, param_dev, ckpt, reason = resolve(cfg.train)
+    except UserError as nothing_fits:
+        # Nothing fits: with the checkpointed blocks' inputs in host memory, which changes no result (bit for
+        # bit), something may. The tiles change the order of some sums, so they stay the user's choice.
+        if offload or device_type != "cuda":  # (on a CPU-only host it moves bytes within the same memory)
+            raise
+        offloaded = dataclasses.replace(cfg.train, activation_checkpointing=True, activation_offload=True)
+        try:
+            stage, opt_dev, param_dev, ckpt, reason = resolve(offloaded)
+        except UserError:
+            raise nothing_fits from None
+        offload = True
     z = cfg.zero
     zero = dataclasses.replace(
         z, auto=False, recipe=None, stage=stage,
@@ -377,10 +394,14 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
         offload_param=dataclasses.replace(z.offload_param, device=param_dev),
     )  # fmt: skip
     train = dataclasses.replace(
-        cfg.train, activation_checkpointing=ckpt or cfg.train.activation_checkpointing
-    )
+        cfg.train, activation_checkpointing=ckpt or cfg.train.activation_checkpointing,
+        activation_offload=offload,
+    )  # fmt: skip
+    switched = offload and not cfg.train.activation_offload
     why = (
         f"zoff: zero: auto chose stage {stage}, offload optimizer {opt_dev}, params {param_dev}"
-        f"{', activation checkpointing' if ckpt else ''}: {reason}"
+        f"{', activation checkpointing' if ckpt else ''}"
+        f"{' with its inputs in host memory (train.activation_offload: nothing fits without)' if switched else ''}"
+        f": {reason}"
     )
     return dataclasses.replace(cfg, zero=zero, train=train), why

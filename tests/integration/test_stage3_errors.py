@@ -44,40 +44,26 @@ class ReadsBlockWeightOutside(nn.Module):
 
 
 class RankDependentBlocks(nn.Module):
-    """Rank 0 runs block 1 twice and never block 2; rank 1 runs each once: same number of gathers, wrong pairs."""
+    """Three blocks run in the order `rank0` names on rank 0 and 0, 1, 2 elsewhere. [0, 1, 1]: rank 0 runs
+    block 1 twice and never block 2 (same number of gathers, wrong pairs); [0, 1]: rank 0's forward ends
+    without block 2."""
 
-    def __init__(self, vocab: int, d: int):
+    def __init__(self, vocab: int, d: int, rank0: tuple[int, ...]):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
         self.head = nn.Linear(d, vocab)
+        self.rank0 = rank0
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.emb(idx)
-        order = [0, 1, 1] if os.environ.get("RANK") == "0" else [0, 1, 2]
-        for i in order:
+        for i in self.rank0 if os.environ.get("RANK") == "0" else (0, 1, 2):
             h = h + torch.tanh(self.blocks[i](h))
         return self.head(h)
 
 
-class RankSkipsLastBlock(nn.Module):
-    """Rank 0 never runs block 2 (its forward ends after block 1); the other ranks run all three."""
-
-    def __init__(self, vocab: int, d: int):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.emb(idx)
-        for block in self.blocks[:2] if os.environ.get("RANK") == "0" else self.blocks:
-            h = h + torch.tanh(block(h))
-        return self.head(h)
-
-
 def skips_last(cfg) -> nn.Module:
-    return RankSkipsLastBlock(int(cfg.vocab_size), int(cfg.d_model))
+    return RankDependentBlocks(int(cfg.vocab_size), int(cfg.d_model), (0, 1))
 
 
 def reads_outside(cfg) -> nn.Module:
@@ -85,7 +71,7 @@ def reads_outside(cfg) -> nn.Module:
 
 
 def rank_dependent(cfg) -> nn.Module:
-    return RankDependentBlocks(int(cfg.vocab_size), int(cfg.d_model))
+    return RankDependentBlocks(int(cfg.vocab_size), int(cfg.d_model), (0, 1, 1))
 
 
 def _train(rank: int, world: int, cfg_dict: dict, side_checks: bool = False) -> str:
@@ -148,7 +134,7 @@ def test_a_block_one_rank_never_runs_is_named_on_every_rank(side_checks: bool) -
     it: all three name the block and rank 0, instead of waiting for a gather that never comes."""
     got = spawn(_train, 3, _cfg("skips_last", 3), side_checks)
     fix = (
-        "gather the whole model as one unit, which every rank runs: zero.block_classes: [RankSkipsLastBlock]"
+        "gather the whole model as one unit, which every rank runs: zero.block_classes: [RankDependentBlocks]"
     )
     for r, message in enumerate(got):
         ran_on = "[12]" if r == 0 else str(r)

@@ -180,8 +180,7 @@ def to_json(cap: Capacity) -> dict:
         "seq_len": cap.seq_len,
         "batch_size": cap.data.batch_size,
         "grad_accum": cap.train.grad_accum,
-        "memory": {"gpu_bytes": b.gpu, "cpu_bytes": b.cpu, "disk_bytes": b.disk, "shared": b.shared,
-                   "gpu_source": b.gpu_source, "cpu_source": b.cpu_source, "disk_source": cap.disk_source},
+        "memory": memory_json(b, cap.disk_source),
         "ladder": [{**dataclasses.asdict(r), "vocab_size": VOCAB, "tie_embeddings": False} for r in cap.ladder],
         "policies": [
             {**a.policy.to_dict(), "name": a.policy.name, "label": row_label(a.policy),
@@ -190,6 +189,25 @@ def to_json(cap: Capacity) -> dict:
             for a in cap.answers
         ],
     }  # fmt: skip
+
+
+def memory_json(b: Budget, disk_source: str) -> dict:
+    """The box a capacity table was answered for (--max-model's, --max-context's)."""
+    return {
+        "gpu_bytes": b.gpu, "cpu_bytes": b.cpu, "disk_bytes": b.disk, "shared": b.shared,
+        "gpu_source": b.gpu_source, "cpu_source": b.cpu_source, "disk_source": disk_source,
+    }  # fmt: skip
+
+
+def memory_line(b: Budget, disk_source: str) -> str:
+    """The box in words, under a capacity table."""
+    memory = (
+        f"the host's {human(b.cpu)}, shared by the ranks and the offloaded states ({b.gpu_source})"
+        if b.shared
+        else f"{human(b.gpu)} per GPU ({b.gpu_source}), {human(b.cpu)} CPU per node ({b.cpu_source})"
+    )
+    disk = f"{human(b.disk)} disk per node ({disk_source})" if b.disk else "no disk tier"
+    return f"memory: {memory}; {disk}"
 
 
 def _next_text(a: Answer, budget: Budget) -> str:
@@ -233,14 +251,8 @@ def render(cap: Capacity) -> None:
             human(pe.disk * pe.local_ranks) if pe.disk else "-", _next_text(a, b),
         )  # fmt: skip
     console.print(table)
-    memory = (
-        f"the host's {human(b.cpu)}, shared by the ranks and the offloaded states ({b.gpu_source})"
-        if b.shared
-        else f"{human(b.gpu)} per GPU ({b.gpu_source}), {human(b.cpu)} CPU per node ({b.cpu_source})"
-    )
-    disk = f"{human(b.disk)} disk per node ({cap.disk_source})" if b.disk else "no disk tier"
     lines = [
-        f"memory: {memory}; {disk}",
+        memory_line(b, cap.disk_source),
         f"ladder: {', '.join(r.label for r in cap.ladder)}: published layer x width x head counts built as the "
         f"builtin GPT (vocab {VOCAB}, untied head); from the config: context {cap.seq_len}, micro-batch "
         f"{cap.data.batch_size} x {cap.data.seq_len} tokens, grad_accum {cap.train.grad_accum}, "

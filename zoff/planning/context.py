@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.policy import Policy
-from zoff.planning.capacity import NOTE, limited_by, row_label, row_order
+from zoff.planning.capacity import NOTE, limited_by, memory_json, memory_line, row_label, row_order
 from zoff.planning.memory import Budget, Estimate, PolicyEstimate, estimate
 from zoff.units import human
 
@@ -106,8 +106,7 @@ def to_json(cap: ContextCapacity) -> dict:
         "note": NOTE,
         "model": cap.model.name, "batch_size": cap.data.batch_size, "precision": cap.train.precision,
         "loss_tile": cap.train.loss_tile, "gpus_per_node": cap.gpus_per_node, "nodes": cap.nodes,
-        "memory": {"gpu_bytes": b.gpu, "cpu_bytes": b.cpu, "disk_bytes": b.disk, "shared": b.shared,
-                   "gpu_source": b.gpu_source, "cpu_source": b.cpu_source, "disk_source": cap.disk_source},
+        "memory": memory_json(b, cap.disk_source),
         "policies": [
             {**a.policy.to_dict(), "name": a.policy.name, "label": row_label(a.policy),
              "longest": _needs(a.longest) if a.longest else None,
@@ -158,14 +157,9 @@ def render(cap: ContextCapacity) -> None:
             human(pe.disk * pe.local_ranks) if pe.disk else "-", nxt,
         )  # fmt: skip
     console.print(table)
-    memory = (
-        f"the host's {human(b.cpu)}, shared by the ranks and the offloaded states ({b.gpu_source})"
-        if b.shared
-        else f"{human(b.gpu)} per GPU ({b.gpu_source}), {human(b.cpu)} CPU per node ({b.cpu_source})"
-    )
     tile = f"loss tile {cap.train.loss_tile}" if cap.train.loss_tile else "untiled loss (train.loss_tile)"
     lines = [
-        f"memory: {memory}; " + (f"{human(b.disk)} disk per node ({cap.disk_source})" if b.disk else "no disk tier"),
+        memory_line(b, cap.disk_source),
         f"model: {cap.model.name} as configured, context (model.seq_len = data.seq_len) searched in {STEP}-token "
         f"steps up to 1M; micro-batch {cap.data.batch_size} sequence(s), {cap.train.precision}, {tile}",
         f"These are {NOTE}.",

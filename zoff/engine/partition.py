@@ -112,8 +112,10 @@ def find_blocks(model: nn.Module, classes: tuple[str, ...] = ()) -> list[str]:
     A block is a module whose class is in `classes` (zero.block_classes: the user's choice of gather unit,
     such as a MoE layer whose experts not every rank runs; the model's own class makes the whole model the
     root, gathered whole) or in HF's `_no_split_modules`, or an element of a ModuleList or
-    Sequential of two or more modules of one class (a transformer's layers). Blocks do not nest: a MoE block's expert list is
-    part of its block. Gathering a whole block (FSDP2's unit) lets any code inside its forward read any of
+    Sequential of two or more modules of one class (a transformer's layers), unless `classes` names modules
+    inside those layers: then the layers' parts of those classes are the blocks (a layer too big to gather
+    twice, gathered part by part: its other parameters, norms mostly, go with the root). Blocks do not nest: a
+    MoE block's expert list is part of its block. Gathering a whole block (FSDP2's unit) lets any code inside its forward read any of
     its parameters, a parent reading a child's weight included.
     """
     if type(model).__name__ in classes:  # the model itself: all root, gathered whole for every forward
@@ -131,7 +133,10 @@ def find_blocks(model: nn.Module, classes: tuple[str, ...] = ()) -> list[str]:
                 and len(child) >= 2
                 and len({type(c) for c in child}) == 1
             ):
-                out.extend(f"{name}.{i}" for i, _ in child.named_children())
+                if classes and any(type(m).__name__ in classes for m in child.modules()):
+                    walk(child, name)  # the user named parts of the layers (gathering below the block)
+                else:
+                    out.extend(f"{name}.{i}" for i, _ in child.named_children())
             else:
                 walk(child, name)
 

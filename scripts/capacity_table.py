@@ -30,6 +30,7 @@ BOXES = [  # (label, GPUs per node, GiB per GPU, GiB of host memory per node, di
 ]
 # The rows: the offload policies with activation checkpointing (what a large model runs with), and plain
 # ZeRO-3 as the anchor without offload.
+CONTEXT_SWITCHES = "data.batch_size=1 train.loss_tile=4096 train.mlp_tile=4096 train.activation_offload=true"
 ROWS = ("zero3", "zero2-offload", "zero3-offload-opt", "zero3-offload", "zero2-nvme", "zero3-nvme")
 
 
@@ -45,6 +46,18 @@ def compute() -> dict:
         budget = Budget(gpu_gib * GIB, cpu_gib * GIB, disk=disk)
         cap = max_model(cfg.model, cfg.data, cfg.train, cfg.zero, budget, gpus)
         boxes.append({"label": label, **to_json(cap)})
+    # The context column: the longest sequence gpt-7b (6.7B) trains at on the first box, one sequence per
+    # micro-batch with the long-sequence switches (loss and MLP tiles, activation offload; --max-context).
+    from dataclasses import replace
+
+    from zoff.planning.context import max_context
+    from zoff.planning.context import to_json as context_json
+
+    label, gpus, gpu_gib, cpu_gib, disk = BOXES[0]
+    train = replace(cfg.train, activation_checkpointing=True, activation_offload=True, loss_tile=4096,
+                    mlp_tile=4096)  # fmt: skip
+    ctx = max_context(cfg.model, replace(cfg.data, batch_size=1), train, cfg.zero,
+                      Budget(gpu_gib * GIB, cpu_gib * GIB, disk=disk), gpus)  # fmt: skip
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     return {
         "date": datetime.date.today().isoformat(),
@@ -52,6 +65,7 @@ def compute() -> dict:
         "machine": f"{platform.machine()}, {platform.system()} (estimates: no GPU involved)",
         "base_config": BASE,
         "boxes": boxes,
+        "context": {"label": label, "switches": CONTEXT_SWITCHES, **context_json(ctx)},
     }
 
 
@@ -79,6 +93,22 @@ def render(data: dict) -> str:
             no_disk = "nvme" in name and not b["memory"]["disk_bytes"]
             cells.append("- (no disk)" if no_disk else _cell(row))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ctx = data.get("context")
+    if ctx:
+        lines += ["", f"| policy (with activation checkpointing) | longest context of 6.7B on {ctx['label']} |",
+                  "|---|---|"]  # fmt: skip
+        for name in ROWS:
+            row = next(p for p in ctx["policies"] if p["name"] == name and p["activation_checkpointing"])
+            fit, nvme = row["longest"], "nvme" in name and not ctx["memory"]["disk_bytes"]
+            cell = "- (no disk)" if nvme else "none" if fit is None else (
+                f"**{fit['seq_len'] // 1024}K tokens** ({fit['gpu_bytes'] / GIB:.1f} GiB GPU, "
+                f"{fit['cpu_bytes_per_node'] / GIB:,.0f} GiB RAM)"
+            )  # fmt: skip
+            lines.append(f"| {name} | {cell} |")
+        lines += [
+            "",
+            f"The context column: `zoff estimate {data['base_config']} --max-context` with `{ctx['switches']}`.",
+        ]
     lines.append("")
     lines.append(
         f"Estimated {data['date']} at commit {data['commit']} from `{data['base_config']}`'s context, batch "

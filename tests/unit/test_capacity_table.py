@@ -37,3 +37,4 @@ def test_the_json_is_what_the_estimate_computes_now() -> None:
     want = json.loads(ct.JSON.read_text())
     got = ct.compute()
     assert [b["policies"] for b in got["boxes"]] == [b["policies"] for b in want["boxes"]]
+    assert got["context"] == want["context"]

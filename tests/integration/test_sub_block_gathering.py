@@ -35,7 +35,11 @@ def test_parts_named_in_block_classes_become_the_blocks() -> None:
     assert find_blocks(m, ()) == ["blocks.0", "blocks.1", "blocks.2"]
 
 
-@pytest.mark.parametrize("ckpt, offload", [(False, False), (True, True)], ids=["plain", "ckpt-param-offload"])
+@pytest.mark.parametrize(
+    "ckpt, offload",
+    [pytest.param(False, False, marks=pytest.mark.grid), (True, True)],
+    ids=["plain", "ckpt-param-offload"],
+)
 def test_part_by_part_gathering_equals_plain_pytorch_and_gathers_less(ckpt: bool, offload: bool) -> None:
     whole, parts = run_zoff_many([_cfg(False, ckpt, offload), _cfg(True, ckpt, offload)], 2)
     ref = reference_run(config_from_dict(_cfg(True, ckpt, offload)), 2)

@@ -162,7 +162,6 @@ def validate(
 @app.command(
     epilog=_examples(
         "zoff estimate configs/gpt-7b.yaml --gpus-per-node 1 --gpu-memory 24GiB --cpu-memory 128GiB --suggest",
-        "zoff estimate configs/gpt-70b.yaml --gpus-per-node 8 --gpu-memory 80GiB --json",
         "zoff estimate configs/gpt-7b.yaml --max-model --disk 4TB",
         "zoff estimate configs/gpt-7b.yaml --max-context --gpus-per-node 1 --gpu-memory 24GiB data.batch_size=1",
     )
@@ -255,16 +254,20 @@ def convert(
 
 @app.command(epilog=_examples("zoff doctor"))
 def doctor() -> None:
-    """Report this machine as zoff sees it: torch, devices, cores, and which CPU Adam path is active and why."""
+    """Report this machine as zoff sees it: torch against the checked range, devices, cores, and which CPU Adam
+    path is active and why."""
     import json
 
     import torch
 
     from zoff.launch import cores_available
     from zoff.optim import backend_info
+    from zoff.versions import checked_range, torch_status
 
     report = {
         "torch": torch.__version__,
+        "torch_checked": checked_range(),
+        "torch_status": torch_status(torch.__version__),
         "cuda": torch.cuda.is_available(),
         "gpus": torch.cuda.device_count(),
         "cores": cores_available(),

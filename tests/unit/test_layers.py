@@ -10,7 +10,7 @@ ZOFF = Path(__file__).resolve().parents[2] / "zoff"
 
 # Lowest first. The CLI only parses and calls; planning (the estimate) never imports the trainer.
 LAYERS = [
-    ["zoff.errors", "zoff.cache"],
+    ["zoff.errors", "zoff.cache", "zoff.versions"],
     ["zoff.units", "zoff.tensorfile", "zoff.hub"],
     ["zoff.config"],
     ["zoff.models", "zoff.data", "zoff.optim"],

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,6 +130,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.render:
         sys.exit(benchlib.print_rendered(a.out, render))
+    # A cold compile, as a user's first run has: Inductor's on-disk caches would otherwise serve the kernels a
+    # previous run built (a compile time of 0 s).
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoff-inductor-")
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+    os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
     import torch
 
     torch.set_num_threads(a.threads)

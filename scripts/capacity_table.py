@@ -23,10 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 JSON = REPO / "docs" / "results" / "capacity.json"
 BASE = "configs/gpt-7b.yaml"  # context 4096, micro-batch 1, grad_accum 4, bf16
 GIB = 2**30
-BOXES = [  # (label, GPUs per node, GiB per GPU, GiB of host memory per node, disk bytes)
-    ("1 x 24 GiB GPU, 128 GiB RAM, 4 TB NVMe", 1, 24, 128, 4 * 10**12),
-    ("1 x 80 GiB GPU, 1 TiB RAM", 1, 80, 1024, 0),
-    ("8 x 80 GiB GPUs, 2 TiB RAM", 8, 80, 2048, 0),
+BOXES = [  # (label, GPUs per node, GiB per GPU, GiB of host memory per node, disk bytes, long-sequence switches)
+    ("1 x 24 GiB GPU, 128 GiB RAM, 4 TB NVMe", 1, 24, 128, 4 * 10**12, False),
+    ("1 x 80 GiB GPU, 1 TiB RAM", 1, 80, 1024, 0, False),
+    ("8 x 80 GiB GPUs, 2 TiB RAM", 8, 80, 2048, 0, False),
+    # the largest models one 24 GiB GPU trains: with the long-sequence switches (CONTEXT_SWITCHES), and stage 3
+    # gathering the layers part by part where whole layers do not fit (memory.fit_gathering; marked *)
+    ("1 x 24 GiB GPU, 256 GiB RAM, 8 TB NVMe, tiles + activation offload", 1, 24, 256, 8 * 10**12, True),
 ]
 # The rows: the offload policies with activation checkpointing (what a large model runs with), and plain
 # ZeRO-3 as the anchor without offload.
@@ -41,11 +44,13 @@ def compute() -> dict:
     from zoff.planning.memory import Budget
 
     cfg = load_config(REPO / BASE)
+    long = load_config(REPO / BASE, CONTEXT_SWITCHES.split())
     boxes = []
-    for label, gpus, gpu_gib, cpu_gib, disk in BOXES:
+    for label, gpus, gpu_gib, cpu_gib, disk, switches in BOXES:
         budget = Budget(gpu_gib * GIB, cpu_gib * GIB, disk=disk)
-        cap = max_model(cfg.model, cfg.data, cfg.train, cfg.zero, budget, gpus)
-        boxes.append({"label": label, **to_json(cap)})
+        c = long if switches else cfg
+        cap = max_model(c.model, c.data, c.train, c.zero, budget, gpus)
+        boxes.append({"label": label, "switches": CONTEXT_SWITCHES if switches else "", **to_json(cap)})
     # The context column: the longest sequence gpt-7b (6.7B) trains at on the first box, one sequence per
     # micro-batch with the long-sequence switches (loss and MLP tiles, activation offload; --max-context).
     from dataclasses import replace
@@ -53,7 +58,7 @@ def compute() -> dict:
     from zoff.planning.context import max_context
     from zoff.planning.context import to_json as context_json
 
-    label, gpus, gpu_gib, cpu_gib, disk = BOXES[0]
+    label, gpus, gpu_gib, cpu_gib, disk, _ = BOXES[0]
     train = replace(cfg.train, activation_checkpointing=True, activation_offload=True, loss_tile=4096,
                     mlp_tile=4096)  # fmt: skip
     ctx = max_context(cfg.model, replace(cfg.data, batch_size=1), train, cfg.zero,
@@ -77,7 +82,8 @@ def _cell(policy: dict | None) -> str:
     parts = [f"{fit['gpu_bytes'] / GIB:.1f} GiB GPU", f"{fit['cpu_bytes_per_node'] / GIB:,.0f} GiB RAM"]
     if fit["disk_bytes_per_node"]:
         parts.append(f"{fit['disk_bytes_per_node'] / 10**12:.1f} TB disk")
-    return f"**{size}** ({', '.join(parts)})"
+    mark = " \\*" if fit.get("zero_changes") else ""  # gathered part by part (the table's footnote)
+    return f"**{size}**{mark} ({', '.join(parts)})"
 
 
 def render(data: dict) -> str:
@@ -93,6 +99,20 @@ def render(data: dict) -> str:
             no_disk = "nvme" in name and not b["memory"]["disk_bytes"]
             cells.append("- (no disk)" if no_disk else _cell(row))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    changes = sorted({json.dumps(p["largest"]["zero_changes"]) for b in boxes for p in b["policies"]
+                      if p["largest"] and p["largest"].get("zero_changes")})  # fmt: skip
+    switched = [b["label"] for b in boxes if b.get("switches")]
+    lines += [""] if changes or switched else []
+    if switched:
+        lines.append(
+            f"{', '.join(switched)}: with `{next(b['switches'] for b in boxes if b.get('switches'))}`."
+        )
+    if changes:
+        yaml = lambda v: f"[{', '.join(v)}]" if isinstance(v, list) else str(v).lower()  # noqa: E731
+        keys = " or ".join(
+            ", ".join(f"zero.{k}: {yaml(v)}" for k, v in json.loads(c).items()) for c in changes
+        )
+        lines.append(f"\\* whole layers do not fit; the estimate gathers them part by part: {keys}.")
     ctx = data.get("context")
     if ctx:
         lines += ["", f"| policy (with activation checkpointing) | longest context of 6.7B on {ctx['label']} |",

@@ -50,3 +50,22 @@ def test_stage3_units_gather_by_block_and_the_rest_is_the_root() -> None:
     assert owners["layers.1.experts.0.fc.weight"] == "layers.1"
     assert owners["tower.0.fc.bias"] == "tower.0"
     assert {owners[n] for n in ("emb.weight", "mlp.0.weight", "head.weight")} == {""}
+
+
+def test_classes_naming_parts_of_the_layers_pick_parts_inside_the_layers_only() -> None:
+    """["Linear"] gathers each linear of the layers part by part; the head and the non-repeated Sequential,
+    Linear too, stay in the root (a tiled loss reads the head's weight outside any call of it)."""
+    assert find_blocks(Model(), ("Linear",)) == [
+        *(f"layers.{i}.{p}" for i in range(3) for p in ("router", "experts.0.fc", "experts.1.fc")),
+        "tower.0.fc", "tower.1.fc",
+    ]  # fmt: skip
+
+
+def test_named_parts_go_below_hf_no_split_layers() -> None:
+    """transformers' _no_split_modules names the decoder layer; parts named in zero.block_classes still split it."""
+    model = Model()
+    model._no_split_modules = ["MoELayer"]
+    assert find_blocks(model) == ["layers.0", "layers.1", "layers.2", "tower.0", "tower.1"]
+    assert find_blocks(model, ("Expert",)) == [
+        *(f"layers.{i}.experts.{e}" for i in range(3) for e in range(2)), "tower.0", "tower.1",
+    ]  # fmt: skip

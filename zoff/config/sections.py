@@ -183,6 +183,9 @@ class ZeroConfig:
     # Stage 3 gathers each block whole (its units together): by default the repeated layers (and HF's _no_split_modules). Module
     # classes named here are blocks too, gathered whole whenever they run: name the layer that holds
     # data-dependent parts (a MoE layer whose experts some rank's tokens skip) so every rank gathers them.
+    # Classes of parts inside the layers gather the layers part by part, for layers too big to hold twice
+    # ([CausalSelfAttention, MLP], or [Linear] for each linear alone); `zoff estimate` and `zero: auto` choose
+    # that by themselves where whole layers do not fit.
     block_classes: list[str] = field(default_factory=list)
 
 

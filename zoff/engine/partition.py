@@ -114,33 +114,64 @@ def find_blocks(model: nn.Module, classes: tuple[str, ...] = ()) -> list[str]:
     root, gathered whole) or in HF's `_no_split_modules`, or an element of a ModuleList or
     Sequential of two or more modules of one class (a transformer's layers), unless `classes` names modules
     inside those layers: then the layers' parts of those classes are the blocks (a layer too big to gather
-    twice, gathered part by part: its other parameters, norms mostly, go with the root). Blocks do not nest: a
-    MoE block's expert list is part of its block. Gathering a whole block (FSDP2's unit) lets any code inside its forward read any of
-    its parameters, a parent reading a child's weight included.
+    twice, gathered part by part: its other parameters, norms mostly, go with the root), and a class named
+    for the layers' parts picks nothing outside them (["Linear"] gathers each linear of the layers, not the
+    output head, which the loss may read outside any call of it). Blocks do not nest: a MoE block's expert
+    list is part of its block. Gathering a whole block (FSDP2's unit) lets any code inside its forward read
+    any of its parameters, a parent reading a child's weight included.
     """
     if type(model).__name__ in classes:  # the model itself: all root, gathered whole for every forward
         return []
-    no_split = set(getattr(model, "_no_split_modules", None) or ()) | set(classes)
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    lists = layer_lists(model)
+    # the classes found inside the layers (the layers' own excluded): naming one gathers the layers part by part
+    inner = {
+        type(m).__name__ for layers in lists for layer in layers for m in layer.modules() if m is not layer
+    }
+    part_classes = set(classes) & inner
     out: list[str] = []
 
-    def walk(module: nn.Module, prefix: str) -> None:
+    def walk(module: nn.Module, prefix: str, in_layers: bool) -> None:
         for child_name, child in module.named_children():
             name = f"{prefix}.{child_name}" if prefix else child_name
-            if type(child).__name__ in no_split:
-                out.append(name)
-            elif (
-                isinstance(child, nn.ModuleList | nn.Sequential)
-                and len(child) >= 2
-                and len({type(c) for c in child}) == 1
+            kind = type(child).__name__
+            if in_layers:  # inside layers gathered part by part: only the named parts are blocks
+                if kind in part_classes:
+                    out.append(name)
+                else:
+                    walk(child, name, True)
+            elif kind in (no_split | set(classes)) - part_classes and not (
+                kind in no_split and any(type(m).__name__ in part_classes for m in child.modules())
             ):
-                if classes and any(type(m).__name__ in classes for m in child.modules()):
-                    walk(child, name)  # the user named parts of the layers (gathering below the block)
+                out.append(name)
+            elif any(child is layers for layers in lists):
+                if any(type(m).__name__ in part_classes for m in child.modules()):
+                    walk(child, name, True)  # the user named parts of the layers (gathering below the block)
                 else:
                     out.extend(f"{name}.{i}" for i, _ in child.named_children())
             else:
-                walk(child, name)
+                walk(child, name, False)
 
-    walk(model, "")
+    walk(model, "", False)
+    return out
+
+
+def _is_layer_list(m: nn.Module) -> bool:
+    return isinstance(m, nn.ModuleList | nn.Sequential) and len(m) >= 2 and len({type(c) for c in m}) == 1
+
+
+def layer_lists(model: nn.Module) -> list[nn.Module]:
+    """The outermost lists of two or more modules of one class (a transformer's layers)."""
+    out: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if _is_layer_list(child):
+                out.append(child)
+            else:
+                walk(child)
+
+    walk(model)
     return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.policy import POLICIES, Policy
-from zoff.planning.memory import Budget, Estimate, PolicyEstimate, estimate
+from zoff.planning.memory import Budget, Estimate, PolicyEstimate, changes_text, estimate, fit_gathering
 from zoff.units import human
 
 VOCAB = 32_000  # a Llama-style tokenizer: the rungs differ only in depth and width
@@ -99,7 +99,7 @@ def max_model(
     *,
     disk_source: str = "given",
     ladder: tuple[Rung, ...] = LADDER,
-    memo: dict[tuple[str, int], Estimate] | None = None,
+    memo: dict[tuple, Estimate] | None = None,
 ) -> Capacity:
     """Per policy, the largest rung whose estimate fits `budget`, and the rung above it.
 
@@ -112,12 +112,18 @@ def max_model(
     found: dict[Policy, Fit] = {}
     above: dict[Policy, Fit] = {}  # the smallest rung seen so far that does not fit
     for rung in reversed(ladder):
-        key = (rung.label, budget.cpu)
-        if key not in memo:
-            memo[key] = estimate(
-                rung_model(model, rung), data, train, zero, gpus_per_node, nodes, device_type, budget.cpu
-            )
-        est = memo[key]
+        m = rung_model(model, rung)
+
+        def at(z: ZeroConfig, m=m, label=rung.label) -> Estimate:
+            # (the configured zero section: the key the memo's callers give; fit_gathering's changes added)
+            key = (label, budget.cpu, *z.block_classes, z.overlap_comm)[: 2 if z == zero else None]
+            if key not in memo:
+                memo[key] = estimate(m, data, train, z, gpus_per_node, nodes, device_type, budget.cpu)
+            return memo[key]
+
+        est = fit_gathering(
+            at(zero), budget, m, zero, at
+        )  # stage 3 part by part where whole layers do not fit
         for pe in est.policies:
             if pe.policy in found:
                 continue
@@ -165,6 +171,7 @@ def _needs(fit: Fit) -> dict:
         "model": r.label, "shape_of": r.shape_of, "n_layer": r.n_layer, "n_head": r.n_head,
         "d_model": r.d_model, "params": fit.params, "gpu_bytes": pe.gpu_bytes,
         "cpu_bytes_per_node": pe.cpu_bytes_per_node, "disk_bytes_per_node": pe.disk * pe.local_ranks,
+        "zero_changes": {k: list(v) if isinstance(v, tuple) else v for k, v in pe.zero_changes},  # fit_gathering
     }  # fmt: skip
 
 
@@ -226,6 +233,16 @@ def _next_text(a: Answer, budget: Budget) -> str:
     return f"{a.next.rung.label}: {over}"
 
 
+def _parts_line(cap: Capacity) -> list[str]:
+    changes = sorted(
+        {pe.zero_changes for a in cap.answers if a.largest for pe in [a.largest.pe] if pe.zero_changes}
+    )
+    if not changes:
+        return []
+    which = " or ".join(changes_text(c) for c in changes)
+    return [f"*: stage 3 with its layers gathered part by part ({which}): whole layers do not fit"]
+
+
 def render(cap: Capacity) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -246,7 +263,7 @@ def render(cap: Capacity) -> None:
             continue
         f, pe = a.largest, a.largest.pe
         table.add_row(
-            row_label(a.policy), f"{f.rung.label} ({f.rung.n_layer} x {f.rung.d_model})",
+            row_label(a.policy), f"{f.rung.label} ({f.rung.n_layer} x {f.rung.d_model}){' *' if pe.zero_changes else ''}",
             f"{f.params / 1e9:,.2f}B", human(pe.gpu_bytes), human(pe.cpu_bytes_per_node),
             human(pe.disk * pe.local_ranks) if pe.disk else "-", _next_text(a, b),
         )  # fmt: skip
@@ -258,6 +275,7 @@ def render(cap: Capacity) -> None:
         f"{cap.data.batch_size} x {cap.data.seq_len} tokens, grad_accum {cap.train.grad_accum}, "
         f"{cap.train.precision}",
         *([] if b.disk else ["nvme policies: no disk tier; pass --disk SIZE (or create zero.offload_optimizer.nvme_path)"]),
+        *_parts_line(cap),
         f"These are {NOTE}.",
     ]  # fmt: skip
     for line in lines:

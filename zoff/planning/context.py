@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.policy import Policy
 from zoff.planning.capacity import NOTE, limited_by, memory_json, memory_line, row_label, row_order
-from zoff.planning.memory import Budget, Estimate, PolicyEstimate, estimate
+from zoff.planning.memory import Budget, Estimate, PolicyEstimate, changes_text, estimate, fit_gathering
 from zoff.units import human
 
 STEP = 1024  # the answer's granularity, in tokens
@@ -68,7 +68,11 @@ def max_context(
         if seq not in memo:
             m = dataclasses.replace(model, seq_len=seq)
             d = dataclasses.replace(data, seq_len=seq)
-            memo[seq] = estimate(m, d, train, zero, gpus_per_node, nodes, device_type, budget.cpu)
+
+            def at(z: ZeroConfig, m=m, d=d) -> Estimate:
+                return estimate(m, d, train, z, gpus_per_node, nodes, device_type, budget.cpu)
+
+            memo[seq] = fit_gathering(at(zero), budget, m, zero, at)  # stage 3 part by part where needed
         return {pe.policy: pe for pe in memo[seq].policies}
 
     answers = []
@@ -97,6 +101,7 @@ def _needs(fit: ContextFit) -> dict:
     return {
         "seq_len": fit.seq_len, "gpu_bytes": pe.gpu_bytes, "activation_bytes": pe.gpu.get("activations", 0),
         "cpu_bytes_per_node": pe.cpu_bytes_per_node, "disk_bytes_per_node": pe.disk * pe.local_ranks,
+        "zero_changes": {k: list(v) if isinstance(v, tuple) else v for k, v in pe.zero_changes},  # fit_gathering
     }  # fmt: skip
 
 
@@ -152,7 +157,7 @@ def render(cap: ContextCapacity) -> None:
             continue
         pe = a.longest.pe
         table.add_row(
-            row_label(a.policy), _tokens(a.longest.seq_len), human(pe.gpu_bytes),
+            row_label(a.policy), _tokens(a.longest.seq_len) + (" *" if pe.zero_changes else ""), human(pe.gpu_bytes),
             human(pe.gpu.get("activations", 0)), human(pe.cpu_bytes_per_node),
             human(pe.disk * pe.local_ranks) if pe.disk else "-", nxt,
         )  # fmt: skip
@@ -162,6 +167,9 @@ def render(cap: ContextCapacity) -> None:
         memory_line(b, cap.disk_source),
         f"model: {cap.model.name} as configured, context (model.seq_len = data.seq_len) searched in {STEP}-token "
         f"steps up to 1M; micro-batch {cap.data.batch_size} sequence(s), {cap.train.precision}, {tile}",
+        *(["*: stage 3 with its layers gathered part by part there: " + "; ".join(sorted(
+            {changes_text(a.longest.pe.zero_changes) for a in cap.answers if a.longest and a.longest.pe.zero_changes}
+        ))] if any(a.longest and a.longest.pe.zero_changes for a in cap.answers) else []),
         f"These are {NOTE}.",
     ]  # fmt: skip
     for line in lines:

@@ -24,7 +24,9 @@ from zoff.planning.memory import (
     Estimate,
     Policy,
     PolicyEstimate,
-    estimate,
+    _label,
+    changes_text,
+    estimate_to_fit,
     resolve_auto,
     suggest_policy,
     swap_free_bytes,
@@ -121,7 +123,8 @@ def to_json(
                              "state_bytes": pe.split.states_bytes, "grads_on_disk": pe.split.grads_on_disk}
              if pe.policy.offload_optimizer == "nvme" else None,
              "step_time": _step_json(steps.get(pe.policy)),
-             "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train)}
+             "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train),
+             "zero_changes": {k: list(v) if isinstance(v, tuple) else v for k, v in pe.zero_changes}}
             for pe in est.policies
         ],
     }  # fmt: skip
@@ -164,7 +167,7 @@ def render(
         fits = pe.fits(budget)
         g = pe.gpu
         table.add_row(
-            ("▶ " if configured else "  ") + pe.policy.name,
+            ("▶ " if configured else "  ") + pe.policy.name + (" *" if pe.zero_changes else ""),
             "on" if pe.policy.activation_checkpointing else "off",
             *(human(g[k]) for k in GPU_KEYS), human(pe.gpu_bytes), human(pe.cpu_bytes_per_node),
             human(pe.cpu["grads"]) if pe.cpu["grads"] else "-",
@@ -191,11 +194,25 @@ def render(
         *(f"note: {note}" for note in est.notes),
         *_disk_note(est, disk_bandwidth(zero.offload_optimizer.nvme_path)),
         *_budget_note(est),
+        *_parts_note(est),
         *(_timing_note(timing[0]) if timing else []),
         *([f"suggested: {suggestion[1]}"] if suggestion else []),
     ]
     for line in lines:
         console.print(line, soft_wrap=True)
+
+
+def _parts_text(changes: dict) -> str:
+    return f", its layers gathered part by part to fit ({changes_text(tuple(changes.items()))})"
+
+
+def _parts_note(est: Estimate) -> list[str]:
+    """The stage-3 rows that fit only with their layers gathered part by part (memory.fit_gathering)."""
+    rows = [pe for pe in est.policies if pe.zero_changes]
+    if not rows:
+        return []
+    which = "; ".join(f"{_label(pe.policy)}: {changes_text(pe.zero_changes)}" for pe in rows)
+    return [f"*: does not fit as configured; with its layers gathered part by part it does: {which}"]
 
 
 def _disk_seconds(pe: PolicyEstimate, bandwidth: tuple[float, float, str]) -> float:
@@ -320,7 +337,7 @@ def run_cli(
         )
         print(json.dumps(context.to_json(ctx), indent=2)) if as_json else context.render(ctx)
         return
-    est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type, budget.cpu)
+    est = estimate_to_fit(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type, budget)
     sug = suggest_policy(est, budget) if suggest else None
     timing = step_timing(cfg, est, gpn, _seconds(compute_s)) if timed or compute_s is not None else None
     if as_json:
@@ -367,7 +384,7 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
     local = cfg.launch.nproc_per_node
     world = cfg.launch.min_world
 
-    def resolve(train: TrainConfig) -> tuple[int, str, str, bool, str]:
+    def resolve(train: TrainConfig) -> tuple[int, str, str, bool, str, dict]:
         return resolve_auto(
             cfg.model, cfg.data, train, cfg.zero, world, budget.gpu, budget.cpu,
             local_ranks=local, shared=budget.shared, device_type=device_type,
@@ -375,7 +392,7 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
 
     offload = cfg.train.activation_offload
     try:
-        stage, opt_dev, param_dev, ckpt, reason = resolve(cfg.train)
+        stage, opt_dev, param_dev, ckpt, reason, changes = resolve(cfg.train)
     except UserError as nothing_fits:
         # Nothing fits: with the checkpointed blocks' inputs in host memory, which changes no result (bit for
         # bit), something may. The tiles change the order of some sums, so they stay the user's choice.
@@ -383,7 +400,7 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
             raise
         offloaded = dataclasses.replace(cfg.train, activation_checkpointing=True, activation_offload=True)
         try:
-            stage, opt_dev, param_dev, ckpt, reason = resolve(offloaded)
+            stage, opt_dev, param_dev, ckpt, reason, changes = resolve(offloaded)
         except UserError:
             raise nothing_fits from None
         offload = True
@@ -393,6 +410,9 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
         offload_optimizer=dataclasses.replace(z.offload_optimizer, device=opt_dev),
         offload_param=dataclasses.replace(z.offload_param, device=param_dev),
     )  # fmt: skip
+    zero = dataclasses.replace(
+        zero, **{k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()}
+    )
     train = dataclasses.replace(
         cfg.train, activation_checkpointing=ckpt or cfg.train.activation_checkpointing,
         activation_offload=offload,
@@ -402,6 +422,7 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
         f"zoff: zero: auto chose stage {stage}, offload optimizer {opt_dev}, params {param_dev}"
         f"{', activation checkpointing' if ckpt else ''}"
         f"{' with its inputs in host memory (train.activation_offload: nothing fits without)' if switched else ''}"
+        f"{_parts_text(changes) if changes else ''}"
         f": {reason}"
     )
     return dataclasses.replace(cfg, zero=zero, train=train), why

@@ -10,7 +10,9 @@ from a saved-tensor probe forward on the meta device. No process group, no real 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,11 +34,12 @@ from zoff.engine.policy import (  # the policy table and its memory terms, which
     pinned_host_bytes,
     subgroup_of,
 )
-from zoff.engine.precision import DTYPES
-from zoff.engine.reduce import MAX_IN_FLIGHT
 from zoff.errors import UserError
 from zoff.models import builds_sharded, meta_model
 from zoff.planning.activations import activations
+from zoff.planning.buffers import device_buffers, finer_gathering
+from zoff.planning.buffers import pending_gradients as pending_gradients  # (re-exported: tests read it here)
+from zoff.planning.buffers import stage3_working_set as stage3_working_set
 from zoff.units import human
 
 GPU_KEYS = ("params", "grads", "optimizer_states", "buffers", "activations")
@@ -84,6 +87,9 @@ class PolicyEstimate:
     disk_written: int = 0  # ... and writes back per step
     disk_grads: int = 0  # the part of `disk` that is the gradient shard (offload_optimizer.grad_device)
     split: DiskSplit = DiskSplit()  # nvme: what the host budget keeps in RAM (policy.disk_split)
+    # zero-section settings this stage-3 row assumes beyond the config's, where it does not fit as configured
+    # (fit_gathering): ((key, value), ...), block_classes as a tuple
+    zero_changes: tuple[tuple[str, object], ...] = ()
 
     @property
     def gpu_bytes(self) -> int:
@@ -132,84 +138,6 @@ def count_params(model: nn.Module) -> tuple[int, int, int]:
         sum(p.numel() for p in params if p.requires_grad),
         sum(p.numel() * p.element_size() for p in frozen),
     )
-
-
-def device_buffers(
-    plan: PartitionPlan,
-    policy: Policy,
-    zero: ZeroConfig,
-    precision: str,
-    device_type: str = "cuda",
-    accumulating: bool = False,
-) -> int:
-    """Transient device buffers: gradients awaiting reduction, reduce-scatter receive slices, stage 3's gathered set.
-
-    The receive slices are gloo's (collectives.py; NCCL's native reduce-scatter needs none): N-1 slices of a
-    unit's shard for stage 1 without offload (its output is its own slice of the full gradient), N-2 for
-    stages 2-3 and for stage 1 under offload, for each reduction in flight.
-    """
-    c = DTYPES[precision].itemsize
-    shards = sorted((u.shard for u in plan.units), reverse=True)
-    out = pending_gradients(plan, policy, precision, accumulating, zero.overlap_comm, device_type)
-    if device_type == "cpu":  # gloo's receive slices
-        out += c * policy.receive_slices(plan.world_size) * sum(shards[: MAX_IN_FLIGHT + 1])
-    if policy.stage == 3:
-        out += c * stage3_working_set(plan, zero)
-    return out
-
-
-def pending_gradients(
-    plan: PartitionPlan, policy: Policy, precision: str, accumulating: bool, overlap: bool,
-    device_type: str = "cuda",
-) -> int:  # fmt: skip
-    """Stage 2/3 gradient bytes waiting for their reduction (engine/reduce.py), beside the sharded accumulator
-    (and stage 1's under optimizer offload, which reduces as stage 2 does).
-
-    The unit filling plus MAX_IN_FLIGHT being reduced (one when overlap_comm is off): pooled buckets on NCCL,
-    autograd's own gradients on gloo; a reduced shard on its way into the accumulator per reduction in flight
-    when accumulating, or when the accumulator is off the device (offload on a GPU: it lands in host memory
-    or on disk through the staging); at stage 3 also most of the root unit. A unit held back by an earlier one in the
-    fixed reduction order (a parameter no data used yet) keeps its gradients until the end of backward:
-    data-dependent models can exceed this.
-    """
-    if policy.keeps_full_grads:
-        return 0
-    stage = policy.stage
-    off_device = policy.offloads_optimizer and device_type != "cpu"
-    c = DTYPES[precision].itemsize
-    n = MAX_IN_FLIGHT + 1 if overlap else 1
-    # Stage 3's root unit is reduced last, when its embeddings' gradients arrive, but an untied head's and the
-    # final norm's come first: all of the root but its largest parameter is held beside the blocks'.
-    root = [u for u in plan.units if stage == 3 and u.modules == ("",)]
-    early = sum(u.numel for u in root) - max(
-        (plan.slots[si].numel for u in root for si in u.slots), default=0
-    )
-    sizes = sorted((u.padded for u in plan.units if stage < 3 or u.modules not in (("",), ())), reverse=True)
-    # Persistent units (small parameters of every block) are reduced last too: held through backward.
-    early += sum(u.padded for u in plan.units if stage == 3 and u.persistent)
-    held = max(early + sum(sizes[:n]), sum(u.padded for u in root))
-    shards = sorted((u.shard for u in plan.units), reverse=True)
-    return c * (held + (n * shards[0] if accumulating or off_device else 0))
-
-
-def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig) -> int:
-    """Elements gathered at once in stage 3 (an upper bound; engine/gather.py).
-
-    The root unit (gathered from the start of forward to the end of backward), the block in use and the one
-    whose gradients are still arriving when the next is gathered, and prefetch: up to prefetch_bucket_size
-    ahead plus what an earlier prefetch already started (with parameters on disk, at least the next block). A recomputed block (activation checkpointing) is the
-    block in use: it gathers nothing more.
-    """
-    blocks: dict[str, int] = {}
-    for u in plan.all_units:  # a block's trainable and frozen units are gathered together
-        if not u.persistent:
-            blocks[u.modules[0]] = blocks.get(u.modules[0], 0) + u.padded
-    root = blocks.pop("", 0)
-    sizes = sorted(blocks.values(), reverse=True)
-    ahead = 2 * zero.prefetch_bucket_size
-    if zero.offload_param.device == "nvme":  # the next block is read ahead whatever the bucket size
-        ahead = max(ahead, sizes[0] if sizes else 0)
-    return root + sum(sizes[:2]) + min(ahead, sum(sizes[2:]))
 
 
 # --------------------------------------------------------------------------------------------- estimate
@@ -306,6 +234,84 @@ def estimate(
     )  # fmt: skip
 
 
+def stage3_fallbacks(model: nn.Module) -> list[dict]:
+    """zero-section changes that shrink stage 3's buffers, the cheapest first: the layers gathered part by
+    part (buffers.finer_gathering), then, per Linear, one gradient reduction in flight instead of
+    MAX_IN_FLIGHT + 1 (zero.overlap_comm: false: a layer's gradients wait for the previous reduction, so
+    backward stalls on communication; on a 16384-wide layer each reduction in flight holds 4 GiB in bf16)."""
+    ladder: list[dict] = [{"block_classes": classes} for classes in finer_gathering(model)]
+    return ladder + [{**ladder[-1], "overlap_comm": False}] if ladder else []
+
+
+def fit_gathering(
+    est: Estimate,
+    budget: Budget,
+    model_cfg: ModelConfig,
+    zero_cfg: ZeroConfig,
+    at: Callable[[ZeroConfig], Estimate],
+) -> Estimate:
+    """`est` with each stage-3 row that does not fit `budget` as configured replaced by its row under the first
+    of stage3_fallbacks that fits (the row's zero_changes say which): the estimate choosing gathering below
+    the layer where it is what makes a model fit. A zero.block_classes the config sets stands as given, and
+    overlap_comm is only ever turned off. `at(zero)`: estimate() of the config with that zero section (the
+    caller's memo).
+    """
+    missing = {pe.policy for pe in est.policies if pe.policy.stage == 3 and not pe.fits(budget)}
+    if zero_cfg.block_classes or not missing:
+        return est
+    ladder = []
+    for changes in stage3_fallbacks(meta_model(model_cfg)):
+        if changes.get("overlap_comm", True) is False and not zero_cfg.overlap_comm:
+            changes = {k: v for k, v in changes.items() if k != "overlap_comm"}
+        ladder.append(changes)
+
+    def rows(changes: dict) -> dict[Policy, PolicyEstimate]:
+        zero = dataclasses.replace(
+            zero_cfg, **{k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()}
+        )
+        return {pe.policy: pe for pe in at(zero).policies}
+
+    # The last fallback needs the least: where even it does not fit, the others are not tried (the --max-model
+    # walk meets many such rungs).
+    if not ladder or not any(pe.fits(budget) for p, pe in rows(ladder[-1]).items() if p in missing):
+        return est
+    chosen: dict[Policy, PolicyEstimate] = {}
+    for changes in ladder:
+        for p, pe in rows(changes).items():
+            if p in missing and p not in chosen and pe.fits(budget):
+                chosen[p] = dataclasses.replace(pe, zero_changes=tuple(changes.items()))
+        if len(chosen) == len(missing):
+            break
+    return dataclasses.replace(est, policies=tuple(chosen.get(pe.policy, pe) for pe in est.policies))
+
+
+def changes_text(changes: tuple[tuple[str, object], ...]) -> str:
+    """A row's zero_changes as config keys: "zero.block_classes: [Linear], zero.overlap_comm: false"."""
+
+    def value(v: object) -> str:
+        return f"[{', '.join(v)}]" if isinstance(v, tuple) else str(v).lower()
+
+    return ", ".join(f"zero.{k}: {value(v)}" for k, v in changes)
+
+
+def estimate_to_fit(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    train_cfg: TrainConfig,
+    zero_cfg: ZeroConfig,
+    gpus_per_node: int,
+    nodes: int,
+    device_type: str,
+    budget: Budget,
+) -> Estimate:
+    """estimate() on `budget`'s host memory, finer gathering chosen where whole layers do not fit (fit_gathering)."""
+
+    def at(zero: ZeroConfig) -> Estimate:
+        return estimate(model_cfg, data_cfg, train_cfg, zero, gpus_per_node, nodes, device_type, budget.cpu)
+
+    return fit_gathering(at(zero_cfg), budget, model_cfg, zero_cfg, at)
+
+
 def host_reserved(gpu: dict[str, int], cpu: dict[str, int], device_type: str) -> int:
     """A rank's host memory besides the disk tier's, which zero.offload_optimizer.host_budget holds too:
     on a CPU-only host its "device" bytes (parameters, gather buffers, activations: the host is the device),
@@ -366,8 +372,9 @@ def resolve_auto(
     local_ranks: int | None = None,
     shared: bool = False,
     device_type: str = "cuda",
-) -> tuple[int, str, str, bool, str]:
-    """`zero: auto`: (stage, offload_optimizer device, offload_param device, activation checkpointing, reason).
+) -> tuple[int, str, str, bool, str, dict]:
+    """`zero: auto`: (stage, offload_optimizer device, offload_param device, activation checkpointing, reason,
+    the zero-section changes its stage 3 needs to fit: {} for none; fit_gathering).
 
     local_ranks defaults to world (one node); shared means the ranks run on the host (no GPU) and share
     cpu_bytes. Raises UserError when nothing fits.
@@ -375,12 +382,22 @@ def resolve_auto(
     local = local_ranks or world
     if world % local:
         raise UserError(f"zero: auto: world size {world} is not a multiple of {local} ranks per node")
-    est = estimate(model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type, cpu_bytes)
-    pe, reason = suggest_policy(est, Budget(gpu_bytes, cpu_bytes, shared, disk=swap_free_bytes(zero_cfg)))
+    budget = Budget(gpu_bytes, cpu_bytes, shared, disk=swap_free_bytes(zero_cfg))
+    est = estimate_to_fit(
+        model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type, budget
+    )
+    pe, reason = suggest_policy(est, budget)
     if pe is None:
         raise UserError(f"zero: auto: {reason}")
     p = pe.policy
-    return p.stage, p.offload_optimizer, p.offload_param, p.activation_checkpointing, reason
+    return (
+        p.stage,
+        p.offload_optimizer,
+        p.offload_param,
+        p.activation_checkpointing,
+        reason,
+        dict(pe.zero_changes),
+    )
 
 
 def swap_free_bytes(zero_cfg: ZeroConfig) -> int:

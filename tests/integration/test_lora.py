@@ -129,9 +129,9 @@ def test_only_adapters_get_optimizer_state(runs, kind: str, policy: str) -> None
     assert {k: mem[k] for k in planned} == planned
 
 
-@pytest.mark.grid  # (the default suite's time budget: one process covers every stage there)
 def test_lora_on_two_ranks_at_stage3_matches_peft_reference(llama_folder) -> None:
-    """The frozen base partitioned across 2 ranks and read shard by shard; the adapters sharded too."""
+    """The frozen base partitioned across 2 ranks and read shard by shard; the adapters sharded too; two
+    micro-batches accumulated per step (tiny_cfg's grad_accum)."""
     cfgs = [_cfg("llama", p, llama_folder) for p in ("zero3", "zero3-offload")]
     ref = reference_run(config_from_dict(cfgs[0]), 2, build=peft_reference)
     ref["params"] = {k.removeprefix("base_model.model."): v for k, v in ref["params"].items()}

@@ -21,6 +21,7 @@ NAMES = (
     "bench_offload",
     "bench_checkpoint",
     "bench_nvme",
+    "bench_deepspeed",
 )
 PAGE = "docs/benchmarks.md"
 GIB = 2**30
@@ -45,9 +46,14 @@ def _adam(data: dict, n: int) -> dict:
     return next(r for r in data["results"] if r["n"] == n and r["threads"] == 2)["speedups"]
 
 
+def _rss(ds: dict, pair: str) -> str:
+    rss = ds["summary"][pair]["peak_rss_bytes"]
+    return f"{rss['zoff'] / rss['deepspeed']:.2f}x"
+
+
 def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
     """(benchmark, zoff, peer beside it, where it lives in the page, JSON name)."""
-    bm, eng, adam, off, ck, nv = (d[n] for n in NAMES)
+    bm, eng, adam, off, ck, nv, ds = (d[n] for n in NAMES)
     a16, a64 = _adam(adam, 16 << 20), _adam(adam, 64 << 20)
     cpu_vs_torch = [j["summary"]["offload_vs_stage2_optimizer"]["median"] for j in off["jobs"]]
     hidden = [j["summary"]["dpu"]["hidden_fraction"]["median"] for j in off["jobs"]]
@@ -88,6 +94,17 @@ def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
             "torch fused AdamW on the same shards (stage 2 without offload)",
             "offload-step",
             "bench_offload",
+        ),
+        (
+            f"ZeRO-3 offload step, {ds['params'] / 1e6:.0f}M GPT ({ds['config']['model']['layers']} x "
+            f"{ds['config']['model']['d_model']}), 1 rank",
+            f"CPU offload **{ds['summary']['offload']['ratio']['median']:.2f}x** DeepSpeed's step time, disk tier "
+            f"**{ds['summary']['nvme']['ratio']['median']:.2f}x**; peak RSS "
+            f"{_rss(ds, 'offload')} and {_rss(ds, 'nvme')} of DeepSpeed's",
+            f"DeepSpeed {ds['deepspeed']} ZeRO-3 with CPU / NVMe offload, same model, init and batches, run "
+            "alternately in the same job (losses agree)",
+            "against-deepspeed-zero-3-offload",
+            "bench_deepspeed",
         ),
         (
             "sharded checkpoint, 1 GB of state, 2 ranks",

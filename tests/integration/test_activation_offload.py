@@ -70,6 +70,24 @@ def test_gpt_with_offloaded_inputs_equals_checkpointing_alone_and_frees_them(mon
     assert got[0] == want[0] and torch.equal(got[1], want[1])
 
 
+def test_each_input_of_a_call_has_its_own_slot_and_an_in_place_change_is_refused() -> None:
+    """Two inputs of one checkpointed call are two handles, fetched in order; a block that changes its own
+    input in place fails with one line instead of recomputing from the changed values."""
+    offload = ActivationOffload(torch.device("cpu"))
+    a, b = (torch.randn(4, 3, requires_grad=True) for _ in range(2))
+    out = offload.checkpoint(lambda x, y: (x * y).sum(), a * 1, b * 1)
+    assert [h.index for h in offload.saved] == [0, 1]
+    out.backward()
+    assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
+
+    def in_place(x):
+        x.mul_(2)
+        return x.sum()
+
+    with pytest.raises(RuntimeError, match="changed its input in place"):
+        ActivationOffload(torch.device("cpu")).checkpoint(in_place, torch.randn(3, requires_grad=True) * 1)
+
+
 def test_the_estimate_moves_the_inputs_to_the_host() -> None:
     m = ModelConfig(name="gpt", n_layer=8, n_head=4, d_model=256, vocab_size=1000, seq_len=512)
     plain = gpt_activations(m, 2, 512, "bf16", True, "cuda", loss_tile=256)

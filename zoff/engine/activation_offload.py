@@ -35,7 +35,9 @@ class HostSaved:
 
     def __init__(self, offload: ActivationOffload, x: torch.Tensor):
         self.offload, self.index = offload, len(offload.saved)
+        offload.saved.append(self)  # (now: the next input of the same call gets the next index)
         self.device_x: torch.Tensor | None = x
+        self.version = x._version  # a block that changes its own input in place would recompute from the change
         self.shape, self.dtype, self.device, self.requires_grad = x.shape, x.dtype, x.device, x.requires_grad
         self.host: torch.Tensor | None = None
         self.fetched: torch.Tensor | None = None
@@ -44,6 +46,12 @@ class HostSaved:
     def store(self) -> None:
         """Copy to the host on the side stream; the device tensor is the allocator's again once the copy ran."""
         x, off = self.device_x, self.offload
+        if x._version != self.version:  # plain checkpoint refuses this in backward; here the copy would hide it
+            raise RuntimeError(
+                "train.activation_offload: a checkpointed block changed its input in place during its forward, "
+                "so its recompute would start from the changed values; make the op out of place or set "
+                "train.activation_offload: false"
+            )
         self.host = off.pool.take(x.numel(), x.dtype)
         with off.on_side():
             self.host.copy_(x.reshape(-1), non_blocking=off.cuda)
@@ -115,14 +123,16 @@ class ActivationOffload:
             else a
             for a in args
         ]
-        for h in handles:
-            if isinstance(h, HostSaved):
-                self.saved.append(h)
+        # torch's checkpoint saves and restores the RNG state of the devices its tensor arguments are on; with
+        # the inputs behind handles it would see none on the GPU, and a recompute's dropout would draw other
+        # masks than the forward's. An empty tensor on the inputs' device keeps the GPU's RNG state saved.
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        anchor = torch.empty(0, device=device)
 
-        def run(*inputs, **kw):
+        def run(_anchor, *inputs, **kw):
             return fn(*(a.get() if isinstance(a, HostSaved) else a for a in inputs), **kw)
 
-        out = checkpoint(run, *handles, use_reentrant=False, **kwargs)
+        out = checkpoint(run, anchor, *handles, use_reentrant=False, **kwargs)
         for h in handles:
             if isinstance(h, HostSaved):
                 h.store()

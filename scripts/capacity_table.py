@@ -99,8 +99,11 @@ def render(data: dict) -> str:
             no_disk = "nvme" in name and not b["memory"]["disk_bytes"]
             cells.append("- (no disk)" if no_disk else _cell(row))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ctx_rows = (data.get("context") or {}).get("policies", [])
     changes = sorted({json.dumps(p["largest"]["zero_changes"]) for b in boxes for p in b["policies"]
-                      if p["largest"] and p["largest"].get("zero_changes")})  # fmt: skip
+                      if p["largest"] and p["largest"].get("zero_changes")}
+                     | {json.dumps(p["longest"]["zero_changes"]) for p in ctx_rows
+                        if p["longest"] and p["longest"].get("zero_changes")})  # fmt: skip
     switched = [b["label"] for b in boxes if b.get("switches")]
     lines += [""] if changes or switched else []
     if switched:
@@ -120,8 +123,9 @@ def render(data: dict) -> str:
         for name in ROWS:
             row = next(p for p in ctx["policies"] if p["name"] == name and p["activation_checkpointing"])
             fit, nvme = row["longest"], "nvme" in name and not ctx["memory"]["disk_bytes"]
+            mark = " \\*" if fit and fit.get("zero_changes") else ""  # gathered part by part (the footnote)
             cell = "- (no disk)" if nvme else "none" if fit is None else (
-                f"**{fit['seq_len'] // 1024}K tokens** ({fit['gpu_bytes'] / GIB:.1f} GiB GPU, "
+                f"**{fit['seq_len'] // 1024}K tokens**{mark} ({fit['gpu_bytes'] / GIB:.1f} GiB GPU, "
                 f"{fit['cpu_bytes_per_node'] / GIB:,.0f} GiB RAM)"
             )  # fmt: skip
             lines.append(f"| {name} | {cell} |")

@@ -63,7 +63,7 @@ def _fitted(label: str, ladder: dict[str, M.Estimate], memo: dict, budget: M.Bud
             memo[key] = M.estimate(model, cfg.data, cfg.train, z, 1, 1, "cuda", budget.cpu)
         return memo[key]
 
-    return M.fit_gathering(ladder[label], budget, model, cfg.zero, at)
+    return M.fit_gathering(ladder[label], budget, model, cfg.zero, at, M.mlp_tiles(cfg.train, cfg.data))
 
 
 def _index(a: C.Answer) -> int:
@@ -194,7 +194,9 @@ def test_long_contexts_and_giant_layers_fit_one_24_gib_gpu(what, overrides, box,
     cfg = load_config(BASE, [*LONG, *overrides])
     at = lambda z: M.estimate(cfg.model, cfg.data, cfg.train, z, 1, 1, "cuda", box.cpu)  # noqa: E731
     plain = at(cfg.zero).get(policy)
-    pe = M.fit_gathering(at(cfg.zero), box, cfg.model, cfg.zero, at).get(policy)
+    pe = M.fit_gathering(at(cfg.zero), box, cfg.model, cfg.zero, at, M.mlp_tiles(cfg.train, cfg.data)).get(
+        policy
+    )
     assert pe.fits(box) and dict(pe.zero_changes) == changes, (what, pe.gpu_bytes / GIB)
     assert plain.fits(box) == (not changes)
     if changes:  # the same choice through the real CLI, in its JSON

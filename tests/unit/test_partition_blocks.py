@@ -69,3 +69,11 @@ def test_named_parts_go_below_hf_no_split_layers() -> None:
     assert find_blocks(model, ("Expert",)) == [
         *(f"layers.{i}.experts.{e}" for i in range(3) for e in range(2)), "tower.0", "tower.1",
     ]  # fmt: skip
+
+
+def test_a_layer_named_with_its_parts_stays_whole() -> None:
+    """The larger unit wins: naming the layer's class too (as the regather restart adds it, after a rank
+    skipped a whole layer) gathers that layer whole, parts and all."""
+    assert find_blocks(Model(), ("Linear", "MoELayer")) == [
+        "layers.0", "layers.1", "layers.2", "tower.0.fc", "tower.1.fc",
+    ]  # fmt: skip

@@ -37,7 +37,8 @@ class HostSaved:
         self.offload, self.index = offload, len(offload.saved)
         offload.saved.append(self)  # (now: the next input of the same call gets the next index)
         self.device_x: torch.Tensor | None = x
-        self.version = x._version  # a block that changes its own input in place would recompute from the change
+        # a block that changes its own input in place would recompute from the changed values
+        self.version = x._version
         self.shape, self.dtype, self.device, self.requires_grad = x.shape, x.dtype, x.device, x.requires_grad
         self.host: torch.Tensor | None = None
         self.fetched: torch.Tensor | None = None
@@ -46,7 +47,8 @@ class HostSaved:
     def store(self) -> None:
         """Copy to the host on the side stream; the device tensor is the allocator's again once the copy ran."""
         x, off = self.device_x, self.offload
-        if x._version != self.version:  # plain checkpoint refuses this in backward; here the copy would hide it
+        # (plain checkpoint refuses this in backward; here the host copy would hide it)
+        if x._version != self.version:
             raise RuntimeError(
                 "train.activation_offload: a checkpointed block changed its input in place during its forward, "
                 "so its recompute would start from the changed values; make the op out of place or set "

@@ -135,8 +135,8 @@ def find_blocks(model: nn.Module, classes: tuple[str, ...] = ()) -> list[str]:
         for child_name, child in module.named_children():
             name = f"{prefix}.{child_name}" if prefix else child_name
             kind = type(child).__name__
-            if in_layers:  # inside layers gathered part by part: only the named parts are blocks
-                if kind in part_classes:
+            if in_layers:  # inside layers gathered part by part: the outermost named module is the block
+                if kind in classes:  # (a layer whose own class is named stays whole: the larger unit wins)
                     out.append(name)
                 else:
                     walk(child, name, True)

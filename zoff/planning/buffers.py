@@ -92,18 +92,22 @@ def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig) -> int:
     return root + sum(sizes[:2]) + min(ahead, sum(sizes[2:]))
 
 
-def finer_gathering(model: nn.Module) -> list[tuple[str, ...]]:
+def finer_gathering(model: nn.Module, linear: bool = True) -> list[tuple[str, ...]]:
     """zero.block_classes that gather stage 3's layers part by part, coarsest first: the classes of a layer's
-    parts that hold a tenth of its parameters or more (attention and MLP; the norms go with the root), then
-    every Linear of the layers (partition.find_blocks).
+    parts that hold a tenth of its parameters or more (attention and MLP; the norms go with the root; offered
+    when no Linear is a direct child of the layer), then, with `linear`, every Linear of the layers
+    (partition.find_blocks). The first layer list is the model's layers (a model with two, a vision tower
+    first, is judged by that one). None for layers that hold a list of their own (experts): an expert that
+    some rank's tokens skip would be a block that rank does not gather, which stage 3 refuses.
 
     Whole layers are gathered two at a time in backward, the one in use and the one whose gradients are still
     arriving, plus the prefetch: 6 GiB each in bf16 for a 16384-wide layer (405B), more than its activations.
-    Finer units gather as much per step in more, smaller collectives (and, under train.mlp_tile, once per
-    tile), so the estimate takes the coarsest that fits, and only where whole layers do not.
+    Finer units gather as much per step in more, smaller collectives; a Linear inside a tiled MLP is gathered
+    once per tile (so the caller leaves `linear` out when train.mlp_tile cuts a micro-batch in several), so
+    the estimate takes the coarsest that fits, and only where whole layers do not.
     """
     lists = layer_lists(model)
-    if not lists:
+    if not lists or any(m is not lists[0][0] and isinstance(m, nn.ModuleList) for m in lists[0][0].modules()):
         return []
     layer = lists[0][0]
     total = sum(p.numel() for p in layer.parameters())
@@ -111,6 +115,6 @@ def finer_gathering(model: nn.Module) -> list[tuple[str, ...]]:
         type(c).__name__ for c in layer.children() if 10 * sum(p.numel() for p in c.parameters()) >= total
     ))  # fmt: skip
     out = [parts] if parts and not any(isinstance(c, nn.Linear) for c in layer.children()) else []
-    if any(isinstance(m, nn.Linear) for m in layer.modules()):
+    if linear and any(isinstance(m, nn.Linear) for m in layer.modules()):
         out.append(("Linear",))
     return out

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.policy import POLICIES, Policy
-from zoff.planning.memory import Budget, Estimate, PolicyEstimate, changes_text, estimate, fit_gathering
+from zoff.planning.memory import (
+    Budget,
+    Estimate,
+    PolicyEstimate,
+    changes_text,
+    estimate,
+    fit_gathering,
+    mlp_tiles,
+)
 from zoff.units import human
 
 VOCAB = 32_000  # a Llama-style tokenizer: the rungs differ only in depth and width
@@ -105,7 +113,7 @@ def max_model(
 
     The rungs are walked from the largest down, and each policy takes the first that fits: the largest one by
     construction, with no assumption that needs grow with size. The walk stops once every policy has its answer.
-    memo ((rung label, host bytes) -> Estimate) lets callers that vary only the device budget reuse the
+    memo ((rung label, host bytes[, the fallback's zero changes]) -> Estimate) lets callers that vary only the device budget reuse the
     estimates (the host's memory sets the disk tier's host budget: part of the key).
     """
     memo = {} if memo is None else memo
@@ -121,9 +129,8 @@ def max_model(
                 memo[key] = estimate(m, data, train, z, gpus_per_node, nodes, device_type, budget.cpu)
             return memo[key]
 
-        est = fit_gathering(
-            at(zero), budget, m, zero, at
-        )  # stage 3 part by part where whole layers do not fit
+        # stage 3 part by part where whole layers do not fit
+        est = fit_gathering(at(zero), budget, m, zero, at, mlp_tiles(train, data))
         for pe in est.policies:
             if pe.policy in found:
                 continue

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.policy import Policy
 from zoff.planning.capacity import NOTE, limited_by, memory_json, memory_line, row_label, row_order
-from zoff.planning.memory import Budget, Estimate, PolicyEstimate, changes_text, estimate, fit_gathering
+from zoff.planning.memory import (
+    Budget,
+    Estimate,
+    PolicyEstimate,
+    changes_text,
+    estimate,
+    fit_gathering,
+    mlp_tiles,
+)
 from zoff.units import human
 
 STEP = 1024  # the answer's granularity, in tokens
@@ -72,7 +80,8 @@ def max_context(
             def at(z: ZeroConfig, m=m, d=d) -> Estimate:
                 return estimate(m, d, train, z, gpus_per_node, nodes, device_type, budget.cpu)
 
-            memo[seq] = fit_gathering(at(zero), budget, m, zero, at)  # stage 3 part by part where needed
+            # stage 3 part by part where whole layers do not fit
+            memo[seq] = fit_gathering(at(zero), budget, m, zero, at, mlp_tiles(train, d))
         return {pe.policy: pe for pe in memo[seq].policies}
 
     answers = []

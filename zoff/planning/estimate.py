@@ -202,10 +202,6 @@ def render(
         console.print(line, soft_wrap=True)
 
 
-def _parts_text(changes: dict) -> str:
-    return f", its layers gathered part by part to fit ({changes_text(tuple(changes.items()))})"
-
-
 def _parts_note(est: Estimate) -> list[str]:
     """The stage-3 rows that fit only with their layers gathered part by part (memory.fit_gathering)."""
     rows = [pe for pe in est.policies if pe.zero_changes]
@@ -422,7 +418,6 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
         f"zoff: zero: auto chose stage {stage}, offload optimizer {opt_dev}, params {param_dev}"
         f"{', activation checkpointing' if ckpt else ''}"
         f"{' with its inputs in host memory (train.activation_offload: nothing fits without)' if switched else ''}"
-        f"{_parts_text(changes) if changes else ''}"
         f": {reason}"
     )
     return dataclasses.replace(cfg, zero=zero, train=train), why

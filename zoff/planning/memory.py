@@ -234,13 +234,22 @@ def estimate(
     )  # fmt: skip
 
 
-def stage3_fallbacks(model: nn.Module) -> list[dict]:
+def stage3_fallbacks(model: nn.Module, mlp_tiles: int = 1) -> list[dict]:
     """zero-section changes that shrink stage 3's buffers, the cheapest first: the layers gathered part by
-    part (buffers.finer_gathering), then, per Linear, one gradient reduction in flight instead of
-    MAX_IN_FLIGHT + 1 (zero.overlap_comm: false: a layer's gradients wait for the previous reduction, so
-    backward stalls on communication; on a 16384-wide layer each reduction in flight holds 4 GiB in bf16)."""
-    ladder: list[dict] = [{"block_classes": classes} for classes in finer_gathering(model)]
-    return ladder + [{**ladder[-1], "overlap_comm": False}] if ladder else []
+    part (buffers.finer_gathering; per Linear only where the MLP runs in one tile per micro-batch), then, per
+    Linear, one gradient reduction in flight instead of MAX_IN_FLIGHT + 1 (zero.overlap_comm: false: a
+    layer's gradients wait for the previous reduction, so backward stalls on communication; on a 16384-wide
+    layer each reduction in flight holds 4 GiB in bf16)."""
+    ladder: list[dict] = [{"block_classes": c} for c in finer_gathering(model, linear=mlp_tiles <= 1)]
+    if ladder and ladder[-1]["block_classes"] == ("Linear",):
+        ladder.append({**ladder[-1], "overlap_comm": False})
+    return ladder
+
+
+def mlp_tiles(train_cfg: TrainConfig, data_cfg: DataConfig) -> int:
+    """Tiles a micro-batch's MLP runs in (train.mlp_tile; 1 untiled)."""
+    tokens = data_cfg.batch_size * data_cfg.seq_len
+    return -(-tokens // train_cfg.mlp_tile) if train_cfg.mlp_tile else 1
 
 
 def fit_gathering(
@@ -249,27 +258,33 @@ def fit_gathering(
     model_cfg: ModelConfig,
     zero_cfg: ZeroConfig,
     at: Callable[[ZeroConfig], Estimate],
+    tiles: int = 1,
 ) -> Estimate:
     """`est` with each stage-3 row that does not fit `budget` as configured replaced by its row under the first
     of stage3_fallbacks that fits (the row's zero_changes say which): the estimate choosing gathering below
-    the layer where it is what makes a model fit. A zero.block_classes the config sets stands as given, and
-    overlap_comm is only ever turned off. `at(zero)`: estimate() of the config with that zero section (the
-    caller's memo).
+    the layer where it is what makes a model fit. Nothing is tried where the config sets zero.block_classes
+    (the user's gathering stands), and overlap_comm is only ever turned off. `at(zero)`: estimate() of the
+    config with that zero section (the caller's memo); `tiles`: mlp_tiles() of the config.
     """
     missing = {pe.policy for pe in est.policies if pe.policy.stage == 3 and not pe.fits(budget)}
     if zero_cfg.block_classes or not missing:
         return est
-    ladder = []
-    for changes in stage3_fallbacks(meta_model(model_cfg)):
+    ladder: list[dict] = []
+    for changes in stage3_fallbacks(meta_model(model_cfg), tiles):
         if changes.get("overlap_comm", True) is False and not zero_cfg.overlap_comm:
             changes = {k: v for k, v in changes.items() if k != "overlap_comm"}
-        ladder.append(changes)
+        if changes not in ladder:
+            ladder.append(changes)
+    seen: dict[tuple, dict[Policy, PolicyEstimate]] = {}
 
     def rows(changes: dict) -> dict[Policy, PolicyEstimate]:
-        zero = dataclasses.replace(
-            zero_cfg, **{k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()}
-        )
-        return {pe.policy: pe for pe in at(zero).policies}
+        key = tuple(changes.items())
+        if key not in seen:
+            zero = dataclasses.replace(
+                zero_cfg, **{k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()}
+            )
+            seen[key] = {pe.policy: pe for pe in at(zero).policies}
+        return seen[key]
 
     # The last fallback needs the least: where even it does not fit, the others are not tried (the --max-model
     # walk meets many such rungs).
@@ -309,7 +324,7 @@ def estimate_to_fit(
     def at(zero: ZeroConfig) -> Estimate:
         return estimate(model_cfg, data_cfg, train_cfg, zero, gpus_per_node, nodes, device_type, budget.cpu)
 
-    return fit_gathering(at(zero_cfg), budget, model_cfg, zero_cfg, at)
+    return fit_gathering(at(zero_cfg), budget, model_cfg, zero_cfg, at, mlp_tiles(train_cfg, data_cfg))
 
 
 def host_reserved(gpu: dict[str, int], cpu: dict[str, int], device_type: str) -> int:
@@ -333,17 +348,26 @@ def rank_split(cfg: Config, world: int, local_ranks: int, device_type: str) -> D
 
 
 def suggest_policy(est: Estimate, budget: Budget) -> tuple[PolicyEstimate | None, str]:
-    """The fastest policy that fits (SUGGEST_ORDER) and a one-line reason naming the next faster one's needs."""
-    faster = None
-    for pol in SUGGEST_ORDER:
-        pe = est.get(pol)
-        if pe.fits(budget):
-            why = f"; {_label(faster.policy)} needs {_needs(faster)}" if faster else ""
-            return (
-                pe,
-                f"{_label(pol)}: the fastest policy that fits {_budget_text(budget)} ({_needs(pe)}){why}",
-            )
-        faster = pe
+    """The fastest policy that fits (SUGGEST_ORDER) and a one-line reason naming the next faster one's needs.
+
+    A row that fits only with zero.overlap_comm off (fit_gathering: backward then waits on each reduction)
+    comes after every row that fits without it."""
+
+    def stalls(pe: PolicyEstimate) -> bool:
+        return ("overlap_comm", False) in pe.zero_changes
+
+    for allow_stall in (False, True):
+        faster = None
+        for pol in SUGGEST_ORDER:
+            pe = est.get(pol)
+            if pe.fits(budget) and (allow_stall or not stalls(pe)):
+                why = f"; {_label(faster.policy)} needs {_needs(faster)}" if faster else ""
+                how = f" with {changes_text(pe.zero_changes)}" if pe.zero_changes else ""
+                return (
+                    pe,
+                    f"{_label(pol)}{how}: the fastest policy that fits {_budget_text(budget)} ({_needs(pe)}){why}",
+                )
+            faster = pe
     least = min(est.policies, key=lambda p: p.gpu_bytes)
     return None, (
         f"no policy fits {_budget_text(budget)}: the smallest, {_label(least.policy)}, needs {_needs(least)}; "

@@ -268,5 +268,5 @@ def _stage3_line(plan, block_classes: list[str]) -> list[str]:
     return [
         f"  stage 3 gathers {len(blocks)} block(s) one at a time (largest {largest:,} params) and a root "
         f"unit of {root:,} params kept from forward to the end of backward"
-        + (f"; blocks include every {', '.join(block_classes)} (zero.block_classes)" if block_classes else "")
+        + (f"; blocks follow zero.block_classes: {', '.join(block_classes)}" if block_classes else "")
     ]

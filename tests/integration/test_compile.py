@@ -58,6 +58,13 @@ def test_compiled_blocks_train_as_the_eager_ones(cell, tmp_path) -> None:
     _check(run_zoff_many(_pair(tmp_path, zero, ckpt, backend), world))
 
 
+def test_compiled_blocks_with_offloaded_inputs_and_tiled_mlps_train_as_the_eager_ones(tmp_path) -> None:
+    """The long-sequence switches around compiled blocks: the blocks' inputs through the offloading checkpoint
+    (outside the compiled region) and each MLP in tiles with its own checkpoint (inside it)."""
+    train = {"activation_offload": True, "mlp_tile": 8}
+    _check(run_zoff_many(_pair(tmp_path, {"stage": 3}, True, "aot_eager", train=train), 1))
+
+
 @pytest.fixture(scope="module")
 def llama_files(tmp_path_factory):
     return chat_llama_files(tmp_path_factory.mktemp("compile-llama"), 32)

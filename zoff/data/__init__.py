@@ -112,8 +112,15 @@ def _check_synthetic_size(cfg: DataConfig) -> None:
     if train < need or val < need:
         share = min(cfg.val_fraction, 1 - cfg.val_fraction)
         least = 2 * need if share <= 0 else int((need - 1) / share)  # a lower bound: the cut rounds down
-        while min(splits(least)) < need:
+        for _ in range(100_000):  # (the bound is near; a fraction too small for floats never gets there)
+            if min(splits(least)) >= need:
+                break
             least += 1
+        else:
+            raise UserError(
+                f"data.val_fraction: {cfg.val_fraction} leaves no room for a validation split of {need:,} tokens "
+                f"(data.seq_len {cfg.seq_len} + 1) in any corpus this size; raise it"
+            )
         raise UserError(
             f"data.synthetic_tokens: {cfg.synthetic_tokens:,} tokens split into {max(train, 0):,} train / "
             f"{val:,} val, too few for data.seq_len {cfg.seq_len} (each split needs {need:,}); set "

@@ -295,9 +295,8 @@ class UnitGatherer(GatherChecks):
         others, or their all-gathers were paired with the wrong partners (a block run on some ranks only:
         data-dependent or random layer skipping). Two small all-reduces per micro-batch: per unit, the count
         and its square (all ranks agree exactly when N * sum(c^2) == sum(c)^2). On gloo the gathers' codes
-        (check_end, check_codes) name a mismatch first; on NCCL, which exchanges none, a rank that gathers
-        more often than another in total waits for a partner that never comes: that ends in the collective
-        timeout's CollectiveError instead."""
+        (check_end, check_codes) name a mismatch first; on NCCL the codes go over the gloo side group
+        (collectives.Comm.side_checks) before each gather is issued, so the mismatch is named there too."""
         counts, self.gather_counts = self.gather_counts, [0] * len(self.full)
         if self.comm.world == 1:
             return

@@ -48,7 +48,8 @@ class Session:
 
 def build_session(cfg: Config, device: torch.device) -> Session:
     """Model (same initial weights on every rank), engine for the ZeRO policy, this rank's data stream."""
-    comm = Comm(timeout_s=cfg.launch.timeout_s)
+    # (the same-gathers check's gloo group beside NCCL is stage 3's alone: no other stage gathers)
+    comm = Comm(timeout_s=cfg.launch.timeout_s, side_checks=None if cfg.zero.stage == 3 else False)
     torch.manual_seed(cfg.train.seed)
     # The builtin GPT and hf: models with safetensors weights are built on the meta device and materialised
     # shard by shard by the engine.

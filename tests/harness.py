@@ -332,6 +332,15 @@ def assert_close_params(got: dict, want: dict, rtol: float = 1e-5) -> None:
         assert err <= rtol * max(ref.abs().max().item(), 1.0), f"{name}: max abs diff {err}"
 
 
+# A transformers Llama built from its config alone (no folder): the model section the tests give tiny_cfg.
+TINY_LLAMA = {
+    "name": "hf:LlamaForCausalLM",
+    "config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 32,
+               "tie_word_embeddings": False},
+}  # fmt: skip
+
+
 def tiny_cfg(**sections) -> dict:
     """The tests' small GPT on synthetic data, with per-section overrides: tiny_cfg(zero={"stage": 2})."""
     base = {

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import assert_close_losses, assert_close_params, reference_run, run_zoff_many, tiny_cfg
+from tests.harness import (
+    TINY_LLAMA,
+    assert_close_losses,
+    assert_close_params,
+    reference_run,
+    run_zoff_many,
+    tiny_cfg,
+)
 from zoff.config import config_from_dict
 from zoff.engine.partition import find_blocks, plan_partition
 from zoff.models import build_model, meta_model
@@ -57,12 +64,7 @@ def test_part_by_part_gathering_equals_plain_pytorch_and_gathers_less(ckpt: bool
     assert by_parts < by_layers
 
 
-LLAMA = {
-    "name": "hf:LlamaForCausalLM",
-    "config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-               "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 32,
-               "tie_word_embeddings": False},
-}  # fmt: skip
+LLAMA = TINY_LLAMA
 
 
 def test_the_estimates_fallbacks_are_the_layers_parts_then_each_linear() -> None:

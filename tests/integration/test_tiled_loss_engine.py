@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import assert_close_losses, assert_close_params, run_zoff_many, tiny_cfg
+from tests.harness import TINY_LLAMA, assert_close_losses, assert_close_params, run_zoff_many, tiny_cfg
 
 pytestmark = pytest.mark.slow
 
-LLAMA = {
-    "name": "hf:LlamaForCausalLM",
-    "config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-               "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 32,
-               "tie_word_embeddings": False},
-}  # fmt: skip
+LLAMA = TINY_LLAMA
 CASES = {
     "gpt-stage0": tiny_cfg(zero={"stage": 0}),
     "gpt-stage3-ac": tiny_cfg(zero={"stage": 3, "param_persistence_threshold": 0},

@@ -64,3 +64,18 @@ def test_zero_auto_keeps_block_inputs_in_host_memory_when_nothing_fits_without(m
                                                               "data.seq_len=262144", *overrides[4:]])  # fmt: skip
     with pytest.raises(UserError, match="zero: auto: "):
         E.choose_policy(too_long)
+
+
+def test_zero_auto_writes_the_gathering_that_makes_stage3_fit(monkeypatch) -> None:
+    """configs/gpt-70b.yaml on 16 x 80 GiB: stage 3 fits without offload only with each Linear gathered alone
+    (memory.fit_gathering); auto picks it, writes zero.block_classes into the config and says so."""
+    from zoff.planning import estimate as E
+    from zoff.planning.memory import Budget
+
+    gib = 2**30
+    monkeypatch.setattr(E, "detect_budget", lambda gpu, cpu: (Budget(80 * gib, 1024 * gib), "cuda"))
+    cfg = load_config(REPO / "configs" / "gpt-70b.yaml", ["zero=auto", "launch.nproc_per_node=16"])
+    chosen, why = E.choose_policy(cfg)
+    assert (chosen.zero.stage, chosen.zero.offload_optimizer.device) == (3, "none")
+    assert chosen.zero.block_classes == ["Linear"] and chosen.zero.overlap_comm
+    assert "with zero.block_classes: [Linear]" in why

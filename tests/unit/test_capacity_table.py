@@ -8,6 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -31,6 +33,7 @@ def test_the_estimates_page_embeds_the_table_rendered_from_its_json() -> None:
     assert ct.render(changed) not in (REPO / "docs" / "memory-estimates.md").read_text()
 
 
+@pytest.mark.grid  # (about a minute: four boxes of --max-model with the stage-3 fallbacks, and a context column)
 def test_the_json_is_what_the_estimate_computes_now() -> None:
     """The figures are today's estimate: an engine or estimate change that moves them must re-run the script."""
     ct = _script()

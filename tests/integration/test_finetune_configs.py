@@ -49,7 +49,9 @@ def _train(config: str, base: Path, run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("config", ["llama-sft", "llama-lora"])
+# llama-lora (25 s) runs with -m grid: LoRA training, its checkpoint and the adapter export are in the default
+# suite through test_lora.py, test_lora_export.py and test_finetune_resume.py (the default suite's budget).
+@pytest.mark.parametrize("config", ["llama-sft", pytest.param("llama-lora", marks=pytest.mark.grid)])
 def test_shipped_finetune_config_trains(config: str, base: Path, tmp_path: Path) -> None:
     records = _train(config, base, tmp_path / "run")
     losses = [r["loss"] for r in records if "loss" in r]

@@ -484,6 +484,7 @@ def test_bench_io_measures_a_path_and_suggests_a_setting(swap: Path, tmp_path: P
 
 
 @pytest.mark.slow
+@pytest.mark.grid  # (30 s; the default suite's restart-after-SIGKILL test is test_fault_tolerance's)
 def test_sigkill_of_a_rank_on_an_nvme_run_resumes_by_itself_bit_identically(
     agents, swap: Path, tmp_path: Path
 ) -> None:

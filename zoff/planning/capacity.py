@@ -17,6 +17,7 @@ from zoff.planning.memory import (
     Budget,
     Estimate,
     PolicyEstimate,
+    changes_config,
     changes_text,
     estimate,
     fit_gathering,
@@ -178,7 +179,7 @@ def _needs(fit: Fit) -> dict:
         "model": r.label, "shape_of": r.shape_of, "n_layer": r.n_layer, "n_head": r.n_head,
         "d_model": r.d_model, "params": fit.params, "gpu_bytes": pe.gpu_bytes,
         "cpu_bytes_per_node": pe.cpu_bytes_per_node, "disk_bytes_per_node": pe.disk * pe.local_ranks,
-        "zero_changes": {k: list(v) if isinstance(v, tuple) else v for k, v in pe.zero_changes},  # fit_gathering
+        "zero_changes": changes_config(pe.zero_changes),  # fit_gathering
     }  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from zoff.planning.memory import (
     Budget,
     Estimate,
     PolicyEstimate,
+    changes_config,
     changes_text,
     estimate,
     fit_gathering,
@@ -110,7 +111,7 @@ def _needs(fit: ContextFit) -> dict:
     return {
         "seq_len": fit.seq_len, "gpu_bytes": pe.gpu_bytes, "activation_bytes": pe.gpu.get("activations", 0),
         "cpu_bytes_per_node": pe.cpu_bytes_per_node, "disk_bytes_per_node": pe.disk * pe.local_ranks,
-        "zero_changes": {k: list(v) if isinstance(v, tuple) else v for k, v in pe.zero_changes},  # fit_gathering
+        "zero_changes": changes_config(pe.zero_changes),  # fit_gathering
     }  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from zoff.planning.memory import (
     Policy,
     PolicyEstimate,
     _label,
+    changes_config,
     changes_text,
     estimate_to_fit,
     resolve_auto,
@@ -124,7 +125,7 @@ def to_json(
              if pe.policy.offload_optimizer == "nvme" else None,
              "step_time": _step_json(steps.get(pe.policy)),
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train),
-             "zero_changes": {k: list(v) if isinstance(v, tuple) else v for k, v in pe.zero_changes}}
+             "zero_changes": changes_config(pe.zero_changes)}
             for pe in est.policies
         ],
     }  # fmt: skip
@@ -406,9 +407,7 @@ def choose_policy(cfg: Config) -> tuple[Config, str]:
         offload_optimizer=dataclasses.replace(z.offload_optimizer, device=opt_dev),
         offload_param=dataclasses.replace(z.offload_param, device=param_dev),
     )  # fmt: skip
-    zero = dataclasses.replace(
-        zero, **{k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()}
-    )
+    zero = dataclasses.replace(zero, **changes_config(changes))
     train = dataclasses.replace(
         cfg.train, activation_checkpointing=ckpt or cfg.train.activation_checkpointing,
         activation_offload=offload,

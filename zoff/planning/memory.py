@@ -280,9 +280,7 @@ def fit_gathering(
     def rows(changes: dict) -> dict[Policy, PolicyEstimate]:
         key = tuple(changes.items())
         if key not in seen:
-            zero = dataclasses.replace(
-                zero_cfg, **{k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()}
-            )
+            zero = dataclasses.replace(zero_cfg, **changes_config(changes))
             seen[key] = {pe.policy: pe for pe in at(zero).policies}
         return seen[key]
 
@@ -298,6 +296,12 @@ def fit_gathering(
         if len(chosen) == len(missing):
             break
     return dataclasses.replace(est, policies=tuple(chosen.get(pe.policy, pe) for pe in est.policies))
+
+
+def changes_config(changes) -> dict:
+    """A row's zero_changes (pairs, or a dict) as ZeroConfig / JSON values: block_classes a list."""
+    pairs = changes.items() if isinstance(changes, dict) else changes
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in pairs}
 
 
 def changes_text(changes: tuple[tuple[str, object], ...]) -> str:

@@ -11,6 +11,7 @@ group, no memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -255,9 +256,11 @@ def subgroup_of(zero: ZeroConfig) -> int:
     return subgroup_numel(zero.offload_optimizer.io.subgroup_mb)
 
 
-def _pieces(plan: PartitionPlan, subgroup: int | None) -> list[int]:
-    """Element counts of the disk tier's pieces: each unit's shard in sub-groups (state_swap.piece_spans)."""
-    return [hi - lo for u in plan.units for lo, hi in piece_spans(u.shard, subgroup)]
+@functools.lru_cache(maxsize=64)
+def _piece_bytes(shards: tuple[int, ...], subgroup: int | None) -> tuple[int, ...]:
+    """piece_bytes by the units' shard sizes. Cached: `zoff estimate --max-model` asks it for every policy of
+    every rung and fallback, and a 405B model has ~50,000 pieces (the walk took seconds per rung without)."""
+    return tuple(3 * aligned(4 * (hi - lo)) for n in shards for lo, hi in piece_spans(n, subgroup))
 
 
 def swap_buffer_bytes(
@@ -275,7 +278,7 @@ def swap_buffer_bytes(
 
 def piece_bytes(plan: PartitionPlan, subgroup: int | None) -> list[int]:
     """RAM (and disk bytes each way per step) of each piece's three states, whole pages each."""
-    return [3 * aligned(4 * n) for n in _pieces(plan, subgroup)] or []
+    return list(_piece_bytes(tuple(u.shard for u in plan.units), subgroup))
 
 
 def disk_bytes(plan: PartitionPlan, policy: Policy, precision: str = "fp32", grads: int = 0) -> int:
@@ -289,7 +292,13 @@ def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
     """The optimizer's swap file per rank: its checkpoint shard's layout (state_swap.partition_layout)."""
     if policy.offload_optimizer != "nvme":
         return 0
-    return partition_layout([u.shard for u in plan.units]).nbytes
+    return _layout_bytes(tuple(u.shard for u in plan.units))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_bytes(shards: tuple[int, ...]) -> int:
+    """partition_layout(shards).nbytes, cached like _piece_bytes (the layout is a list of every unit's entries)."""
+    return partition_layout(list(shards)).nbytes
 
 
 def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str) -> int:

@@ -163,7 +163,7 @@ def estimate(
     gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
     micro_batches = train_cfg.grad_accum if gbs is None else max(1, gbs // (data_cfg.batch_size * world))
     accumulating = micro_batches > 1
-    model = meta_model(model_cfg)
+    model = _shapes(model_cfg)
     total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
     acts = {
@@ -246,6 +246,21 @@ def stage3_fallbacks(model: nn.Module, mlp_tiles: int = 1) -> list[dict]:
     return ladder
 
 
+_SHAPES: dict[str, nn.Module] = {}
+
+
+def _shapes(model_cfg: ModelConfig) -> nn.Module:
+    """meta_model(model_cfg), memoised by the section's repr (it holds dicts, so it does not hash) for the
+    callers here, which only read it: `zoff estimate --max-model` and --max-context estimate each size with
+    each stage-3 fallback, and a meta 405B took 0.2 s to build each time. A few models at most are kept."""
+    key = repr(model_cfg)
+    if key not in _SHAPES:
+        if len(_SHAPES) >= 8:
+            _SHAPES.pop(next(iter(_SHAPES)))
+        _SHAPES[key] = meta_model(model_cfg)
+    return _SHAPES[key]
+
+
 def mlp_tiles(train_cfg: TrainConfig, data_cfg: DataConfig) -> int:
     """Tiles a micro-batch's MLP runs in (train.mlp_tile; 1 untiled)."""
     tokens = data_cfg.batch_size * data_cfg.seq_len
@@ -270,7 +285,7 @@ def fit_gathering(
     if zero_cfg.block_classes or not missing:
         return est
     ladder: list[dict] = []
-    for changes in stage3_fallbacks(meta_model(model_cfg), tiles):
+    for changes in stage3_fallbacks(_shapes(model_cfg), tiles):
         if changes.get("overlap_comm", True) is False and not zero_cfg.overlap_comm:
             changes = {k: v for k, v in changes.items() if k != "overlap_comm"}
         if changes not in ladder:

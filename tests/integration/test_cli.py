@@ -1,4 +1,8 @@
-"""The `zoff` command line through the real entry point (`python -m zoff`): bad input, help, validate."""
+"""The `zoff` command line through the real entry point (`python -m zoff`): bad input, help, validate.
+
+Each call is its own `python -m zoff` process: most are forked from a server that has imported zoff and torch
+once (see ForkServer), one of each kind of outcome starts a fresh interpreter (fresh=True).
+"""
 
 from __future__ import annotations
 
@@ -10,23 +14,44 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.forked_zoff import ModuleServer
 from zoff.config import ZeroConfig, load_config, to_dict
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
+# What the commands below import on their way to an error (train's preflight, convert): once, in the server.
+PRELOAD = [
+    "zoff.cli", "zoff.launch", "zoff.hub", "zoff.network", "zoff.trainer.session", "zoff.planning.disk_room",
+    "zoff.checkpoint.convert",
+]  # fmt: skip
 
 
-def zoff(*args: str | Path, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "zoff", *map(str, args)],
-        cwd=cwd or REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return env
+
+
+def zoff(
+    *args: str | Path, cwd: Path | None = None, timeout: float = 120, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """`python -m zoff ARGS` in `cwd` (default: the repo), forked from the module's server; fresh=True: a new
+    interpreter."""
+    cwd, env = cwd or REPO, _env()
+    if fresh:
+        return subprocess.run(
+            [sys.executable, "-m", "zoff", *map(str, args)],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    return SERVER.run([(list(args), cwd, env)], timeout)[0]
+
+
+SERVER = ModuleServer(PRELOAD, lambda: _env(), lambda: REPO)  # started by the fixture below
+_fork_server = SERVER.fixture()
 
 
 def assert_user_error(p: subprocess.CompletedProcess, *names: str) -> str:
@@ -46,7 +71,7 @@ def assert_user_error(p: subprocess.CompletedProcess, *names: str) -> str:
 
 
 def test_missing_config_file(tmp_path):
-    line = assert_user_error(zoff("validate", "nope.yaml", cwd=tmp_path), "nope.yaml")
+    line = assert_user_error(zoff("validate", "nope.yaml", cwd=tmp_path, fresh=True), "nope.yaml")
     assert line == "zoff: error: nope.yaml: config file not found"
     assert_user_error(zoff("train", "nope.yaml", cwd=tmp_path), "nope.yaml", "not found")
     assert not (tmp_path / "runs").exists()
@@ -170,7 +195,7 @@ def test_option_of_the_wrong_type_is_one_line():
 
 
 def test_option_of_the_wrong_type_exits_2_without_a_traceback():
-    p = zoff("train", TINY, "--nproc-per-node", "abc")
+    p = zoff("train", TINY, "--nproc-per-node", "abc", fresh=True)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert "--nproc-per-node" in p.stderr
@@ -214,7 +239,7 @@ def test_validate_help():
 
 @pytest.mark.slow  # imports torch for the preflight model build: ~5 s on 2 loaded cores
 def test_validate_prints_the_resolved_config():
-    p = zoff("validate", TINY, "train.max_steps=7")
+    p = zoff("validate", TINY, "train.max_steps=7", fresh=True)
     assert p.returncode == 0, p.stderr
     assert p.stderr == ""
     printed = yaml.safe_load(p.stdout)

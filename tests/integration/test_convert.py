@@ -1,7 +1,9 @@
 """`zoff convert` through the real CLI: exact keys and logits, dtypes, sharded output, bounded memory, bad input.
 
-Every CLI call imports torch (several seconds on 2 loaded cores), so the calls of a group run concurrently
-(`_zoff_many`) and the tests inspect their recorded results.
+Each CLI call is its own `python -m zoff convert` process. A fresh interpreter spends seconds importing torch
+on 2 loaded cores, so one call of each group starts one and the others are forked from a server that has
+imported zoff and torch once (see ForkServer); the calls of a group run concurrently (`_zoff_many`) and the
+tests inspect their recorded results.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.forked_zoff import ModuleServer
 from tests.harness import run_zoff, tiny_cfg
 from zoff.config import config_from_dict
 from zoff.models import build_model
@@ -40,30 +43,37 @@ def _env() -> dict:
     return env
 
 
-def _zoff_many(calls: dict[str, list[str]], timeout: float = 240) -> dict[str, subprocess.CompletedProcess]:
-    """Run `python -m zoff convert ARGS` for every entry at once; return each finished process by its key."""
-    procs = {
-        key: subprocess.Popen(
-            [sys.executable, "-m", "zoff", "convert", *map(str, args)],
-            cwd=REPO,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for key, args in calls.items()
-    }
-    done = {}
+def _zoff_many(
+    calls: dict[str, list[str]], fresh: str, timeout: float = 240
+) -> dict[str, subprocess.CompletedProcess]:
+    """Run `python -m zoff convert ARGS` for every entry at once; return each finished process by its key.
+    The call keyed `fresh` runs in a new interpreter, the others are forked from the module's server."""
+    env = _env()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "zoff", "convert", *map(str, calls[fresh])],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        for key, p in procs.items():
-            out, err = p.communicate(timeout=timeout)  # a hung convert fails the test, not the suite
-            done[key] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        forked = [key for key in calls if key != fresh]
+        results = SERVER.run([(["convert", *calls[key]], REPO, env) for key in forked], timeout)
+        done = dict(zip(forked, results))
+        out, err = p.communicate(timeout=timeout)  # a hung convert fails the test, not the suite
+        done[fresh] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return done
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return {key: done[key] for key in calls}
+
+
+# What `zoff convert` imports: once, in the server.
+PRELOAD = ["zoff.cli", "zoff.checkpoint.convert", "safetensors.torch"]
+SERVER = ModuleServer(PRELOAD, lambda: _env(), lambda: REPO)  # started by the fixture below
+_fork_server = SERVER.fixture()
 
 
 def _ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -120,7 +130,7 @@ def converted(trained, tmp_path_factory) -> dict:
         "pt": [step, out / "model.pt", "--format", "pt"],
         "pt-sharded": [step, out / "pt-sharded", "--format", "pt", "--max-shard-size", "40KB"],
     }
-    results = _zoff_many(calls)
+    results = _zoff_many(calls, fresh="fp32")
     return {"out": out, "results": results}
 
 
@@ -347,7 +357,7 @@ def bad_inputs(trained, tmp_path_factory) -> dict:
         ],
         "out-dir-missing": [step, out["out-dir-missing"]],
     }
-    return {"root": root, "out": out, "results": _zoff_many(args)}
+    return {"root": root, "out": out, "results": _zoff_many(args, fresh="missing-checkpoint")}
 
 
 EXPECT = {  # case -> substrings of the one error line (the file or option it names, and the problem)

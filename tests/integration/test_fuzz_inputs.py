@@ -4,7 +4,9 @@ Deterministic (random.Random(SEED)). The config loader sees every generated case
 loads (some mutations are valid) or raises zoff.errors.UserError with a one-line message, never another
 exception. A sample of the failing cases then goes through the real CLI (`validate` and `train`): exit 2,
 exactly one stderr line `zoff: error: ...`, no traceback, no run directory. The same for `zoff convert` on
-50 corrupted copies of one real checkpoint (most in-process, some through the CLI).
+50 corrupted copies of one real checkpoint (most in-process, some through the CLI). Each CLI call is its own
+`python -m zoff` process, forked from a server that has imported zoff and torch once (see ForkServer); one of
+each kind starts a fresh interpreter.
 
 Inputs that hit a zoff bug are listed in KNOWN_BUGS (matched by exception type), each with a strict xfail
 test below that reproduces it on a minimal input; the fuzz test fails on anything else.
@@ -12,7 +14,6 @@ test below that reproduces it on a minimal input; the fuzz test fails on anythin
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import dataclasses
 import errno
@@ -32,6 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.forked_zoff import ModuleServer
 from zoff.config import Config, list_recipes, load_config
 from zoff.errors import UserError
 
@@ -447,15 +449,55 @@ def _env() -> dict:
     return env
 
 
-def _zoff(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "zoff", *args],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+# What the commands below import on their way to an error (train's preflight, convert): once, in the server.
+PRELOAD = [
+    "zoff.cli", "zoff.launch", "zoff.hub", "zoff.network", "zoff.trainer.session", "zoff.planning.disk_room",
+    "zoff.checkpoint.convert",
+]  # fmt: skip
+
+
+def _zoff_many(
+    calls: list[list[str]], fresh: set[int] | frozenset[int] = frozenset(), timeout: float = 120
+) -> list[subprocess.CompletedProcess]:
+    """`python -m zoff ARGS` for every call at once, their results in order: the calls whose index is in
+    `fresh` in new interpreters, the others forked from the module's server."""
+    env = _env()
+    started = {
+        i: subprocess.Popen(
+            [sys.executable, "-m", "zoff", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, args in enumerate(calls)
+        if i in fresh
+    }
+    try:
+        forked = [(args, REPO, env) for i, args in enumerate(calls) if i not in fresh]
+        served = iter(SERVER.run(forked, timeout) if forked else [])
+        done = []
+        for i in range(len(calls)):
+            if i in started:
+                out, err = started[i].communicate(timeout=timeout)  # a hung CLI fails the test, not the suite
+                done.append(subprocess.CompletedProcess(started[i].args, started[i].returncode, out, err))
+            else:
+                done.append(next(served))
+        return done
+    finally:
+        for p in started.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _zoff(*args: str, timeout: float = 120, fresh: bool = False) -> subprocess.CompletedProcess:
+    return _zoff_many([list(args)], {0} if fresh else frozenset(), timeout)[0]
+
+
+SERVER = ModuleServer(PRELOAD, lambda: _env(), lambda: REPO)  # started by the fixture below
+_fork_server = SERVER.fixture()
 
 
 def _one_line_exit_2(p: subprocess.CompletedProcess, what: str) -> str:
@@ -466,23 +508,19 @@ def _one_line_exit_2(p: subprocess.CompletedProcess, what: str) -> str:
     return lines[0]
 
 
-def _parallel(fn, items: list) -> list:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        return list(pool.map(fn, items))
-
-
 @pytest.mark.slow
 def test_the_cli_rejects_a_sample_of_failing_configs_in_one_line_without_starting(config_outcomes, tmp_path):
     failing = [o for o in config_outcomes if o["kind"] == "user-error"]
     sample = random.Random(SEED + 1).sample(failing, 20)
-
-    def run(o: dict) -> tuple[dict, subprocess.CompletedProcess, subprocess.CompletedProcess, Path]:
-        run_dir = tmp_path / f"run-{o['name']}"
-        v = _zoff("validate", str(o["path"]), *o["overrides"])
-        t = _zoff("train", str(o["path"]), *o["overrides"], "--run-dir", str(run_dir))
-        return o, v, t, run_dir
-
-    for o, v, t, run_dir in _parallel(run, sample):
+    calls = []
+    for o in sample:
+        calls.append(["validate", str(o["path"]), *o["overrides"]])
+        calls.append(
+            ["train", str(o["path"]), *o["overrides"], "--run-dir", str(tmp_path / f"run-{o['name']}")]
+        )
+    results = _zoff_many(calls, fresh={0, 1})  # the first case's validate and train in new interpreters
+    for i, o in enumerate(sample):
+        v, t, run_dir = results[2 * i], results[2 * i + 1], tmp_path / f"run-{o['name']}"
         line_v = _one_line_exit_2(v, f"validate {o['name']}")
         line_t = _one_line_exit_2(t, f"train {o['name']}")
         assert line_v == line_t == f"zoff: error: {o['exc']}", (line_v, line_t)
@@ -499,12 +537,14 @@ FLAG_CASES = [
 
 @pytest.mark.slow
 def test_bad_train_flags_are_one_line_errors_without_starting(tmp_path):
-    def run(flags: list[str]) -> tuple[list[str], subprocess.CompletedProcess, Path]:
-        run_dir = tmp_path / f"run{FLAG_CASES.index(flags)}"
-        args = [*flags] if flags == ["--run-dir"] else [*flags, "--run-dir", str(run_dir)]
-        return flags, _zoff("train", str(TINY), *args), run_dir
-
-    for flags, p, run_dir in _parallel(run, FLAG_CASES):
+    run_dirs = [tmp_path / f"run{i}" for i in range(len(FLAG_CASES))]
+    calls = [
+        ["train", str(TINY), *flags, *([] if flags == ["--run-dir"] else ["--run-dir", str(run_dir)])]
+        for flags, run_dir in zip(FLAG_CASES, run_dirs)
+    ]
+    # --resume gets furthest (torch, the preflight model build): in a new interpreter
+    results = _zoff_many(calls, fresh={FLAG_CASES.index(["--resume", "/nonexistent/checkpoint"])})
+    for flags, p, run_dir in zip(FLAG_CASES, results, run_dirs):
         _one_line_exit_2(p, " ".join(flags))
         assert not run_dir.exists(), flags
 
@@ -532,7 +572,8 @@ def test_a_bad_rdzv_endpoint_is_a_one_line_error(tmp_path):
 def real_checkpoint(tmp_path_factory) -> Path:
     """One real 2-rank ZeRO-2 checkpoint (2 shard files) made by the CLI."""
     run_dir = tmp_path_factory.mktemp("fuzz-ckpt") / "run"
-    p = _zoff("train", str(TINY), "train.max_steps=2", "zero=zero2", "--run-dir", str(run_dir), timeout=300)
+    args = ["train", str(TINY), "train.max_steps=2", "zero=zero2", "--run-dir", str(run_dir)]
+    p = _zoff(*args, timeout=300, fresh=True)  # a real run: a new interpreter
     assert p.returncode == 0, p.stderr[-3000:]
     (ckpt,) = sorted((run_dir / "checkpoints").glob("step_*"))
     assert (ckpt / "shard_00001.safetensors").is_file()
@@ -724,7 +765,7 @@ def test_convert_of_a_corrupted_checkpoint_is_a_user_error_naming_a_file(real_ch
 def test_zoff_convert_cli_on_a_corrupted_checkpoint_exits_2_with_one_line(real_checkpoint, tmp_path, name):
     d = _corrupted_copy(real_checkpoint, tmp_path, name)
     out = tmp_path / "out.safetensors"
-    line = _one_line_exit_2(_zoff("convert", str(d), str(out)), name)
+    line = _one_line_exit_2(_zoff("convert", str(d), str(out), fresh=name == CLI_CORRUPTIONS[0]), name)
     assert str(d) in line, line
     assert not out.exists()
 
@@ -734,5 +775,5 @@ def test_zoff_convert_of_the_intact_checkpoint_works(real_checkpoint, tmp_path):
     """The corruptions are what fails: the same copy, untouched, converts."""
     d = tmp_path / "ckpt" / real_checkpoint.name
     shutil.copytree(real_checkpoint, d)
-    p = _zoff("convert", str(d), str(tmp_path / "out.safetensors"))
+    p = _zoff("convert", str(d), str(tmp_path / "out.safetensors"), fresh=True)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr

@@ -1,10 +1,14 @@
 """A received checkpoint is data (issue 33): it never chooses code to run, its names stay inside its folder,
 everything read from it is checksummed, `--resume auto` falls back past a damaged step and says so, and a
-re-save never leaves the step missing. Each case: one line, exit 2, nothing written."""
+re-save never leaves the step missing. Each case: one line, exit 2, nothing written.
+
+Each `zoff` call is its own `python -m zoff` process; those that need no training are forked from a server that
+has imported zoff and torch once (see ForkServer), and one of them starts a fresh interpreter."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.forked_zoff import ModuleServer
 from zoff.checkpoint.format import file_entry, find_checkpoint, newest_intact, replace_folder
 from zoff.errors import UserError
 
@@ -21,10 +26,24 @@ TRAIN = [sys.executable, "-m", "zoff", "train", str(REPO / "configs" / "tiny.yam
          "launch.nproc_per_node=1", "checkpoint.every_steps=2", "checkpoint.keep_last=3"]  # fmt: skip
 
 
-def _zoff(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "zoff", *args], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
+# What the commands below import on their way to an error (convert, train's preflight): once, in the server.
+PRELOAD = [
+    "zoff.cli", "zoff.launch", "zoff.hub", "zoff.network", "zoff.trainer.session", "zoff.planning.disk_room",
+    "zoff.checkpoint.convert",
+]  # fmt: skip
+
+
+def _zoff(*args: str, cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m zoff ARGS`, forked from the module's server; fresh=True: a new interpreter."""
+    if fresh:
+        return subprocess.run(
+            [sys.executable, "-m", "zoff", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+        )
+    return SERVER.run([(list(args), cwd or Path.cwd(), dict(os.environ))], timeout=300)[0]
+
+
+SERVER = ModuleServer(PRELOAD, lambda: dict(os.environ), lambda: Path.cwd())  # started by the fixture below
+_fork_server = SERVER.fixture()
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +96,8 @@ def test_convert_never_runs_code_a_checkpoint_names(run, tmp_path, model, needle
 def test_an_edited_config_fails_its_checksum(run, tmp_path) -> None:
     step = _copy(run, tmp_path) / "checkpoints" / "step_00000006"
     (step / "config.yaml").write_text((step / "config.yaml").read_text() + "# edited after the save\n")
-    _one_line_exit_2(_zoff("convert", str(step), str(tmp_path / "o.safetensors")), "config.yaml")
+    p = _zoff("convert", str(step), str(tmp_path / "o.safetensors"), fresh=True)
+    _one_line_exit_2(p, "config.yaml")
 
 
 @pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", ".hidden"])
@@ -115,8 +135,9 @@ def test_resume_auto_with_no_intact_step_is_one_line(run, tmp_path) -> None:
     out = _copy(run, tmp_path)
     for step in (out / "checkpoints").glob("step_*"):
         (step / "extra.safetensors").write_bytes(b"x")
-    p = subprocess.run([*TRAIN, "train.max_steps=8", "--run-dir", str(out), "--resume", "auto"],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    p = _zoff(
+        *TRAIN[3:], "train.max_steps=8", "--run-dir", str(out), "--resume", "auto"
+    )  # stops before launch
     _one_line_exit_2(p, "no intact checkpoint", "3 skipped")
     _, skipped = newest_intact(out / "checkpoints", verify=True)
     assert len(skipped) == 3 and all("extra.safetensors" in s for s in skipped)

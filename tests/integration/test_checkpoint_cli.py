@@ -31,6 +31,7 @@ RESUMED_FROM_2 = re.compile(
     r"zoff: resum\w* (from|at) step 2\b"
 )  # "resumed from step 2" / "resume at step 2"
 CKPT = ("checkpoint.every_steps=2", "checkpoint.keep_last=2", "train.log_every=1")
+PAUSE_S = 3  # the step-4 save's pause (tests/inject/sitecustomize.py), in seconds
 
 
 def _env(**extra: str) -> dict:
@@ -123,7 +124,10 @@ def scenario(tmp_path_factory) -> dict:
 
     # 2. resume, pause inside the step-4 save, SIGKILL rank 1 there
     out, err = (root / "crash.stdout").open("w+"), (root / "crash.stderr").open("w+")
-    env = _env(ZOFF_TEST_PAUSE_IN_SAVE="10", ZOFF_TEST_PAUSE_FLAG=str(flag))
+    # The pause only has to outlast the few milliseconds from the flag to the kill below (a /proc scan and one
+    # directory listing); the surviving rank sleeps it out before its gather fails, so every second of it
+    # is a second of this fixture. 3 s is still hundreds of times what the kill needs on a loaded machine.
+    env = _env(ZOFF_TEST_PAUSE_IN_SAVE=str(PAUSE_S), ZOFF_TEST_PAUSE_FLAG=str(flag))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "inject"), env["PYTHONPATH"]])  # the pause
     launcher = subprocess.Popen(
         _argv(run_dir, "--resume", "auto", "train.max_steps=6", *CKPT),
@@ -141,6 +145,7 @@ def scenario(tmp_path_factory) -> dict:
         assert sorted(workers) == [0, 1], workers
         s["tmp_while_paused"] = sorted(p.name for p in ckpt_dir.iterdir())
         os.kill(workers[1], signal.SIGKILL)  # a rank, not the launcher
+        s["kill_after_s"] = time.time() - flag.stat().st_mtime  # since the first rank's pause began
         s["crash_rc"] = launcher.wait(timeout=120)
     finally:
         if launcher.poll() is None:
@@ -171,6 +176,7 @@ def test_resume_auto_without_checkpoint_starts_fresh(scenario) -> None:
 
 def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(scenario) -> None:
     assert ".tmp-step_00000004" in scenario["tmp_while_paused"], "the kill must land inside the step-4 save"
+    assert scenario["kill_after_s"] < PAUSE_S, f"killed {scenario['kill_after_s']:.1f} s into the pause"
     assert RESUMED_FROM_2.search(scenario["crash_stdout"]), scenario["crash_stdout"]
     assert scenario["crash_rc"] != 0, scenario["crash_stderr"]
     assert "zoff: training failed" in scenario["crash_stderr"], scenario["crash_stderr"]

@@ -17,7 +17,10 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 12
+# Steps 1-8 are all warmup (warmup_steps 10 in both configs), so their losses do not depend on max_steps.
+# llama-sft falls from 7.36 at step 1 to a mean of 6.96 over steps 5-8, 0.39, twice the 0.2 asked (12 steps:
+# 0.72). llama-lora (in the grid) learns more slowly, 0.24 by step 8: it keeps its 12.
+STEPS = {"llama-sft": 8, "llama-lora": 12}
 
 
 def zoff(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -44,7 +47,7 @@ def _train(config: str, base: Path, run_dir: Path) -> list[dict]:
     zoff(
         "-m", "zoff", "train", f"configs/{config}.yaml", "--run-dir", str(run_dir),
         f"model.path={base / 'tiny-llama'}", f"data.tokenizer={base / 'tiny-llama'}",
-        f"data.paths=[{base / 'chat.jsonl'}]", f"train.max_steps={STEPS}", "train.log_every=1",
+        f"data.paths=[{base / 'chat.jsonl'}]", f"train.max_steps={STEPS[config]}", "train.log_every=1",
     )  # fmt: skip
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -55,7 +58,7 @@ def _train(config: str, base: Path, run_dir: Path) -> list[dict]:
 def test_shipped_finetune_config_trains(config: str, base: Path, tmp_path: Path) -> None:
     records = _train(config, base, tmp_path / "run")
     losses = [r["loss"] for r in records if "loss" in r]
-    assert len(losses) == STEPS
+    assert len(losses) == STEPS[config]
     assert sum(losses[-4:]) / 4 < losses[0] - 0.2  # learning, not noise
     for r in (r for r in records if "loss" in r):  # the answers' tokens, not the padding and prompts
         processed = r["tokens_per_s"] * r["step_time_s"]

@@ -10,6 +10,11 @@
 4. Timeout: SIGSTOP one rank; the other names the collective and the stopped rank within launch.timeout_s.
 5. Multi-node on loopback: two agents --nnodes 2 --node-rank 0/1 form one 2-rank job.
 
+The runs overlap where one leaves the cores idle (the machine may have two): the timeout test, first, starts
+the reference run (the uninterrupted run that 1, 3 and 5 must equal) and the multi-node run once its rank is
+stopped, as the other rank then waits out the timeout; the kill test starts the preemption scenario alongside its
+own run, whose restarts wait. Each test still waits for, and checks, its own run.
+
 Only processes these tests start are ever signalled: each agent runs in its own session (process group),
 its workers are found by walking the process tree down from the agent's pid, and a worker's rank is read
 from the `logs/rank<r>.log` file it holds open.
@@ -24,7 +29,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -51,7 +58,10 @@ pytestmark = pytest.mark.slow
 
 # One rank thread everywhere: the same arithmetic whatever the ranks per node, and no oversubscription.
 COMMON = ("zero=zero2", "launch.threads_per_rank=1", "train.log_every=1")
-STEPS = 220  # the latest stop is asked at step 150 (preemption): 70 steps of margin
+# The kill test's second kill comes by step 80 (30 steps past a resume from a checkpoint at or before the first
+# kill, at step 50 at most); the preemption's second stop is asked 20 steps past the first stop (asked at step
+# 20, taken a step later): about 60 steps of margin before the end for the stop to be taken.
+STEPS = 100
 KILL_CFG = (*COMMON, f"train.max_steps={STEPS}", "checkpoint.every_steps=5")
 RNG = random.Random(7)
 
@@ -59,35 +69,131 @@ RNG = random.Random(7)
 class Reference:
     """The uninterrupted 2-rank run (one agent, 2 ranks) the kill, preemption and multi-node runs must equal.
 
-    It starts when first requested and runs alongside the scenario that requested it (whose restarts and
-    shutdowns leave the cores idle for seconds); `path()` waits for it.
+    It runs alongside the scenario that starts it (the timeout test's wait, or the first scenario that needs
+    it when that test is not selected); `path()` waits for it.
     """
 
     def __init__(self, run_dir: Path):
-        self.run_dir, self.agent, self.done = run_dir, Agent(run_dir, *KILL_CFG, name="ref2"), False
+        self.run_dir, self.agent, self.done = run_dir, None, False
+
+    def start(self) -> None:
+        if self.agent is None:
+            self.agent = Agent(self.run_dir, *KILL_CFG, name="ref2")
 
     def path(self) -> Path:
         if not self.done:
+            self.start()
             self.agent.ok(timeout=400)
             assert sorted(losses(self.run_dir)) == list(range(1, STEPS + 1))
             self.done = True
         return self.run_dir
 
 
+class Background:
+    """A scenario run in a thread from the first `start()`, alongside the tests; `result()` waits for it and
+    returns its value, or raises what it raised."""
+
+    def __init__(self, scenario):
+        self.scenario, self.thread, self.value, self.error = scenario, None, None, None
+
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.value = self.scenario()
+        except BaseException as e:  # noqa: BLE001 - raised again by result()
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def result(self):
+        self.start()
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def _selected(request, fixture: str) -> bool:
+    """Whether a selected test other than this one uses `fixture`: only then does starting its run early pay."""
+    return any(fixture in item.fixturenames for item in request.session.items if item is not request.node)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     ref = Reference(tmp_path_factory.mktemp("ref2") / "run")
     yield ref
-    ref.agent.cleanup()
+    if ref.agent is not None:
+        ref.agent.cleanup()
 
 
 # ----------------------------------------------------------------------------------------------- tests
 
 
-def test_sigkill_a_worker_twice_and_the_run_resumes_by_itself_bit_identically(agents, reference, tmp_path):
+def test_a_stopped_rank_makes_the_other_fail_naming_the_collective_within_the_timeout(
+    agents, reference, two_nodes, tmp_path, request
+):
+    run_dir = tmp_path / "run"
+    timeout_s = 5
+    a = agents(run_dir, *COMMON, "train.max_steps=100000", f"launch.timeout_s={timeout_s}")
+    w = a.wait_workers(2)
+    wait_for(lambda: last_step(run_dir) >= 5, "step 5", a)
+    stopped = 1
+    os.kill(w[stopped], signal.SIGSTOP)
+    t0 = time.monotonic()
+    # Rank 0 now waits out the timeout, then a few seconds for its peers' reports, with the cores idle: the
+    # reference run the other scenarios need, and the multi-node run, go meanwhile (this test runs first).
+    if _selected(request, "reference"):
+        reference.start()
+    if _selected(request, "two_nodes"):
+        two_nodes.start()
+    pattern = re.compile(
+        r"CollectiveError: (all_reduce|reduce_scatter|all_gather|broadcast) failed on rank 0 of 2 within the "
+        rf"{timeout_s}s timeout; rank\(s\) not answering: {stopped}\b"
+    )
+
+    def found() -> str | None:
+        texts = [a.stderr, a.stdout]
+        for f in run_dir.glob("logs/**/*"):
+            if f.is_file():
+                texts.append(f.read_text(errors="replace"))
+        return next((m.group(0) for t in texts if (m := pattern.search(t))), None)
+
+    msg = wait_for(found, "the CollectiveError", timeout=timeout_s + 60, every=0.1)
+    elapsed = time.monotonic() - t0
+    assert elapsed < timeout_s + 15, f"{elapsed:.1f}s: {msg}"
+    # Rank 0 raises and exits; the agent then stops the (still stopped) rank 1: let it go, then kill it.
+    wait_for(lambda: not alive(w[0]), "rank 0 to exit", timeout=60, every=0.1)
+    os.kill(w[stopped], signal.SIGCONT)
+    os.kill(w[stopped], signal.SIGKILL)
+    code = a.wait(timeout=120)
+    assert code != 0, a.report()
+    err = a.stderr
+    assert "zoff: training failed: rank 0 failed" in err, err
+    assert pattern.search(err.split("zoff: training failed:")[1]), err
+    # No checkpoint was ever saved (no periodic ones): the final lines say so, with the command to start again.
+    assert (
+        f"zoff: {run_dir / 'checkpoints'} holds no complete checkpoint; start again with:\n  zoff train "
+        in err
+    )
+    print(f"timeout: '{msg}' {elapsed:.1f}s after SIGSTOP")
+
+
+def test_sigkill_a_worker_twice_and_the_run_resumes_by_itself_bit_identically(
+    agents, reference, preempting, tmp_path, request
+):
+    # Alongside (the reference, unless already done): the restarts below leave the cores idle for seconds.
+    reference.start()
+    if _selected(request, "preemption"):
+        preempting.start()
     run_dir = tmp_path / "run"
     a = agents(run_dir, *KILL_CFG, "--max-restarts", "3", env=RESTART_ENV)
-    first_kill = RNG.randint(8, 60)  # a checkpoint (every 5 steps) exists after step 7
+    first_kill = RNG.randint(8, 50)  # a checkpoint (every 5 steps) exists after step 7
     w = a.wait_workers(2)
     wait_for(lambda: last_step(run_dir) >= first_kill, f"step {first_kill}", a)
     os.kill(w[1], signal.SIGKILL)
@@ -96,7 +202,7 @@ def test_sigkill_a_worker_twice_and_the_run_resumes_by_itself_bit_identically(ag
     # The group restarts by itself and resumes from the latest checkpoint (restart 1).
     wait_for(lambda: events(run_dir, "resume"), "the first resume event", a)
     resumed = events(run_dir, "resume")[0]["step"]
-    second_kill = resumed + RNG.randint(8, 40)  # past at least one more checkpoint
+    second_kill = resumed + RNG.randint(8, 30)  # past at least one more checkpoint
     w2 = a.wait_workers(2, exclude=set(w.values()))
     wait_for(lambda: last_step(run_dir) >= second_kill, f"step {second_kill}", a)
     assert second_kill < STEPS - 5, "the run is too short for a second kill: raise STEPS"
@@ -198,20 +304,19 @@ def _resume_command(stderr: str) -> list[str]:
 PREEMPT_SHUTDOWN_S = 15
 
 
-@pytest.fixture(scope="module")
-def preemption(tmp_path_factory, reference) -> dict:
-    """SIGTERM the launcher at step >= 40, rerun the printed command, SIGINT it at step >= 150, rerun it again.
+def _preempt(run_dir: Path, started: list[Agent]) -> dict:
+    """SIGTERM the launcher at step >= 20, rerun the printed command, SIGINT it 20 steps past the first stop's
+    checkpoint, rerun it again.
 
     The first run also passes launch flags (--nproc-per-node, --max-restarts) that a resume must keep.
     """
-    run_dir = tmp_path_factory.mktemp("preempt") / "run"
     # No periodic checkpoints: the only ones are the stops'.
     cfg = (*COMMON, f"train.max_steps={STEPS}", f"launch.shutdown_timeout_s={PREEMPT_SHUTDOWN_S}")
     out: dict = {"run_dir": run_dir, "stops": []}
-    started: list[Agent] = []
     try:
         argv = None
-        for sig, at in ((signal.SIGTERM, 40), (signal.SIGINT, 150)):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            at = last_step(run_dir) + 20  # 20 steps past the start, or past the first stop's checkpoint
             name = f"stop{len(started)}"
             if argv is None:
                 a = Agent(run_dir, *cfg, "--nproc-per-node", "2", "--max-restarts", "1", name=name)
@@ -251,6 +356,24 @@ def preemption(tmp_path_factory, reference) -> dict:
         for a in started:
             a.cleanup()
     return out
+
+
+@pytest.fixture(scope="module")
+def preempting(tmp_path_factory):
+    """The preemption scenario, in a thread: the kill test starts it alongside its own run (each leaves the
+    cores idle for seconds: start-ups and shut-downs that use one core, the restarts' waits)."""
+    started: list[Agent] = []
+    scenario = Background(partial(_preempt, tmp_path_factory.mktemp("preempt") / "run", started))
+    yield scenario
+    for a in started:  # a scenario still running (when a failure ended the module early) stops here
+        a.cleanup()
+    scenario.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def preemption(preempting, reference) -> dict:
+    reference.start()  # (unless already done) alongside
+    return preempting.result()
 
 
 def test_sigterm_then_sigint_checkpoint_and_the_printed_command_resumes(preemption, reference):
@@ -296,58 +419,37 @@ def test_the_printed_resume_command_keeps_the_launch_flags(preemption):
     assert "--nproc-per-node 2" in text and "--max-restarts 1" in text, text
 
 
-def test_a_stopped_rank_makes_the_other_fail_naming_the_collective_within_the_timeout(agents, tmp_path):
-    run_dir = tmp_path / "run"
-    timeout_s = 5
-    a = agents(run_dir, *COMMON, "train.max_steps=100000", f"launch.timeout_s={timeout_s}")
-    w = a.wait_workers(2)
-    wait_for(lambda: last_step(run_dir) >= 5, "step 5", a)
-    stopped = 1
-    os.kill(w[stopped], signal.SIGSTOP)
-    t0 = time.monotonic()
-    pattern = re.compile(
-        r"CollectiveError: (all_reduce|reduce_scatter|all_gather|broadcast) failed on rank 0 of 2 within the "
-        rf"{timeout_s}s timeout; rank\(s\) not answering: {stopped}\b"
-    )
-
-    def found() -> str | None:
-        texts = [a.stderr, a.stdout]
-        for f in run_dir.glob("logs/**/*"):
-            if f.is_file():
-                texts.append(f.read_text(errors="replace"))
-        return next((m.group(0) for t in texts if (m := pattern.search(t))), None)
-
-    msg = wait_for(found, "the CollectiveError", timeout=timeout_s + 60, every=0.1)
-    elapsed = time.monotonic() - t0
-    assert elapsed < timeout_s + 15, f"{elapsed:.1f}s: {msg}"
-    # Rank 0 raises and exits; the agent then stops the (still stopped) rank 1: let it go, then kill it.
-    wait_for(lambda: not alive(w[0]), "rank 0 to exit", timeout=60, every=0.1)
-    os.kill(w[stopped], signal.SIGCONT)
-    os.kill(w[stopped], signal.SIGKILL)
-    code = a.wait(timeout=120)
-    assert code != 0, a.report()
-    err = a.stderr
-    assert "zoff: training failed: rank 0 failed" in err, err
-    assert pattern.search(err.split("zoff: training failed:")[1]), err
-    # No checkpoint was ever saved (no periodic ones): the final lines say so, with the command to start again.
-    assert (
-        f"zoff: {run_dir / 'checkpoints'} holds no complete checkpoint; start again with:\n  zoff train "
-        in err
-    )
-    print(f"timeout: '{msg}' {elapsed:.1f}s after SIGSTOP")
-
-
-def test_two_agents_with_nnodes_2_form_one_job_equal_to_a_single_agent(agents, reference, tmp_path):
-    run_dir = tmp_path / "run"
+def _two_nodes(run_dir: Path, started: list[Agent]) -> list[Agent]:
+    """Two agents --nnodes 2 --node-rank 0/1 (1 rank each) on loopback, run to the end."""
     port = free_port()
     both = []
     for node in (0, 1):
         flags = ("--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}")
-        both.append(agents(run_dir, *KILL_CFG, *flags, "--nproc-per-node", "1", name=f"node{node}"))
+        both.append(Agent(run_dir, *KILL_CFG, *flags, "--nproc-per-node", "1", name=f"node{node}"))
+        started.append(both[-1])
         if node == 0:
             wait_for(lambda: _listening(port), "the rendezvous store", both[0])
     for a in both:
         a.ok()
+    return both
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """The multi-node run, in a thread: the timeout test starts it alongside (with the reference run) while its
+    rank waits out the collective timeout."""
+    started: list[Agent] = []
+    scenario = Background(partial(_two_nodes, tmp_path_factory.mktemp("nnodes") / "run", started))
+    yield scenario
+    for a in started:
+        a.cleanup()
+    scenario.join(timeout=60)
+
+
+def test_two_agents_with_nnodes_2_form_one_job_equal_to_a_single_agent(two_nodes, reference):
+    reference.start()  # (unless already done) alongside
+    both = two_nodes.result()
+    run_dir = both[0].run_dir
     assert "world size 2" in both[0].stdout + both[1].stdout
     ref = reference.path()
     assert losses(run_dir) == losses(ref)

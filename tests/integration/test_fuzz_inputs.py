@@ -8,15 +8,15 @@ exactly one stderr line `zoff: error: ...`, no traceback, no run directory. The 
 `python -m zoff` process, forked from a server that has imported zoff and torch once (see ForkServer); one of
 each kind starts a fresh interpreter.
 
-Inputs that hit a zoff bug are listed in KNOWN_BUGS (matched by exception type), each with a strict xfail
-test below that reproduces it on a minimal input; the fuzz test fails on anything else.
+Every input that once hit a zoff bug (a float overflow, a recipe name too long for the file system, deep
+nesting, a multi-line message, manifest fields of the wrong type) now ends in a one-line UserError like the
+others: none is tolerated.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import errno
 import gc
 import hashlib
 import json
@@ -265,7 +265,7 @@ def m_top_level(rng):
 
 
 def m_deep_nesting(rng):
-    depth = rng.choice([10, 50, 200])  # deeper input hits KNOWN_BUGS["recursion"]
+    depth = rng.choice([10, 50, 200])  # deeper input once raised RecursionError
     return "model:\n  args: " + "[" * depth + "]" * depth + "\n", []
 
 
@@ -314,15 +314,6 @@ def generate(n: int = N_CONFIG_CASES, seed: int = SEED) -> list[tuple[str, str |
     return cases
 
 
-# Exception types a fuzz case may raise because of a zoff bug; each has a strict xfail test below.
-KNOWN_BUGS = {
-    "float-overflow": lambda e: isinstance(e, OverflowError),
-    "recipe-name-too-long": lambda e: isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG,
-    "recursion": lambda e: isinstance(e, RecursionError),
-    "multi-line-message": lambda e: isinstance(e, UserError) and "\n" in str(e),
-}
-
-
 def _outcome(path: Path, overrides: list[str]) -> tuple[str, BaseException | None]:
     try:
         load_config(path, overrides)
@@ -352,10 +343,7 @@ def config_outcomes(tmp_path_factory) -> list[dict]:
     for name, text, overrides in generate():
         path = _write(tmp, name, text)
         kind, exc = _outcome(path, overrides)
-        bug = next((b for b, match in KNOWN_BUGS.items() if exc is not None and match(exc)), None)
-        if kind == "user-error":
-            bug = None
-        out.append({"name": name, "path": path, "overrides": overrides, "kind": kind, "exc": exc, "bug": bug})
+        out.append({"name": name, "path": path, "overrides": overrides, "kind": kind, "exc": exc})
     return out
 
 
@@ -370,9 +358,7 @@ def test_the_generator_is_deterministic_and_covers_every_mutation():
 
 
 def test_every_fuzzed_config_loads_or_fails_with_one_line_user_error(config_outcomes):
-    unexplained = [
-        o for o in config_outcomes if o["kind"] != "ok" and o["kind"] != "user-error" and not o["bug"]
-    ]
+    unexplained = [o for o in config_outcomes if o["kind"] not in ("ok", "user-error")]
     lines = [
         f"{o['name']} {o['overrides']}: {type(o['exc']).__name__}: {str(o['exc'])[:200]!r}"
         for o in unexplained
@@ -382,9 +368,8 @@ def test_every_fuzzed_config_loads_or_fails_with_one_line_user_error(config_outc
         + ("\n".join(lines))
     )
     counts = {k: sum(o["kind"] == k for o in config_outcomes) for k in ("ok", "user-error")}
-    bugs = {b: sum(o["bug"] == b for o in config_outcomes) for b in KNOWN_BUGS}
     assert counts["user-error"] >= 300 and counts["ok"] >= 20, counts  # the mutations mostly break configs
-    print(f"{len(config_outcomes)} fuzzed configs: {counts}, known zoff bugs hit: {bugs}")
+    print(f"{len(config_outcomes)} fuzzed configs: {counts}")
 
 
 def test_every_failing_config_message_names_a_key_or_the_file(config_outcomes):
@@ -649,11 +634,6 @@ S0, S1, EXTRA, RNG0 = (
     "extra.safetensors",
     "rng_00000.safetensors",
 )
-MANIFEST_TYPES = "zoff/checkpoint/format.py read_manifest()/verify_file() and zoff/checkpoint/convert.py _Source index manifest fields without checking their types or presence"
-
-
-def _bug(reason: str):
-    return pytest.mark.xfail(strict=True, reason=reason)
 
 
 CORRUPTIONS = [
@@ -695,7 +675,7 @@ CORRUPTIONS = [
     ("manifest-piece-in-unlisted-file", _manifest(lambda m, rng: _first_piece(m).__setitem__("file", "shard_00009.safetensors"))),
     ("manifest-piece-too-long", _manifest(lambda m, rng: _first_piece(m).__setitem__("length", 10**9))),
     ("manifest-piece-bad-unit", _manifest(lambda m, rng: _first_piece(m).__setitem__("unit", 7))),
-    # Wrong types and missing keys: zoff bugs (not UserError), one strict xfail each.
+    # wrong types and missing keys (once zoff bugs: a TypeError or KeyError, not a UserError)
     ("manifest-files-a-list", _manifest(lambda m, rng: m.__setitem__("files", []))),
     ("manifest-files-null", _manifest(lambda m, rng: m.__setitem__("files", None))),
     ("manifest-file-meta-a-string", _manifest(lambda m, rng: m["files"].__setitem__(S0, "x"))),
@@ -714,17 +694,10 @@ CLI_CORRUPTIONS = [
     "manifest-garbage-json", "manifest-list", "manifest-future-version", "manifest-piece-too-long",
     "checkpoint-dir-empty", "manifest-files-a-list", "manifest-piece-in-unlisted-file",
 ]  # fmt: skip
-CLI_ONLY_BUGS: dict = {}  # cases that fail only through the CLI (none left)
 
 
-def _params(names: list[str] | None = None, extra: dict | None = None):
-    out = []
-    for case in CORRUPTIONS:
-        name, marks = case[0], case[2:]
-        if names is None or name in names:
-            more = (extra[name],) if extra and name in extra and not marks else ()
-            out.append(pytest.param(name, marks=marks + more, id=name))
-    return out
+def _params(names: list[str] | None = None) -> list:
+    return [pytest.param(c[0], id=c[0]) for c in CORRUPTIONS if names is None or c[0] in names]
 
 
 def _corrupted_copy(real_checkpoint: Path, tmp_path: Path, name: str) -> Path:
@@ -761,7 +734,7 @@ def test_convert_of_a_corrupted_checkpoint_is_a_user_error_naming_a_file(real_ch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _params(CLI_CORRUPTIONS, CLI_ONLY_BUGS))
+@pytest.mark.parametrize("name", _params(CLI_CORRUPTIONS))
 def test_zoff_convert_cli_on_a_corrupted_checkpoint_exits_2_with_one_line(real_checkpoint, tmp_path, name):
     d = _corrupted_copy(real_checkpoint, tmp_path, name)
     out = tmp_path / "out.safetensors"

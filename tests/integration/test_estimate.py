@@ -20,6 +20,7 @@ from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
 from zoff.models import build_model, lm_loss, meta_model
 from zoff.planning import activations as A
+from zoff.planning import choice as C
 from zoff.planning import estimate as E
 from zoff.planning import memory as M
 
@@ -330,10 +331,10 @@ GIB = 2**30
 )
 def test_suggest_policy(config: str, gpus: int, gpu_gib: int, cpu_gib: int, expected: tuple) -> None:
     cfg = load_config(REPO / "configs" / config)
-    got = M.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, gpus, gpu_gib * GIB, cpu_gib * GIB)
+    got = C.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, gpus, gpu_gib * GIB, cpu_gib * GIB)
     assert got[:4] == expected, got[4]
     assert got[5] == ({"block_classes": ("Linear",)} if (config, gpus) == ("gpt-70b.yaml", 16) else {})
-    assert got[4].startswith(M._label(P.Policy(*expected))) and "\n" not in got[4]
+    assert got[4].startswith(C.policy_label(P.Policy(*expected))) and "\n" not in got[4]
 
 
 HEADLINE_BOXES = [  # (config, overrides, GPUs, GiB per GPU, CPU GiB per node)
@@ -373,7 +374,7 @@ def test_offload_keeps_the_gradient_shard_off_the_gpu(config, overrides, gpus, g
 def test_suggest_policy_when_nothing_fits() -> None:
     cfg = load_config(REPO / "configs" / "gpt-70b.yaml")
     with pytest.raises(UserError, match="no policy fits"):
-        M.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 8 * GIB, 64 * GIB)
+        C.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 8 * GIB, 64 * GIB)
 
 
 # ------------------------------------------------------------------------------------------------- CLI

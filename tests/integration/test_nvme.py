@@ -522,7 +522,7 @@ def test_sigkill_of_a_rank_on_an_nvme_run_resumes_by_itself_bit_identically(
 def test_zero_auto_turns_to_the_disk_when_host_memory_cannot_hold_the_states(swap: Path) -> None:
     """With an nvme_path that has room, `zero: auto` picks the disk tier once even CPU offload does not fit
     the host; without one, it reports that nothing fits."""
-    from zoff.planning import memory
+    from zoff.planning import choice, memory
 
     zero = {
         "stage": 2,
@@ -537,11 +537,11 @@ def test_zero_auto_turns_to_the_disk_when_host_memory_cannot_hold_the_states(swa
     gpu = nvme.gpu_bytes  # the GPUs hold ZeRO-2's parameters but not ZeRO-3's optimizer states
     cpu = nvme.cpu_bytes_per_node + 1
     assert offload.cpu_bytes_per_node > cpu  # so host memory holds the disk tier's RAM, not CPU offload's
-    got = memory.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 2, gpu, cpu, device_type="cuda")
+    got = choice.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 2, gpu, cpu, device_type="cuda")
     assert got[1] == "nvme" and "disk for swap files" in got[4]
     no_path = config_from_dict(tiny_cfg(zero={**zero, "offload_optimizer": {"staging_mb": 1}}, model=model))
     with pytest.raises(UserError, match="zero: auto: no policy fits"):
-        memory.resolve_auto(
+        choice.resolve_auto(
             no_path.model, no_path.data, no_path.train, no_path.zero, 2, gpu, cpu, device_type="cuda"
         )
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from zoff.config import load_config
+from zoff.planning.choice import resolve_auto
 from zoff.planning.estimate import detect_budget
-from zoff.planning.memory import resolve_auto
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,19 +18,16 @@ from zoff.config import Config, TrainConfig, ZeroConfig
 from zoff.engine.host_budget import mem_total
 from zoff.errors import UserError
 from zoff.planning.bench_io import disk_bandwidth
+from zoff.planning.choice import policy_label, resolve_auto, suggest_policy, swap_free_bytes
 from zoff.planning.memory import (
     GPU_KEYS,
     Budget,
     Estimate,
     Policy,
     PolicyEstimate,
-    _label,
     changes_config,
     changes_text,
     estimate_to_fit,
-    resolve_auto,
-    suggest_policy,
-    swap_free_bytes,
 )
 from zoff.units import human
 from zoff.units import parse_size as _parse_size
@@ -208,7 +205,7 @@ def _parts_note(est: Estimate) -> list[str]:
     rows = [pe for pe in est.policies if pe.zero_changes]
     if not rows:
         return []
-    which = "; ".join(f"{_label(pe.policy)}: {changes_text(pe.zero_changes)}" for pe in rows)
+    which = "; ".join(f"{policy_label(pe.policy)}: {changes_text(pe.zero_changes)}" for pe in rows)
     return [f"*: does not fit as configured; with its layers gathered part by part it does: {which}"]
 
 

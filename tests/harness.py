@@ -95,7 +95,9 @@ def _entry(
 # session: a fresh interpreter per rank re-imported them every time (~2 s each, transformers ~3 s more; the
 # default suite starts hundreds of ranks). The server never runs a torch op, so no thread pool or device state
 # is forked; each rank still gets its own process, process group and memory.
+# (and zoff's command line, which tests.forked_zoff runs from here)
 PRELOAD = ["torch", "torch.distributed", "zoff.engine", "zoff.trainer.session", "tests.harness"]
+PRELOAD += ["zoff.cli", "zoff.launch", "zoff.checkpoint.convert", "zoff.planning.disk_room"]
 _context = None
 
 

@@ -1,7 +1,7 @@
 """The `zoff` command line through the real entry point (`python -m zoff`): bad input, help, validate.
 
-Each call is its own `python -m zoff` process: most are forked from a server that has imported zoff and torch
-once (see ForkServer), one of each kind of outcome starts a fresh interpreter (fresh=True).
+Each call is its own `python -m zoff` process: most are forked from the tests' fork server, which has imported zoff and torch
+once (tests.forked_zoff), one of each kind of outcome starts a fresh interpreter (fresh=True).
 """
 
 from __future__ import annotations
@@ -14,16 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.forked_zoff import ModuleServer
+from tests.forked_zoff import forked_cli
 from zoff.config import ZeroConfig, load_config, to_dict
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
-# What the commands below import on their way to an error (train's preflight, convert): once, in the server.
-PRELOAD = [
-    "zoff.cli", "zoff.launch", "zoff.hub", "zoff.network", "zoff.trainer.session", "zoff.planning.disk_room",
-    "zoff.checkpoint.convert",
-]  # fmt: skip
 
 
 def _env() -> dict:
@@ -35,7 +30,7 @@ def _env() -> dict:
 def zoff(
     *args: str | Path, cwd: Path | None = None, timeout: float = 120, fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """`python -m zoff ARGS` in `cwd` (default: the repo), forked from the module's server; fresh=True: a new
+    """`python -m zoff ARGS` in `cwd` (default: the repo), forked from the tests' fork server; fresh=True: a new
     interpreter."""
     cwd, env = cwd or REPO, _env()
     if fresh:
@@ -47,11 +42,7 @@ def zoff(
             text=True,
             timeout=timeout,
         )
-    return SERVER.run([(list(args), cwd, env)], timeout)[0]
-
-
-SERVER = ModuleServer(PRELOAD, lambda: _env(), lambda: REPO)  # started by the fixture below
-_fork_server = SERVER.fixture()
+    return forked_cli([(list(args), cwd, env)], timeout)[0]
 
 
 def assert_user_error(p: subprocess.CompletedProcess, *names: str) -> str:

@@ -2,7 +2,7 @@
 
 Each CLI call is its own `python -m zoff convert` process. A fresh interpreter spends seconds importing torch
 on 2 loaded cores, so one call of each group starts one and the others are forked from a server that has
-imported zoff and torch once (see ForkServer); the calls of a group run concurrently (`_zoff_many`) and the
+imported zoff and torch once (tests.forked_zoff); the calls of a group run concurrently (`_zoff_many`) and the
 tests inspect their recorded results.
 """
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.forked_zoff import ModuleServer
+from tests.forked_zoff import forked_cli
 from tests.harness import run_zoff, tiny_cfg
 from zoff.config import config_from_dict
 from zoff.models import build_model
@@ -47,7 +47,7 @@ def _zoff_many(
     calls: dict[str, list[str]], fresh: str, timeout: float = 240
 ) -> dict[str, subprocess.CompletedProcess]:
     """Run `python -m zoff convert ARGS` for every entry at once; return each finished process by its key.
-    The call keyed `fresh` runs in a new interpreter, the others are forked from the module's server."""
+    The call keyed `fresh` runs in a new interpreter, the others are forked from the tests' fork server."""
     env = _env()
     p = subprocess.Popen(
         [sys.executable, "-m", "zoff", "convert", *map(str, calls[fresh])],
@@ -59,7 +59,7 @@ def _zoff_many(
     )
     try:
         forked = [key for key in calls if key != fresh]
-        results = SERVER.run([(["convert", *calls[key]], REPO, env) for key in forked], timeout)
+        results = forked_cli([(["convert", *calls[key]], REPO, env) for key in forked], timeout)
         done = dict(zip(forked, results))
         out, err = p.communicate(timeout=timeout)  # a hung convert fails the test, not the suite
         done[fresh] = subprocess.CompletedProcess(p.args, p.returncode, out, err)
@@ -68,12 +68,6 @@ def _zoff_many(
             p.kill()
             p.wait()
     return {key: done[key] for key in calls}
-
-
-# What `zoff convert` imports: once, in the server.
-PRELOAD = ["zoff.cli", "zoff.checkpoint.convert", "safetensors.torch"]
-SERVER = ModuleServer(PRELOAD, lambda: _env(), lambda: REPO)  # started by the fixture below
-_fork_server = SERVER.fixture()
 
 
 def _ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ loads (some mutations are valid) or raises zoff.errors.UserError with a one-line
 exception. A sample of the failing cases then goes through the real CLI (`validate` and `train`): exit 2,
 exactly one stderr line `zoff: error: ...`, no traceback, no run directory. The same for `zoff convert` on
 50 corrupted copies of one real checkpoint (most in-process, some through the CLI). Each CLI call is its own
-`python -m zoff` process, forked from a server that has imported zoff and torch once (see ForkServer); one of
+`python -m zoff` process, forked from a server that has imported zoff and torch once (tests.forked_zoff); one of
 each kind starts a fresh interpreter.
 
 Every input that once hit a zoff bug (a float overflow, a recipe name too long for the file system, deep
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.forked_zoff import ModuleServer
+from tests.forked_zoff import forked_cli
 from zoff.config import Config, list_recipes, load_config
 from zoff.errors import UserError
 
@@ -434,18 +434,11 @@ def _env() -> dict:
     return env
 
 
-# What the commands below import on their way to an error (train's preflight, convert): once, in the server.
-PRELOAD = [
-    "zoff.cli", "zoff.launch", "zoff.hub", "zoff.network", "zoff.trainer.session", "zoff.planning.disk_room",
-    "zoff.checkpoint.convert",
-]  # fmt: skip
-
-
 def _zoff_many(
     calls: list[list[str]], fresh: set[int] | frozenset[int] = frozenset(), timeout: float = 120
 ) -> list[subprocess.CompletedProcess]:
     """`python -m zoff ARGS` for every call at once, their results in order: the calls whose index is in
-    `fresh` in new interpreters, the others forked from the module's server."""
+    `fresh` in new interpreters, the others forked from the tests' fork server."""
     env = _env()
     started = {
         i: subprocess.Popen(
@@ -461,7 +454,7 @@ def _zoff_many(
     }
     try:
         forked = [(args, REPO, env) for i, args in enumerate(calls) if i not in fresh]
-        served = iter(SERVER.run(forked, timeout) if forked else [])
+        served = iter(forked_cli(forked, timeout) if forked else [])
         done = []
         for i in range(len(calls)):
             if i in started:
@@ -479,10 +472,6 @@ def _zoff_many(
 
 def _zoff(*args: str, timeout: float = 120, fresh: bool = False) -> subprocess.CompletedProcess:
     return _zoff_many([list(args)], {0} if fresh else frozenset(), timeout)[0]
-
-
-SERVER = ModuleServer(PRELOAD, lambda: _env(), lambda: REPO)  # started by the fixture below
-_fork_server = SERVER.fixture()
 
 
 def _one_line_exit_2(p: subprocess.CompletedProcess, what: str) -> str:

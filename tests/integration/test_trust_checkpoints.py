@@ -3,7 +3,7 @@ everything read from it is checksummed, `--resume auto` falls back past a damage
 re-save never leaves the step missing. Each case: one line, exit 2, nothing written.
 
 Each `zoff` call is its own `python -m zoff` process; those that need no training are forked from a server that
-has imported zoff and torch once (see ForkServer), and one of them starts a fresh interpreter."""
+has imported zoff and torch once (tests.forked_zoff), and one of them starts a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.forked_zoff import ModuleServer
+from tests.forked_zoff import forked_cli
 from zoff.checkpoint.format import file_entry, find_checkpoint, newest_intact, replace_folder
 from zoff.errors import UserError
 
@@ -26,24 +26,13 @@ TRAIN = [sys.executable, "-m", "zoff", "train", str(REPO / "configs" / "tiny.yam
          "launch.nproc_per_node=1", "checkpoint.every_steps=2", "checkpoint.keep_last=3"]  # fmt: skip
 
 
-# What the commands below import on their way to an error (convert, train's preflight): once, in the server.
-PRELOAD = [
-    "zoff.cli", "zoff.launch", "zoff.hub", "zoff.network", "zoff.trainer.session", "zoff.planning.disk_room",
-    "zoff.checkpoint.convert",
-]  # fmt: skip
-
-
 def _zoff(*args: str, cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
-    """`python -m zoff ARGS`, forked from the module's server; fresh=True: a new interpreter."""
+    """`python -m zoff ARGS`, forked from the tests' fork server; fresh=True: a new interpreter."""
     if fresh:
         return subprocess.run(
             [sys.executable, "-m", "zoff", *args], capture_output=True, text=True, timeout=300, cwd=cwd
         )
-    return SERVER.run([(list(args), cwd or Path.cwd(), dict(os.environ))], timeout=300)[0]
-
-
-SERVER = ModuleServer(PRELOAD, lambda: dict(os.environ), lambda: Path.cwd())  # started by the fixture below
-_fork_server = SERVER.fixture()
+    return forked_cli([(list(args), cwd or Path.cwd(), dict(os.environ))], timeout=300)[0]
 
 
 @pytest.fixture(scope="module")

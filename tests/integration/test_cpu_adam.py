@@ -157,6 +157,36 @@ def test_16bit_grads_match_torch_on_upcast(n: int, gdtype: torch.dtype, simd: st
     assert_adam_close(m, ref_m)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+@pytest.mark.parametrize(
+    "gdtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "l2"])
+def test_grad_scale_is_bitwise_the_scaled_fp32_copy(
+    monkeypatch: pytest.MonkeyPatch, adamw: bool, gdtype: torch.dtype, simd: str, backend: str
+) -> None:
+    # The engine hands a 16-bit gradient and its clipping/unscaling coefficient to the kernel instead of
+    # grad.float().mul_(coef): every bit must stay what that copy gave (mul, not mul_: fp32 .float() is g), tails (n = 37) and 1e-30-sized
+    # products (denormal after scaling) included, and the gradient itself must stay unwritten.
+    simd, n = _simd(simd), 4096 + 37
+    if backend == "torch":
+        monkeypatch.setenv("ZOFF_CPU_ADAM_BACKEND", "torch")
+    g = (_grad(n, 1, 18) * torch.logspace(-36, 2, n)).to(gdtype)
+    g[5] = float("inf") if gdtype != torch.float16 else g[5]
+    before = g.clone()
+    out = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
+    states = [(_init(n, 19), _init(n, 20).abs(), _init(n, 21).abs()) for _ in range(2)]
+    for s, scale in enumerate((0.37, 1.0 / 3.0, 1.0, 2.0**-16 * 0.813), start=1):
+        (p, m, v), (q, mq, vq) = states
+        cpu_adam_step(p, g, m, v, step=s, lr=1e-2, weight_decay=0.1, adamw_mode=adamw, simd=simd,
+                      grad_scale=scale, out16=out[0])  # fmt: skip
+        cpu_adam_step(q, g.float().mul(scale), mq, vq, step=s, lr=1e-2, weight_decay=0.1, adamw_mode=adamw,
+                      simd=simd, out16=out[1])  # fmt: skip
+        assert _same(p, q) and _same(m, mq) and _same(v, vq) and _same(out[0].float(), out[1].float()), scale
+    assert torch.equal(g.isnan(), before.isnan()) and torch.equal(g.nan_to_num(0), before.nan_to_num(0))
+
+
 @pytest.mark.parametrize("simd", SIMD_LEVELS)
 @pytest.mark.parametrize("odtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_out16_is_bit_exact_rounding(odtype: torch.dtype, simd: str) -> None:

@@ -1,7 +1,7 @@
 // Fused CPU Adam/AdamW step: one pass over memory per element (design.md section 3).
 //
-// Reads p (fp32), g (fp32 | bf16 | fp16, widened in registers), m, v (fp32); writes p, m, v and optionally
-// the round-to-nearest-even 16-bit copy of the new p. The float operations follow torch's Adam op for op (see
+// Reads p (fp32), g (fp32 | bf16 | fp16, widened in registers and optionally times a scale), m, v (fp32);
+// writes p, m, v and optionally the round-to-nearest-even 16-bit copy of the new p. The float operations follow torch's Adam op for op (see
 // adam_elem), so results equal torch's fused CPU AdamW bit for bit, and torch.optim.AdamW(foreach=False) to
 // ~1 ulp (its sqrt is not correctly rounded on large tensors). Compile with -ffp-contract=off so the compiler
 // adds no FMAs of its own.
@@ -42,12 +42,14 @@ struct Consts {
   float rbc2s;     // RN(1 / bc2s), for the divider-free exact division (see div_bc2s)
   float eps;
   float neg_step;  // -(lr / (1 - beta1^t))
+  float gscale;    // the gradient's scale (unscaling and clipping): g = RN(g * gscale), as g.float().mul_(s)
   bool do_decay;
   bool do_l2;
+  bool do_scale;
 };
 
 Consts make_consts(int64_t step, double lr, double beta1, double beta2, double eps, double wd, bool adamw,
-                   bool bias_correction) {
+                   bool bias_correction, double grad_scale) {
   Consts c{};
   // std::pow matches Python's float ** float (both call libm pow).
   const double t = static_cast<double>(step);
@@ -66,6 +68,10 @@ Consts make_consts(int64_t step, double lr, double beta1, double beta2, double e
   c.rbc2s = 1.0f / c.bc2s;
   c.eps = static_cast<float>(eps);
   c.neg_step = static_cast<float>(-(lr / bc1));
+  // torch's mul_(python float) on an fp32 tensor multiplies by the scalar rounded to float, one rounding.
+  // x * 1.0f is exact, so a scale of 1 skips the multiply with the same bits.
+  c.gscale = static_cast<float>(grad_scale);
+  c.do_scale = c.gscale != 1.0f;
   return c;
 }
 
@@ -77,6 +83,7 @@ inline float widen(fp16 x) { return static_cast<float>(x); }
 
 // The operation order below is torch's (adam.py _single_tensor_adam and the fused CPU kernel), one rounding
 // per torch op, with FMAs exactly where torch's vectorised kernels use them:
+//   g = g * gscale                                 (the caller's grad.float().mul_(scale), fused here)
 //   p = p * decay                                  (AdamW, param.mul_)
 //   g = fma(p, wd, g)                              (L2, grad.add(param, alpha=wd))
 //   m = fma(w1, g - m, m)                          (exp_avg.lerp_(grad, 1 - beta1); |w1| >= 0.5 -> base g)
@@ -86,6 +93,7 @@ inline float widen(fp16 x) { return static_cast<float>(x); }
 template <typename G, typename O>
 inline void adam_elem(float* p, const G* g, float* m, float* v, O* out, int64_t i, const Consts& c) {
   float pi = p[i], gi = widen(g[i]), mi = m[i], vi = v[i];
+  if (c.do_scale) gi = gi * c.gscale;
   if (c.do_decay) pi = pi * c.decay;
   if (c.do_l2) gi = std::fma(pi, c.wd, gi);
   mi = std::fma(c.w1_coeff, gi - mi, c.w1_small ? mi : gi);
@@ -193,6 +201,7 @@ ZOFF_AVX512 inline void adam16(float* p, const G* g, float* m, float* v, O* out,
   __m512 gv = load16_g(g + i, k);
   __m512 mv = _mm512_maskz_loadu_ps(k, m + i);
   __m512 vv = _mm512_maskz_loadu_ps(k, v + i);
+  if (c.do_scale) gv = _mm512_mul_ps(gv, _mm512_set1_ps(c.gscale));
   if (c.do_decay) pv = _mm512_mul_ps(pv, _mm512_set1_ps(c.decay));
   if (c.do_l2) gv = _mm512_fmadd_ps(pv, _mm512_set1_ps(c.wd), gv);
   mv = _mm512_fmadd_ps(_mm512_set1_ps(c.w1_coeff), _mm512_sub_ps(gv, mv), c.w1_small ? mv : gv);
@@ -254,7 +263,7 @@ ZOFF_AVX2 void adam_avx2(float* p, const G* g, float* m, float* v, O* out, int64
   const __m256 decay = _mm256_set1_ps(c.decay), wd = _mm256_set1_ps(c.wd), w1 = _mm256_set1_ps(c.w1_coeff);
   const __m256 b2 = _mm256_set1_ps(c.b2), c2 = _mm256_set1_ps(c.c2), bc2s = _mm256_set1_ps(c.bc2s);
   const __m256 rbc2s = _mm256_set1_ps(c.rbc2s);
-  const __m256 eps = _mm256_set1_ps(c.eps), ns = _mm256_set1_ps(c.neg_step);
+  const __m256 eps = _mm256_set1_ps(c.eps), ns = _mm256_set1_ps(c.neg_step), gs = _mm256_set1_ps(c.gscale);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     if ((i & 15) == 0) prefetch_ahead(p, g, m, v, i, out);
@@ -262,6 +271,7 @@ ZOFF_AVX2 void adam_avx2(float* p, const G* g, float* m, float* v, O* out, int64
     __m256 gv = load8_g(g + i);
     __m256 mv = _mm256_loadu_ps(m + i);
     __m256 vv = _mm256_loadu_ps(v + i);
+    if (c.do_scale) gv = _mm256_mul_ps(gv, gs);
     if (c.do_decay) pv = _mm256_mul_ps(pv, decay);
     if (c.do_l2) gv = _mm256_fmadd_ps(pv, wd, gv);
     mv = _mm256_fmadd_ps(w1, _mm256_sub_ps(gv, mv), c.w1_small ? mv : gv);
@@ -377,7 +387,7 @@ bool half_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; 
 std::string adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, c10::optional<at::Tensor> out16,
                       c10::optional<at::Tensor> step_t, int64_t step, double lr, double beta1, double beta2,
                       double eps, double weight_decay, bool adamw_mode, bool bias_correction, int64_t threads,
-                      const std::string& simd) {
+                      const std::string& simd, double grad_scale) {
   const int64_t n = p.numel();
   const auto gt = g.scalar_type();
   if (p.scalar_type() != at::kFloat || m.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat) return "";
@@ -406,7 +416,8 @@ std::string adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, c1
   const char* env_simd = simd.empty() ? std::getenv("ZOFF_CPU_ADAM_SIMD") : nullptr;
   const Simd s = resolve_simd(env_simd != nullptr ? std::string(env_simd) : simd);
   pybind11::gil_scoped_release nogil;
-  const Consts c = make_consts(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction);
+  const Consts c =
+      make_consts(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale);
   const int nt = pick_threads(threads, n);
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   if (gt == at::kFloat) run_out(s, pp, g.data_ptr<float>(), mp, vp, out16, n, c, nt);
@@ -484,7 +495,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out16"), py::arg("step_t"), py::arg("step"),
           py::arg("lr"),
           py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
-          py::arg("bias_correction"), py::arg("threads"), py::arg("simd"));
+          py::arg("bias_correction"), py::arg("threads"), py::arg("simd"), py::arg("grad_scale") = 1.0);
   mod.def("simd_levels", &simd_levels, "SIMD levels this CPU supports, best first");
   mod.def("stream_probe", &stream_probe, py::call_guard<py::gil_scoped_release>());
   mod.def("stream_triad", &stream_triad, py::call_guard<py::gil_scoped_release>());

@@ -78,9 +78,11 @@ class Tier(Protocol):
 
 
 def torch_fused_kernel(
-    p, g, m, v, *, step: int, lr: float, weight_decay: float, cfg: OptimConfig, **_
+    p, g, m, v, *, step: int, lr: float, weight_decay: float, cfg: OptimConfig, grad_scale: float = 1.0, **_
 ) -> None:
     """torch's fused AdamW on one run: it streams memory at close to the machine's limit (CPU or CUDA)."""
+    if grad_scale != 1.0:  # (the engine scales first for this kernel: fuses_grad_scale is False)
+        g = g.float().mul(grad_scale)
     fn = torch_adamw.adamw if cfg.name == "adamw" else torch_adam.adam
     # the kernel increments it; torch's fused CUDA kernel reads it on the params' device
     steps = [torch.tensor(float(step - 1), device=p.device)]
@@ -91,13 +93,20 @@ def torch_fused_kernel(
 
 
 def cpu_fused_kernel(
-    p, g, m, v, *, step: int, lr: float, weight_decay: float, cfg: OptimConfig, threads: int, out16=None
-) -> None:
-    """zoff's fused C++ CPU Adam on one run; reads 16-bit gradients and may write the 16-bit params (out16)."""
+    p, g, m, v, *, step: int, lr: float, weight_decay: float, cfg: OptimConfig, threads: int, out16=None,
+    grad_scale: float = 1.0,
+) -> None:  # fmt: skip
+    """zoff's fused C++ CPU Adam on one run; reads 16-bit gradients, scaled in registers by `grad_scale`, and
+    may write the 16-bit params (out16)."""
     cpu_adam_step(
         p, g, m, v, step=step, lr=lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
         weight_decay=weight_decay, adamw_mode=cfg.name == "adamw", threads=threads, out16=out16,
+        grad_scale=grad_scale,
     )  # fmt: skip
+
+
+# the kernel multiplies a 16-bit gradient by its scale itself (precision.RescaledGrads' `fused`)
+cpu_fused_kernel.fuses_grad_scale = True
 
 
 class ShardOptimizer:
@@ -138,6 +147,11 @@ class ShardOptimizer:
         self._error: BaseException | None = None
 
     @property
+    def fuses_grad_scale(self) -> bool:
+        """True when the kernel takes 16-bit gradients unscaled and a scale (no fp32 copy per unit)."""
+        return getattr(self.kernel, "fuses_grad_scale", False)
+
+    @property
     def writes_live_shards(self) -> bool:
         """True when a step leaves the live 16-bit shards updated (nothing left to publish but the gathers)."""
         return self.out16 is not None
@@ -162,15 +176,19 @@ class ShardOptimizer:
         engine starts its all-gather there).
         """
         self.finish()
+        # per unit, what the kernel multiplies its gradient by (RescaledGrads in fused mode; else 1)
+        scale = getattr(grads, "scale", None)
+        scales = [scale(i) for i in range(len(grads))] if scale is not None else [1.0] * len(grads)
         grads = self.tier.to_kernel(grads)
         self.step_count += 1
         runs = runs or all_runs(self.runs, self.step_count)
         if background or (self.delay and self.step_count > self.warmup):
             on = on_unit if background else None
-            self._thread = threading.Thread(target=self._run, args=(grads, lr, runs, on), daemon=True)
+            args = (grads, scales, lr, runs, on)
+            self._thread = threading.Thread(target=self._run, args=args, daemon=True)
             self._thread.start()
             return True
-        self._update(grads, lr, runs, on_unit)
+        self._update(grads, scales, lr, runs, on_unit)
         return False
 
     def finish(self) -> None:
@@ -185,10 +203,17 @@ class ShardOptimizer:
                 "zoff: the background optimizer step (delay_update or overlap_step) failed"
             ) from err
 
-    def _run(self, grads: list[torch.Tensor], lr: float, runs: list[list[StepRun]], on_unit=None) -> None:
+    def _run(
+        self,
+        grads: list[torch.Tensor],
+        scales: list[float],
+        lr: float,
+        runs: list[list[StepRun]],
+        on_unit=None,
+    ) -> None:
         t0 = time.perf_counter()
         try:
-            self._update(grads, lr, runs, on_unit)
+            self._update(grads, scales, lr, runs, on_unit)
         except BaseException as e:  # surfaced by finish() on the main thread
             self._error = e
         finally:
@@ -199,6 +224,7 @@ class ShardOptimizer:
     def _update(
         self,
         grads: list[torch.Tensor],
+        scales: list[float],
         lr: float,
         runs: list[list[StepRun]],
         on_unit: Callable[[int, int | None, torch.Tensor | None], None] | None = None,
@@ -218,6 +244,7 @@ class ShardOptimizer:
                             master[a - lo : b - lo], grads[i][a:b], m[a - lo : b - lo], v[a - lo : b - lo],
                             step=step, lr=lr, weight_decay=c.weight_decay if decay else 0.0, cfg=c,
                             threads=self.threads, out16=None if out is None else out[a:b],
+                            grad_scale=scales[i],
                         )  # fmt: skip
                     if on_unit is not None:
                         on_unit(i, lo, master)  # this piece's parameters, while its master is resident

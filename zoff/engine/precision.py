@@ -42,15 +42,19 @@ class LossScaler:
 class RescaledGrads:
     """The step's gradient shards times `coef` (unscaling and clipping), unit by unit, from their store.
 
-    Resident fp32 shards are scaled in place at once; a 16-bit shard becomes an fp32 copy only when the
-    optimizer reaches its unit, and one such copy exists at a time. A list of them all would be a whole fp32
-    copy of the gradient shard (4 B/param/N: 13 GB for a 3.3B model on one rank), which the disk tier exists
-    to avoid. Shards on disk (grad_store.DiskGrads) are read unit by unit and scaled in their read buffer.
+    Resident fp32 shards are scaled in place at once; shards on disk (grad_store.DiskGrads) are read unit by
+    unit and fp32 ones scaled in their read buffer. A 16-bit shard is never scaled where it lies (that would
+    round the product back to 16 bits): with `fused` (zoff's CPU kernel, which multiplies in registers) it goes
+    to the kernel as it is and scale(i) says by what; otherwise it becomes an fp32 copy when the optimizer
+    reaches its unit, one at a time. The copy is what fusing saves: per unit a fresh fp32 tensor (4 B/param,
+    allocated and page-faulted), the conversion and the multiply, each a pass over memory, and the kernel then
+    reads 4 B/param instead of 2. A list of such copies would be a whole fp32 copy of the gradient shard
+    (13 GB for a 3.3B model on one rank), which the disk tier exists to avoid.
     x * 1.0 is exact, so with nothing to rescale the shards go as they are (bit-identical results).
     """
 
-    def __init__(self, store, coef: float):
-        self.store, self.coef = store, coef  # a grad_store.GradShards
+    def __init__(self, store, coef: float, fused: bool = False):
+        self.store, self.coef, self.fused = store, coef, fused  # store: a grad_store.GradShards
         self._last: tuple[int, torch.Tensor] | None = None
         if coef != 1.0 and store.resident:
             for g in store.shards:
@@ -60,13 +64,19 @@ class RescaledGrads:
     def __len__(self) -> int:
         return len(self.store.numels) if not self.store.resident else len(self.store.shards)
 
+    def scale(self, i: int) -> float:
+        """What the kernel multiplies unit i's shard (as __getitem__ returns it) by: 1.0 unless `fused`."""
+        dtype = self.store.shards[i].dtype if self.store.resident else self.store.dtype  # never a disk read
+        return self.coef if self.fused and dtype != torch.float32 else 1.0
+
     def __getitem__(self, i: int) -> torch.Tensor:
         if self._last is not None and self._last[0] == i:
             return self._last[1]
         g = self.store.get(i)
         if self.coef != 1.0:
             if g.dtype != torch.float32:
-                g = g.float().mul_(self.coef)
+                if not self.fused:
+                    g = g.float().mul_(self.coef)
             elif not self.store.resident:  # a read buffer of its own: scaled where it lies
                 g.mul_(self.coef)
         self._last = (i, g)

@@ -227,7 +227,7 @@ class ZeroEngine(EngineReports):
         if self.grad_clip > 0:
             coef *= min(self.grad_clip / (norm + 1e-6), 1.0)
         # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
-        grads = RescaledGrads(self.grads, coef)
+        grads = RescaledGrads(self.grads, coef, fused=self.optimizer.fuses_grad_scale)
         t0 = time.perf_counter()
         # The fused CPU kernel may have written the 16-bit shards in its own pass.
         copy = not self.optimizer.writes_live_shards

@@ -220,7 +220,7 @@ def cpu_adam_step(
     param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, step: int,
     lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
     adamw_mode: bool = True, bias_correction: bool = True, out16: torch.Tensor | None = None,
-    threads: int | None = None, simd: str | None = None,
+    threads: int | None = None, simd: str | None = None, grad_scale: float = 1.0,
 ) -> None:  # fmt: skip
     """One in-place Adam(W) step on flat contiguous CPU tensors, in one pass over memory.
 
@@ -228,20 +228,38 @@ def cpu_adam_step(
     after this update (1 on the first call). ``out16`` (bfloat16/float16, same numel) receives the new
     param rounded to nearest even. ``threads`` defaults to torch.get_num_threads(); ``simd`` (avx512, avx2,
     scalar, auto) overrides $ZOFF_CPU_ADAM_SIMD. The GIL is released while the kernel runs.
+    ``grad_scale``: the step reads ``grad.float() * grad_scale`` (unscaling and clipping), bit for bit as
+    ``grad.float().mul_(grad_scale)`` would give, without that fp32 copy (for a 16-bit gradient a second and
+    third pass over memory, 4 B/param allocated and page-faulted per call); ``grad`` is not written.
     """
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
     consts = (float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw_mode))
     if not _kernel(
-        param, grad, exp_avg, exp_avg_sq, out16, None, int(step), consts, bias_correction, threads, simd
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        out16,
+        None,
+        int(step),
+        consts,
+        bias_correction,
+        threads,
+        simd,
+        float(grad_scale),
     ):
+        if (
+            grad_scale != 1.0
+        ):  # the fallback's own pass (out of place: grad is the caller's), the kernel's saving
+            grad = grad.float().mul(float(grad_scale))
         adam_step_reference(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction, out16=out16,
         )  # fmt: skip
 
 
-def _kernel(p, g, m, v, out16, step_t, step, consts, bias_correction, threads, simd) -> bool:
+def _kernel(p, g, m, v, out16, step_t, step, consts, bias_correction, threads, simd, scale=1.0) -> bool:
     """Run the C++ kernel; False if it is unavailable or declines these tensors (odd dtypes, layouts, sizes).
 
     Kept to one call with no torch ops around it: see adam_step in csrc/cpu_adam.cpp for what they cost.
@@ -252,7 +270,9 @@ def _kernel(p, g, m, v, out16, step_t, step, consts, bias_correction, threads, s
     if ext is None:
         return False
     return bool(
-        ext.adam_step(p, g, m, v, out16, step_t, step, *consts, bias_correction, threads or 0, simd or "")
+        ext.adam_step(
+            p, g, m, v, out16, step_t, step, *consts, bias_correction, threads or 0, simd or "", scale
+        )
     )
 
 

@@ -53,8 +53,9 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def step_s(tree: Path, layers: int, steps: int) -> float:
-    """The median steady step time of one run in `tree` (its own package first on the path)."""
+def step_s(tree: Path, layers: int, steps: int) -> dict:
+    """One run in `tree` (its own package first on the path): its median steady step time, the median of its
+    optimizer phase (metrics.jsonl's optimizer_s: the step less forward and backward) and its losses."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory(prefix="zoff-vs-") as tmp:
         run = Path(tmp) / "run"
@@ -65,7 +66,11 @@ def step_s(tree: Path, layers: int, steps: int) -> float:
             raise SystemExit(
                 f"bench_vs_commit: the run in {tree} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}"
             )
-        return _steady_step_s(run)
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        steps_rows = [r for r in rows if "step_time_s" in r and "event" not in r]
+        return {"step_s": _steady_step_s(run),
+                "optimizer_s": statistics.median(r.get("optimizer_s", 0.0) for r in steps_rows[1:] or steps_rows),
+                "losses": [r["loss"] for r in steps_rows]}  # fmt: skip
 
 
 def imports_from(tree: Path) -> str:
@@ -76,17 +81,22 @@ def imports_from(tree: Path) -> str:
 
 
 def render(data: dict) -> str:
-    rows = [f"| {r['round']} | {r['order']} | {r['base_s']:.2f} | {r['head_s']:.2f} | {r['ratio']:.3f} |"
+    rows = [f"| {r['round']} | {r['order']} | {r['base_s']:.2f} | {r['head_s']:.2f} | {r['ratio']:.3f} | "
+            f"{r['base_opt_s']:.2f} | {r['head_opt_s']:.2f} | {r['opt_ratio']:.3f} |"
             for r in data["rounds"]]  # fmt: skip
+    same = "the same in every run, bit for bit" if data["same_losses"] else "**different**: see the JSON"
     return "\n".join([
         f"`{data['config']}` at {data['layers']} layers, every state in RAM (zero3-offload), {data['steps']} steps "
         f"a run: this tree ({data['head']}) against {data['base']}, interleaved.",
         "",
-        "| round | order | base step, s | this tree step, s | this / base |",
-        "|---:|---|---:|---:|---:|",
+        "| round | order | base step, s | this tree step, s | this / base | base optimizer phase, s | this tree's, s"
+        " | this / base |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
-        f"Median of the per-round ratios: **{data['median_ratio']:.3f}** (below 1: this tree is faster).",
+        f"Median of the per-round ratios: step **{data['median_ratio']:.3f}**, optimizer phase (the step less"
+        f" forward and backward) **{data['median_opt_ratio']:.3f}** (below 1: this tree is faster). Losses:"
+        f" {same}.",
         "",
         benchlib.measured_line(data, "bench_vs_commit"),
     ])  # fmt: skip
@@ -112,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.rounds):
         order = ("base", "head") if i % 2 == 0 else ("head", "base")
         t = {name: step_s(base if name == "base" else REPO, a.layers, a.steps) for name in order}
-        rounds.append({"round": i + 1, "order": " then ".join(order), "base_s": t["base"], "head_s": t["head"],
-                       "ratio": t["head"] / t["base"]})  # fmt: skip
-        print(f"round {i + 1}: base {t['base']:.2f} s, this tree {t['head']:.2f} s", flush=True)
+        b, h = t["base"], t["head"]
+        rounds.append({"round": i + 1, "order": " then ".join(order), "base_s": b["step_s"],
+                       "head_s": h["step_s"], "ratio": h["step_s"] / b["step_s"], "base_opt_s": b["optimizer_s"],
+                       "head_opt_s": h["optimizer_s"], "opt_ratio": h["optimizer_s"] / b["optimizer_s"],
+                       "base_losses": b["losses"], "head_losses": h["losses"]})  # fmt: skip
+        print(f"round {i + 1}: base {b['step_s']:.2f} s (optimizer {b['optimizer_s']:.2f}), this tree "
+              f"{h['step_s']:.2f} s ({h['optimizer_s']:.2f})", flush=True)  # fmt: skip
     data = {
         **benchlib.provenance(),
         "command": benchlib.command_line(ap, a, "bench_vs_commit"),
@@ -123,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                                text=True).stdout.strip(),
         "head": benchlib.git_commit(),
         "rounds": rounds, "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "median_opt_ratio": statistics.median(r["opt_ratio"] for r in rounds),
+        "same_losses": all(r["base_losses"] == r["head_losses"] == rounds[0]["base_losses"] for r in rounds),
     }  # fmt: skip
     a.out.write_text(json.dumps(data, indent=2) + "\n")
     print(render(data), end="")

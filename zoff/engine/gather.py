@@ -336,4 +336,5 @@ class _GatherFromDisk:
                 # this one (already popped from pending by its waiter), or one started before it
                 (self if v == self.u else self.gatherer.pending[v]).issued = issued
         self.issued[0].wait()
-        self.issued = None  # the read's aligned buffer goes with it
+        self.issued[1].release()  # the all-gather has copied the shard: its buffer takes the next read
+        self.issued = None

@@ -1,11 +1,17 @@
 """Stage 3's parameter shards on local disk (ZeRO-Infinity's parameter NVMe offload).
 
 Every non-persistent unit's shard (frozen ones too) has one 4096-aligned region of a swap file, in the compute
-dtype. A gather reads the shard into a fresh page-aligned buffer just in time (the gatherer's prefetch window
-bounds how many are in flight) and all-gathers from it; the buffer is freed with the read. After the optimizer
-step each updated piece of a master is written back, converted to the compute dtype on the way; a parameter
-shard is written only when it changed, and never read by the step (the optimizer's master is on its own
-swap file). RAM: the shards being gathered, not the partition.
+dtype. A gather reads the shard into a page-aligned buffer just in time (the gatherer's prefetch window
+bounds how many are in flight) and all-gathers from it; the buffer is released with the read. After the
+optimizer step each updated piece of a master is written back, converted to the compute dtype on the way; a
+parameter shard is written only when it changed, and never read by the step (the optimizer's master is on
+its own swap file). RAM: the shards being gathered, not the partition.
+
+Released buffers are kept (a few per size) for the next read or write of that size, until trim(): a fresh
+anonymous map costs a page fault and a page of zeroing per 4 KiB on first touch, and an unmap to free it,
+which for the 3.4B demo was ~20 GB a step (every block read twice and written once), on the cores the
+forward and the CPU Adam need. The engine trims when a step starts and ends, so what a phase keeps never
+outlives it: the reads' buffers are not held through the optimizer step, nor the writes' through backward.
 """
 
 from __future__ import annotations
@@ -23,20 +29,28 @@ from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned
 # Write-backs in flight during the step: each holds one piece's 16-bit copy; more would only add RAM (the
 # disk serves them in order anyway) and fewer would make the step wait for each write.
 MAX_WRITES = 2
+SPARES = 4  # released buffers kept per size: the gatherer's reads in flight, a block and the next
 
 
 class ShardRead:
     """A shard being read from the swap file; wait() returns it (a view of its own aligned buffer)."""
 
     def __init__(
-        self, file: SwapFile, buf: AlignedBuffer, futures: list[Future], numel: int, dtype: torch.dtype
+        self, owner: SwappedShards, buf: AlignedBuffer, futures: list[Future], numel: int, dtype: torch.dtype
     ):
-        self.file, self.buf, self.futures, self.numel, self.dtype = file, buf, futures, numel, dtype
+        self.owner, self.file, self.buf, self.futures = owner, owner.file, buf, futures
+        self.numel, self.dtype = numel, dtype
 
     def wait(self) -> torch.Tensor:
         self.file.wait(self.futures, reads=True)  # a gather waiting for its shard: the forward's disk wait
         self.futures = []
         return self.buf.view(self.dtype, 0, self.numel)
+
+    def release(self) -> None:
+        """The shard has been used (its all-gather is done): its buffer may take the next read."""
+        if not self.futures and self.buf is not None:
+            self.owner.give(self.buf)
+        self.buf = None
 
 
 class SwappedShards:
@@ -58,6 +72,26 @@ class SwappedShards:
         self.writes: deque[tuple[AlignedBuffer, list[Future]]] = deque()
         # the overlapped step writes back from its walk thread while gathers read here: one queue, locked
         self._lock = threading.Lock()
+        self._spare: dict[int, list[AlignedBuffer]] = {}  # nbytes -> released buffers (module docstring)
+
+    def _take(self, nbytes: int) -> AlignedBuffer:
+        with self._lock:
+            spare = self._spare.get(aligned(max(nbytes, 1)))
+            if spare:
+                return spare.pop()
+        return AlignedBuffer(nbytes)
+
+    def give(self, buf: AlignedBuffer) -> None:
+        """A buffer no read or write uses any longer."""
+        with self._lock:
+            spare = self._spare.setdefault(buf.nbytes, [])
+            if len(spare) < SPARES:
+                spare.append(buf)
+
+    def trim(self) -> None:
+        """Free the kept buffers (the engine, as a step starts and ends)."""
+        with self._lock:
+            self._spare.clear()
 
     def holds(self, u: int) -> bool:
         return u in self.offset
@@ -66,8 +100,8 @@ class SwappedShards:
         """Start reading unit u's shard (wait() on the result). Any write of it still in flight lands first."""
         self.flush()
         n = self.numels[u]
-        buf = AlignedBuffer(n * self.dtype.itemsize)
-        return ShardRead(self.file, buf, self.file.read(buf.bytes, self.offset[u]), n, self.dtype)
+        buf = self._take(n * self.dtype.itemsize)  # the read fills it whole: the region's padding is zeros
+        return ShardRead(self, buf, self.file.read(buf.bytes, self.offset[u]), n, self.dtype)
 
     def load(self, u: int) -> torch.Tensor:
         return self.read(u).wait()
@@ -81,18 +115,29 @@ class SwappedShards:
         start = self.offset[u] + lo * size
         if start % ALIGN or (lo + n < self.numels[u] and (n * size) % ALIGN):
             raise ValueError(f"parameter swap write of unit {u} at element {lo} (+{n}) is not page-aligned")
-        buf = AlignedBuffer(n * size)  # its tail past n (zeros) lands in the region's own padding
+        buf = self._take(n * size)
+        buf.bytes[n * size :].zero_()  # its tail lands in the region's own padding: zeros, as in a fresh map
         buf.view(self.dtype, 0, n).copy_(src.reshape(-1))
         with self._lock:
             self.writes.append((buf, self.file.write(buf.bytes, start)))
+            done = []
             while len(self.writes) > MAX_WRITES:
-                self.file.wait(self.writes.popleft()[1])
+                old, futures = self.writes.popleft()
+                self.file.wait(futures)
+                done.append(old)
+        for old in done:
+            self.give(old)
 
     def flush(self) -> None:
         """Wait for every write-back (before a read, and at the end of a step)."""
+        done = []
         with self._lock:
             while self.writes:
-                self.file.wait(self.writes.popleft()[1])
+                old, futures = self.writes.popleft()
+                self.file.wait(futures)
+                done.append(old)
+        for old in done:
+            self.give(old)
 
     def disk_bytes(self) -> int:
         return self.file.nbytes

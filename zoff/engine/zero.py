@@ -215,6 +215,8 @@ class ZeroEngine(EngineReports):
         self.flush()
         if self.gatherer is not None:
             self.gatherer.release_all()
+        if self.param_disk is not None:
+            self.param_disk.trim()  # the gathers' kept read buffers: not held through the step
         total_sq, bad, unused = self._global_norm_sq()
         if bad > 0 and self.scaler.enabled:
             self.scaler.update(overflow=True)
@@ -244,6 +246,7 @@ class ZeroEngine(EngineReports):
             h.wait()
         if self.param_disk is not None:
             self.param_disk.flush()  # the next forward reads the shards written back
+            self.param_disk.trim()  # the write-backs' kept buffers: not held through the next forward
         if not in_flight:
             self._published = self.optimizer.step_count
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}

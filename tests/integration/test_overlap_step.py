@@ -52,19 +52,22 @@ def _run(overlap: bool, swap: Path, precision: str, budget: str, steps: int = 4,
         with torch.no_grad():  # an evaluation forward right after the step: it meets the walk in flight
             evals.append(eng.model(x).float().sum().item())
     walked = eng.last_step_times.get("last_walk_s")
+    from_memory = eng.param_disk.read_from_memory_bytes
     params = eng.gathered_params()
     eng.close()
-    return losses, evals, params, walked
+    return losses, evals, params, (walked, from_memory)
 
 
 @pytest.mark.parametrize(("precision", "budget"), [("bf16", "min"), ("fp32", "min"), ("bf16", "auto")])
 def test_the_overlapped_step_gives_the_same_bits(precision: str, budget: str, swap: Path) -> None:
-    want_losses, want_evals, want, _ = _run(False, swap / "plain", precision, budget)
-    losses, evals, got, walked = _run(True, swap / "overlap", precision, budget)
+    want_losses, want_evals, want, (_, plain_from_memory) = _run(False, swap / "plain", precision, budget)
+    losses, evals, got, (walked, from_memory) = _run(True, swap / "overlap", precision, budget)
     assert losses == want_losses and evals == want_evals
     for name, p in want.items():
         assert torch.equal(got[name], p), name
     assert walked is not None and walked > 0  # the walk really ran in the background
+    # the forward took some shards from the walk's held write-backs, not the disk (param_swap.HELD_UNITS)
+    assert from_memory > 0 and plain_from_memory == 0
 
 
 def test_overlap_step_applies_to_zero3_nvme_only(swap: Path) -> None:

@@ -7,6 +7,11 @@ optimizer step each updated piece of a master is written back, converted to the 
 parameter shard is written only when it changed, and never read by the step (the optimizer's master is on
 its own swap file). RAM: the shards being gathered, not the partition.
 
+The overlapped step (overlap.py) keeps what its walk writes back of the last HELD_UNITS units: the next
+forward trails the walk by about a block, so it gathers a unit moments after its write-back, and reads it from
+these buffers instead of the disk. That takes the forward's parameter reads (one of the three passes over the
+parameter file a step makes) off the disk while the walk is using it; RAM: HELD_UNITS shards more.
+
 Released buffers are kept (a few per size) for the next read or write of that size, until trim(): a fresh
 anonymous map costs a page fault and a page of zeroing per 4 KiB on first touch, and an unmap to free it,
 which for the 3.4B demo was ~20 GB a step (every block read twice and written once), on the cores the
@@ -30,6 +35,7 @@ from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned
 # disk serves them in order anyway) and fewer would make the step wait for each write.
 MAX_WRITES = 2
 SPARES = 4  # released buffers kept per size: the gatherer's reads in flight, a block and the next
+HELD_UNITS = 2  # the overlapped step: the unit the forward waits for and the one the walk is writing
 
 
 class ShardRead:
@@ -57,8 +63,9 @@ class SwappedShards:
     """The parameter shards of the units in `numels` (unit index -> shard elements), in one swap file."""
 
     def __init__(
-        self, numels: dict[int, int], dtype: torch.dtype, swap_dir: Path, *, threads: int, request_bytes: int
-    ):
+        self, numels: dict[int, int], dtype: torch.dtype, swap_dir: Path, *, threads: int, request_bytes: int,
+        hold_units: int = 0,
+    ):  # fmt: skip
         self.numels, self.dtype = dict(numels), dtype
         self.offset: dict[int, int] = {}
         end = 0
@@ -73,6 +80,12 @@ class SwappedShards:
         # the overlapped step writes back from its walk thread while gathers read here: one queue, locked
         self._lock = threading.Lock()
         self._spare: dict[int, list[AlignedBuffer]] = {}  # nbytes -> released buffers (module docstring)
+        # the overlapped step's written-back pieces, per unit in write order: (element lo, elements, buffer)
+        self.hold_units = hold_units
+        self.held: dict[int, list[tuple[int, int, AlignedBuffer]]] = {}
+        self._held_ids: set[int] = set()  # buffers in `held`: not spares when their write lands
+        self._landed_ids: set[int] = set()  # held buffers whose write has landed
+        self.read_from_memory_bytes = 0  # shard bytes a gather took from `held` rather than the disk
 
     def _take(self, nbytes: int) -> AlignedBuffer:
         with self._lock:
@@ -82,22 +95,75 @@ class SwappedShards:
         return AlignedBuffer(nbytes)
 
     def give(self, buf: AlignedBuffer) -> None:
-        """A buffer no read or write uses any longer."""
+        """A buffer no read uses any longer."""
         with self._lock:
-            spare = self._spare.setdefault(buf.nbytes, [])
-            if len(spare) < SPARES:
-                spare.append(buf)
+            self._keep(buf)
+
+    def _keep(self, buf: AlignedBuffer) -> None:
+        """(Under the lock.) A buffer nothing uses: a spare, if there is room."""
+        spare = self._spare.setdefault(buf.nbytes, [])
+        if len(spare) < SPARES:
+            spare.append(buf)
+
+    def _landed(self, buf: AlignedBuffer) -> None:
+        """(Under the lock.) A write-back's write landed: its buffer is free unless a unit holds it. Decided
+        under the lock, with _unhold, so that a buffer never enters the spares twice."""
+        if id(buf) in self._held_ids:
+            self._landed_ids.add(id(buf))
+        else:
+            self._keep(buf)
 
     def trim(self) -> None:
-        """Free the kept buffers (the engine, as a step starts and ends)."""
+        """Free the kept buffers (the engine, as a step starts and ends), the held write-backs too."""
+        self.drop_held()
         with self._lock:
             self._spare.clear()
+
+    def drop_held(self) -> None:
+        """No gather will take the held write-backs (backward begins): back to the spares."""
+        with self._lock:
+            for u in list(self.held):
+                self._unhold(self.held.pop(u))
+
+    def _unhold(self, pieces: list[tuple[int, int, AlignedBuffer]]) -> None:
+        """(Under the lock.) Held buffers no read will take: back to the spares once their writes landed."""
+        for _, _, buf in pieces:
+            self._held_ids.discard(id(buf))
+            if id(buf) in self._landed_ids:
+                self._landed_ids.discard(id(buf))
+                self._keep(buf)
+
+    def _held_read(self, u: int) -> ShardRead | None:
+        """Unit u's shard from the pieces the walk wrote back, if they cover it (else None: read the disk)."""
+        with self._lock:
+            pieces = self.held.pop(u, None)
+        if pieces is None:
+            return None
+        n, end = self.numels[u], 0
+        for lo, count, _ in sorted(pieces, key=lambda p: p[0]):
+            if lo > end:
+                break
+            end = max(end, lo + count)
+        read = None
+        if end >= n:  # whole: copied in write order, so a piece written twice reads as its last write
+            buf = self._take(n * self.dtype.itemsize)
+            out = buf.view(self.dtype, 0, n)
+            for lo, count, src in pieces:
+                out[lo : lo + count].copy_(src.view(self.dtype, 0, count))
+            self.read_from_memory_bytes += n * self.dtype.itemsize
+            read = ShardRead(self, buf, [], n, self.dtype)
+        with self._lock:
+            self._unhold(pieces)
+        return read
 
     def holds(self, u: int) -> bool:
         return u in self.offset
 
     def read(self, u: int) -> ShardRead:
         """Start reading unit u's shard (wait() on the result). Any write of it still in flight lands first."""
+        held = self._held_read(u) if self.held else None
+        if held is not None:
+            return held
         self.flush()
         n = self.numels[u]
         buf = self._take(n * self.dtype.itemsize)  # the read fills it whole: the region's padding is zeros
@@ -120,24 +186,23 @@ class SwappedShards:
         buf.view(self.dtype, 0, n).copy_(src.reshape(-1))
         with self._lock:
             self.writes.append((buf, self.file.write(buf.bytes, start)))
-            done = []
+            if self.hold_units:
+                if u not in self.held and len(self.held) >= self.hold_units:
+                    self._unhold(self.held.pop(next(iter(self.held))))  # the oldest: the forward read it
+                self.held.setdefault(u, []).append((lo, n, buf))
+                self._held_ids.add(id(buf))
             while len(self.writes) > MAX_WRITES:
                 old, futures = self.writes.popleft()
                 self.file.wait(futures)
-                done.append(old)
-        for old in done:
-            self.give(old)
+                self._landed(old)
 
     def flush(self) -> None:
         """Wait for every write-back (before a read, and at the end of a step)."""
-        done = []
         with self._lock:
             while self.writes:
                 old, futures = self.writes.popleft()
                 self.file.wait(futures)
-                done.append(old)
-        for old in done:
-            self.give(old)
+                self._landed(old)
 
     def disk_bytes(self) -> int:
         return self.file.nbytes

@@ -21,6 +21,7 @@ from torch import nn
 from zoff.config import ZeroConfig
 from zoff.engine.disk_io import ALIGN, aligned
 from zoff.engine.grad_store import GRAD_BUFFERS
+from zoff.engine.param_swap import HELD_UNITS
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.staging import chunk_bytes, needs_staging
@@ -346,6 +347,15 @@ def host_staging(policy: Policy, zero: ZeroConfig, device_type: str) -> int:
     if policy.offload_optimizer == "none" or not needs_staging(torch.device(device_type)):
         return 0
     return 2 * chunk_bytes(zero.offload_optimizer.staging_mb << 20)
+
+
+def held_write_back_bytes(plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str) -> int:
+    """Host bytes of the overlapped step's held parameter write-backs (param_swap.HELD_UNITS units' shards,
+    the largest ones): only with parameters on disk and zero.offload_optimizer.overlap_step."""
+    if not (zero.offload_optimizer.overlap_step and policy.params_on_disk):
+        return 0
+    shards = sorted((u.shard for u in plan.units if not u.persistent), reverse=True)[:HELD_UNITS]
+    return DTYPES[precision].itemsize * sum(shards)
 
 
 def pinned_host_bytes(

@@ -26,7 +26,7 @@ from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.overlap import UnitReadiness
-from zoff.engine.param_swap import SwappedShards
+from zoff.engine.param_swap import HELD_UNITS, SwappedShards
 from zoff.engine.policy import (
     Policy,
     engine_plan,
@@ -145,6 +145,7 @@ class ZeroEngine(EngineReports):
         return SwappedShards(
             numels, self.dtype, Path(param_swap_path(self.zero)), threads=op.io.threads,
             request_bytes=op.io.request_mb << 20,
+            hold_units=HELD_UNITS if self.zero.offload_optimizer.overlap_step else 0,
         )  # fmt: skip
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
@@ -186,6 +187,8 @@ class ZeroEngine(EngineReports):
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Backward of one micro-batch; `sync` on the last micro-batch of a step averages the gradients."""
         self.optimizer.finish()  # an overlapped step's walk reads the gradient shards this backward rewrites
+        if self.param_disk is not None:
+            self.param_disk.drop_held()  # what the forward did not take from the walk's write-backs
         self.reducer.begin(sync)
         if self.gatherer is not None:
             self.gatherer.check_same_gathers()  # the forward's gathers, before backward's could hang on them

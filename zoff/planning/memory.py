@@ -27,6 +27,7 @@ from zoff.engine.policy import (  # the policy table and its memory terms, which
     engine_plan,
     frozen_param_bytes,
     grad_disk_bytes,
+    held_write_back_bytes,
     host_staging,
     model_states,
     pinned_host_bytes,
@@ -179,7 +180,10 @@ def estimate(
                 delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
                 subgroup=subgroup_of(zero_cfg), split=split,
             )  # fmt: skip
-            cpu["staging"] = host_staging(pol, zero_cfg, device_type)
+            # (the overlapped step's held parameter write-backs are host buffers of the same kind)
+            cpu["staging"] = host_staging(pol, zero_cfg, device_type) + held_write_back_bytes(
+                plan, pol, zero_cfg, precision
+            )
             gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
             gpu["activations"] = acts[pol.activation_checkpointing].peak
             if acts[pol.activation_checkpointing].host:  # train.activation_offload's host copies

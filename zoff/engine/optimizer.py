@@ -203,17 +203,11 @@ class ShardOptimizer:
                 "zoff: the background optimizer step (delay_update or overlap_step) failed"
             ) from err
 
-    def _run(
-        self,
-        grads: list[torch.Tensor],
-        scales: list[float],
-        lr: float,
-        runs: list[list[StepRun]],
-        on_unit=None,
-    ) -> None:
+    def _run(self, *update_args) -> None:
+        """_update(*update_args) in the background thread, its error kept for finish()."""
         t0 = time.perf_counter()
         try:
-            self._update(grads, scales, lr, runs, on_unit)
+            self._update(*update_args)
         except BaseException as e:  # surfaced by finish() on the main thread
             self._error = e
         finally:

@@ -145,15 +145,17 @@ class SwappedShards:
                 break
             end = max(end, lo + count)
         read = None
-        if end >= n:  # whole: copied in write order, so a piece written twice reads as its last write
-            buf = self._take(n * self.dtype.itemsize)
-            out = buf.view(self.dtype, 0, n)
-            for lo, count, src in pieces:
-                out[lo : lo + count].copy_(src.view(self.dtype, 0, count))
-            self.read_from_memory_bytes += n * self.dtype.itemsize
-            read = ShardRead(self, buf, [], n, self.dtype)
-        with self._lock:
-            self._unhold(pieces)
+        try:
+            if end >= n:  # whole: copied in write order, so a piece written twice reads as its last write
+                buf = self._take(n * self.dtype.itemsize)
+                out = buf.view(self.dtype, 0, n)
+                for lo, count, src in pieces:
+                    out[lo : lo + count].copy_(src.view(self.dtype, 0, count))
+                self.read_from_memory_bytes += n * self.dtype.itemsize
+                read = ShardRead(self, buf, [], n, self.dtype)
+        finally:  # (even on an error: ids left in _held_ids could match a later buffer's)
+            with self._lock:
+                self._unhold(pieces)
         return read
 
     def holds(self, u: int) -> bool:
@@ -188,7 +190,9 @@ class SwappedShards:
             self.writes.append((buf, self.file.write(buf.bytes, start)))
             if self.hold_units:
                 if u not in self.held and len(self.held) >= self.hold_units:
-                    self._unhold(self.held.pop(next(iter(self.held))))  # the oldest: the forward read it
+                    self._unhold(
+                        self.held.pop(next(iter(self.held)))
+                    )  # the oldest (read, or left to the disk)
                 self.held.setdefault(u, []).append((lo, n, buf))
                 self._held_ids.add(id(buf))
             while len(self.writes) > MAX_WRITES:

@@ -350,11 +350,12 @@ def host_staging(policy: Policy, zero: ZeroConfig, device_type: str) -> int:
 
 
 def held_write_back_bytes(plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str) -> int:
-    """Host bytes of the overlapped step's held parameter write-backs (param_swap.HELD_UNITS units' shards,
-    the largest ones): only with parameters on disk and zero.offload_optimizer.overlap_step."""
+    """Host bytes of the overlapped step's held parameter write-backs: param_swap.HELD_UNITS units' shards,
+    and one more (the unit a gather is copying out while the walk holds the next ones), the largest ones;
+    only with parameters on disk and zero.offload_optimizer.overlap_step."""
     if not (zero.offload_optimizer.overlap_step and policy.params_on_disk):
         return 0
-    shards = sorted((u.shard for u in plan.units if not u.persistent), reverse=True)[:HELD_UNITS]
+    shards = sorted((u.shard for u in plan.units if not u.persistent), reverse=True)[: HELD_UNITS + 1]
     return DTYPES[precision].itemsize * sum(shards)
 
 

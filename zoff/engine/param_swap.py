@@ -10,7 +10,8 @@ its own swap file). RAM: the shards being gathered, not the partition.
 The overlapped step (overlap.py) keeps what its walk writes back of the last HELD_UNITS units: the next
 forward trails the walk by about a block, so it gathers a unit moments after its write-back, and reads it from
 these buffers instead of the disk. That takes the forward's parameter reads (one of the three passes over the
-parameter file a step makes) off the disk while the walk is using it; RAM: HELD_UNITS shards more.
+parameter file a step makes) off the disk while the walk is using it; RAM: up to HELD_UNITS + 1 shards more
+(the next ones held while a gather copies one out), as policy.held_write_back_bytes counts them.
 
 Released buffers are kept (a few per size) for the next read or write of that size, until trim(): a fresh
 anonymous map costs a page fault and a page of zeroing per 4 KiB on first touch, and an unmap to free it,
@@ -190,9 +191,8 @@ class SwappedShards:
             self.writes.append((buf, self.file.write(buf.bytes, start)))
             if self.hold_units:
                 if u not in self.held and len(self.held) >= self.hold_units:
-                    self._unhold(
-                        self.held.pop(next(iter(self.held)))
-                    )  # the oldest (read, or left to the disk)
+                    oldest = next(iter(self.held))  # not read by now: its gather reads the disk
+                    self._unhold(self.held.pop(oldest))
                 self.held.setdefault(u, []).append((lo, n, buf))
                 self._held_ids.add(id(buf))
             while len(self.writes) > MAX_WRITES:

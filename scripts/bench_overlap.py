@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""The disk tier's step with and without zero.offload_optimizer.overlap_step, interleaved in one job (issue 32).
+
+    python scripts/bench_overlap.py                          # the 3.4B demo, 2 rounds of 6 steps a run
+    python scripts/bench_overlap.py --rounds 2 --steps 5 model.n_layer=8 zero.offload_optimizer.host_budget=6GiB
+    python scripts/bench_overlap.py --render
+
+Each round trains the config twice, overlap off and on, in alternating order (off on, on off, ...: this
+host's memory bandwidth switches modes, its disk stalls now and then, and other work shares it), and the
+result is the median over rounds of the per-round ratio of the runs' steady step times (on / off). A run's
+steady step time is the median of its steps 2..N-1: the first allocates and warms up, and the last step of an
+overlapped run ends before its walk does (the walk joins at the final evaluation), so it would look faster
+than it is. Beside the time: the optimizer phase the step waits for (the whole walk off; on, the walk that
+runs beside the next forward, and what of it the forward waited for is in the step), rank 0's peak RSS
+(metrics.jsonl), and whether the losses of every run are the same, bit for bit (they must be: the overlapped
+step is the same arithmetic, only run later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import benchlib
+
+from zoff.config import CONFIGS_DIR
+
+JSON = benchlib.RESULTS / "bench_overlap.json"
+DEFAULT_CONFIG = CONFIGS_DIR / "gpt-3b-nvme.yaml"
+VARIANTS = {"off": "zero.offload_optimizer.overlap_step=false", "on": "zero.offload_optimizer.overlap_step=true"}
+COMMON = ["train.log_every=1", "train.eval_batches=1", "checkpoint.enabled=false", "log.progress=false"]
+
+
+def run(config: Path, overrides: list[str], steps: int) -> dict:
+    """One `zoff train` of `config` for `steps` steps: steady step and optimizer-phase medians, losses, peak RSS."""
+    with tempfile.TemporaryDirectory(prefix="zoff-overlap-") as tmp:
+        out = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "zoff", "train", str(config), *overrides, *COMMON,
+               f"train.max_steps={steps}", "--run-dir", str(out)]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"bench_overlap: {' '.join(cmd)} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps_rows = [r for r in rows if "step_time_s" in r and "event" not in r]
+    steady = steps_rows[1:-1] or steps_rows
+    walk = [r.get("last_walk_s") or r.get("optimizer_s", 0.0) for r in steady]
+    return {"step_s": statistics.median(r["step_time_s"] for r in steady),
+            "step_times_s": [r["step_time_s"] for r in steps_rows],
+            "walk_s": statistics.median(walk),
+            "peak_rss_mib": max(r.get("peak_rss_mib", 0.0) for r in steps_rows),
+            "losses": [r["loss"] for r in steps_rows]}  # fmt: skip
+
+
+def render(data: dict) -> str:
+    rows = [f"| {r['round']} | {r['order']} | {r['off']['step_s']:.1f} | {r['on']['step_s']:.1f} | {r['ratio']:.3f} "
+            f"| {r['off']['walk_s']:.1f} | {r['on']['walk_s']:.1f} | {r['off']['peak_rss_mib'] / 1024:.1f} "
+            f"| {r['on']['peak_rss_mib'] / 1024:.1f} |" for r in data["rounds"]]  # fmt: skip
+    same = "the same in every run, bit for bit" if data["same_losses"] else "**different**: see the JSON"
+    extra = " ".join(f"`{o}`" for o in data["overrides"]) or "none"
+    return "\n".join([
+        f"`{data['config']}` (overrides: {extra}), {data['steps']} steps a run, overlap_step off and on"
+        " interleaved; step = median of steps 2..N-1.",
+        "",
+        "| round | order | off: step, s | on: step, s | on / off | off: optimizer phase, s | on: its walk, s "
+        "| off: peak RSS, GiB | on: peak RSS, GiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        f"Median of the per-round ratios: **{data['median_ratio']:.3f}** (below 1: the overlapped step is"
+        f" faster). Losses: {same}.",
+        "",
+        benchlib.measured_line(data, "bench_overlap"),
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="train.max_steps of each run (at least 4)")
+    ap.add_argument("--json", type=Path, default=JSON, dest="out")
+    ap.add_argument("--render", action="store_true", help="only print the table from --json")
+    ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides for both variants")
+    a = ap.parse_args(argv)
+    if a.render:
+        return benchlib.print_rendered(a.out, render)
+    if a.steps < 4:
+        ap.error("--steps: at least 4 (steps 2..N-1 are timed)")
+    rounds = []
+    for i in range(a.rounds):
+        order = ("off", "on") if i % 2 == 0 else ("on", "off")
+        t = {name: run(a.config, [*a.overrides, VARIANTS[name]], a.steps) for name in order}
+        rounds.append({"round": i + 1, "order": " then ".join(order), **t,
+                       "ratio": t["on"]["step_s"] / t["off"]["step_s"]})  # fmt: skip
+        print(f"round {i + 1}: off {t['off']['step_s']:.2f} s (optimizer {t['off']['walk_s']:.2f}), on "
+              f"{t['on']['step_s']:.2f} s (walk {t['on']['walk_s']:.2f})", flush=True)  # fmt: skip
+    losses = [r[v]["losses"] for r in rounds for v in ("off", "on")]
+    data = {
+        **benchlib.provenance(),
+        "command": benchlib.command_line(ap, a, "bench_overlap"),
+        "config": str(a.config.resolve().relative_to(benchlib.REPO)) if a.config.resolve().is_relative_to(
+            benchlib.REPO) else str(a.config),
+        "steps": a.steps, "overrides": a.overrides, "rounds": rounds,
+        "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "same_losses": all(x == losses[0] for x in losses),
+    }  # fmt: skip
+    a.out.write_text(json.dumps(data, indent=2) + "\n")
+    print(render(data), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,7 +32,10 @@ from zoff.config import CONFIGS_DIR
 
 JSON = benchlib.RESULTS / "bench_overlap.json"
 DEFAULT_CONFIG = CONFIGS_DIR / "gpt-3b-nvme.yaml"
-VARIANTS = {"off": "zero.offload_optimizer.overlap_step=false", "on": "zero.offload_optimizer.overlap_step=true"}
+VARIANTS = {
+    "off": "zero.offload_optimizer.overlap_step=false",
+    "on": "zero.offload_optimizer.overlap_step=true",
+}
 COMMON = ["train.log_every=1", "train.eval_batches=1", "checkpoint.enabled=false", "log.progress=false"]
 
 

@@ -206,7 +206,10 @@ def render(r: dict) -> str:
     if med is not None:
         split = ", ".join(f"{label} {sp[k]:.2f}" for k, label in SPLIT) if sp else ""
         if sp and "walk_s" in sp:  # the overlapped step: the walk's own time runs beside the next forward
-            split = f"the optimizer's walk {sp['walk_s']:.2f} beside the next forward; " + split
+            inner = ", ".join(f"{label} {sp[k]:.2f}" for k, label in SPLIT[2:5])
+            split = (f"forward and backward {sp['compute_s']:.2f} (the forward beside the previous step's "
+                     f"optimizer walk, {sp['walk_s']:.2f} s: {inner}), parameter-read wait "
+                     f"{sp['param_read_wait_s']:.2f}, publish {sp['publish_s']:.2f}")  # fmt: skip
         steps = f"steps {sp['steps'][0]}-{sp['steps'][-1]}" if sp else "steps 2.."
         rows.append(
             [f"step time (median of {steps}), s", f"{med:.1f}" + (f": {split}" if split else ""), "", ""]
@@ -226,9 +229,14 @@ def render(r: dict) -> str:
         )
     pr = r.get("prediction")
     if pr and med is not None:
+        first, second = (
+            ("backward", "the walk beside the forward")
+            if pr["bound"].startswith("backward")
+            else ("forward+backward", "optimizer")
+        )  # (the overlapped step's two phases)
         rows.append([f"step time predicted by `zoff estimate --time` ({pr['bound']}), s",
-                     f"{med:.1f}", f"{pr['step_s']:.1f} (forward+backward {pr['forward_backward_s']:.1f}, "
-                     f"optimizer {pr['optimizer_s']:.1f})", p(pr["diff_pct"])])  # fmt: skip
+                     f"{med:.1f}", f"{pr['step_s']:.1f} ({first} {pr['forward_backward_s']:.1f}, "
+                     f"{second} {pr['optimizer_s']:.1f})", p(pr["diff_pct"])])  # fmt: skip
     losses = " ".join(f"{x['loss']:.2f}" for x in r["steps"])
     val = f" (val {r['val_loss']:.2f})" if r.get("val_loss") is not None else ""
     rows.append([f"loss, steps {r['steps'][0]['step']}-{r['steps'][-1]['step']}" if r["steps"] else "loss",

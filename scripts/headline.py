@@ -61,8 +61,9 @@ def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
         (
             f"{bm['params'] / 1e9:.1f}B GPT, {bm['nproc']} rank, `zero3-nvme`, on a {bm['machine']['ram_bytes'] / GIB:.1f} GiB "
             "machine",
-            f"model states {bm['model_state_to_ram']:.2f}x RAM; step **{bm['floor']['step_to_floor']:.2f}x** "
-            f"its floor; whole job's peak RSS **{bm['peak_rss_job_bytes'] / GIB:.1f} GiB**",
+            f"model states {bm['model_state_to_ram']:.2f}x RAM; step {bm['step_time_median_s']:.1f} s, "
+            f"**{bm['floor']['step_to_floor']:.2f}x** its floor; whole job's peak RSS "
+            f"**{bm['peak_rss_job_bytes'] / GIB:.1f} GiB**",
             f"the floor, measured in the same job: max(compute + CPU Adam of the same layers with every state in "
             f"RAM, scaled: {bm['floor']['compute_adam_s']:.0f} s; the step's disk bytes at the disk's best "
             f"bandwidth: {bm['floor']['disk_s']:.0f} s)",

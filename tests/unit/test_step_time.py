@@ -50,6 +50,39 @@ def test_the_disk_tier_splits_its_bytes_between_the_phases() -> None:
     assert st.optimizer_s == pytest.approx(max(1.0, params / (2 * GB)))
 
 
+def test_the_overlapped_step_is_backward_then_the_walk_beside_one_forward() -> None:
+    """overlap_step: backward (two thirds of the compute), then the longer of the walk's disk and the cores'
+    work beside it: one forward plus the CPU Adam on shared cores, the longer of the two on a GPU host; with
+    accumulation only one micro-batch's forward meets the walk."""
+    pieces = [4 * GB, 4 * GB]
+    split = DiskSplit(resident=(), pieces=2, grads_on_disk=True)
+    streamed, grads, params = 8 * GB, 1 * GB, 1 * GB
+    pe = _pe(
+        Policy(3, "nvme", "nvme"), streamed + grads + 2 * params, streamed + grads + params, grads, split
+    )
+    walk_disk = (streamed + grads) / GB + (streamed + params) / (2 * GB)  # 9 + 4.5 s
+    rates = Rates(compute_s=6.0, adam_s_per_param=1e-9, read_gbps=1.0, write_gbps=2.0, sources=())
+    st = predict(pe, pieces, rates, 1, 10**9, overlap=True)
+    assert (st.forward_backward_s, st.optimizer_s) == pytest.approx((4.0, walk_disk))  # disk-bound walk
+    assert st.bound == "backward, then forward with the step: disk"
+    serial = predict(pe, pieces, rates, 1, 10**9)
+    assert serial.step_s - st.step_s == pytest.approx(2.0)  # the forward hides under the walk
+    # slow cores: forward 10 s + Adam 4 s on shared cores, max(10, 4) with cores of their own
+    slow = Rates(compute_s=30.0, adam_s_per_param=4e-9, read_gbps=1.0, write_gbps=2.0, sources=())
+    assert predict(pe, pieces, slow, 1, 10**9, overlap=True).optimizer_s == pytest.approx(14.0)
+    assert predict(pe, pieces, slow, 1, 10**9, overlap=True).forward_backward_s == pytest.approx(20.0)
+    assert predict(pe, pieces, slow, 1, 10**9, True, shared_cores=False).optimizer_s == pytest.approx(
+        walk_disk
+    )
+    # two micro-batches: only the next step's first forward meets the walk
+    assert predict(pe, pieces, slow, 2, 10**9, overlap=True).forward_backward_s == pytest.approx(50.0)
+    # not zero3-nvme (parameters in RAM): the flag changes nothing
+    opt_only = _pe(Policy(3, "nvme", "cpu"), streamed + grads, streamed + grads, grads, split)
+    assert predict(opt_only, pieces, rates, 1, 10**9, overlap=True) == predict(
+        opt_only, pieces, rates, 1, 10**9
+    )
+
+
 def test_zoff_estimate_time_prints_the_offload_rows_step(tmp_path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(

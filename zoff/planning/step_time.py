@@ -57,11 +57,11 @@ def predict(
 ) -> StepTime:  # fmt: skip
     """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), those
     in `pe.split.resident` stay in RAM; `shard`: the rank's trainable parameters. `overlap`: the overlapped
-    step (zero3-nvme, overlap_step), whose walk runs beside the next forward (a third of the compute): where
-    the CPU Adam has cores of its own (a GPU host) that phase is the longest of the walk's disk, the Adam and
-    the forward; on a CPU-only host (`shared_cores`) the forward and the walk share the cores and the disk, and
-    the step is modelled as the serial one (measured on the 3.4B demo: 49 s overlapped against 50.7 s serial,
-    the walk slowed from 20 to 26 s by the forward beside it)."""
+    step (zero3-nvme, overlap_step), whose walk runs beside the next forward (a third of the compute): backward,
+    then the longer of the walk's disk and the cores' work beside it, the forward and the CPU Adam one after
+    the other on a CPU-only host (`shared_cores`), the longer of the two where the Adam has cores of its own
+    (a GPU host). Measured on the 3.4B demo (scripts/bench_overlap.py): 38 s a step, the walk 20-21 s of it
+    beside the forward, against 42-45 s serial."""
     rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
     resident = set(pe.split.resident)
     streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)
@@ -78,10 +78,8 @@ def predict(
     fb_disk = fb_read / rbw + fb_written / wbw
     adam = shard * rates.adam_s_per_param
     opt_disk = step_read / rbw + step_written / wbw
-    if overlap and not shared_cores and pe.policy.offload_param == "nvme" and pe.policy.stage == 3:
-        forward = (
-            compute / 3
-        )  # (forward is a third of a micro-batch's forward + backward; the walk meets one)
+    if overlap and pe.policy.offload_param == "nvme" and pe.policy.stage == 3:
+        forward = rates.compute_s / 3  # (a third of one micro-batch's forward + backward: the walk meets one)
         cpu = forward + adam if shared_cores else max(forward, adam)
         backward = max(compute - forward, fb_disk)  # (the forward's own reads: within the walk's disk time)
         which = "cores" if cpu >= opt_disk else "disk"

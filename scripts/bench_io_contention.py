@@ -115,7 +115,7 @@ def render(data: dict) -> str:
         *pages,
         "",
         f"bf16 matmuls (256 x 3072 @ 3072 x 12288) on {data['threads']} threads beside zoff's O_DIRECT I/O"
-        f" ({data['io_threads']} threads x {data['request_mb']} MiB) on `{data['path']}`, {data['rounds']} rounds"
+        f" ({data['io_threads']} threads x {data['request_mb']} MiB, {data.get('pages_beside', 'huge')} pages) on `{data['path']}`, {data['rounds']} rounds"
         f" of {data['seconds']:g} s per mode, interleaved.",
         "",
         "| beside the compute | matmul rate / alone (median of rounds) | disk GB/s meanwhile | the kernel's share"
@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--threads", type=int, default=2, help="compute threads (the demo's rank: both cores)")
+    ap.add_argument(
+        "--pages", choices=("huge", "plain"), default="huge",
+        help="the buffers of the compute-beside-I/O part: the engine's (huge) or plain 4 KiB pages",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=JSON, dest="out")
     ap.add_argument("--render", action="store_true", help="only print the table from --json")
     a = ap.parse_args(argv)
@@ -142,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     a.path.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zoff-contention-", dir=a.path))
     f = SwapFile(work / "contention.swap", FILE_BYTES, 4, 8 << 20)
-    bufs = (AlignedBuffer(CHUNK), AlignedBuffer(CHUNK))
+    huge = AlignedBuffer(CHUNK)
+    huge.bytes.fill_(7)
+    beside = a.pages == "huge"
+    bufs = (AlignedBuffer(CHUNK, huge_pages=beside), AlignedBuffer(CHUNK, huge_pages=beside))
     bufs[1].bytes.fill_(7)
     per: dict[str, list] = {m: [] for m in MODES}
     plain = AlignedBuffer(CHUNK, huge_pages=False)
@@ -154,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(a.rounds):
             for v in ("plain", "huge") if r % 2 == 0 else ("huge", "plain"):
                 for kind in ("read", "write"):
-                    cost[v][kind].append(io_cost(f, plain if v == "plain" else bufs[1], kind == "write"))
+                    cost[v][kind].append(io_cost(f, plain if v == "plain" else huge, kind == "write"))
             print(f"round {r + 1}: " + ", ".join(f"{v} {k} {cost[v][k][-1]['gbps']:.2f} GB/s" for v in cost
                                                   for k in cost[v]), flush=True)  # fmt: skip
         for r in range(a.rounds):
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         **benchlib.provenance(),
         "command": benchlib.command_line(ap, a, "bench_io_contention"),
         "path": str(a.path), "rounds": a.rounds, "seconds": a.seconds, "threads": a.threads,
-        "io_threads": 4, "request_mb": 8, "per_round": per,
+        "io_threads": 4, "request_mb": 8, "pages_beside": a.pages, "per_round": per,
         "ratio": {m: med(m, "ratio") for m in MODES}, "gbps": {m: med(m, "gbps") for m in MODES},
         "kernel_share": {m: med(m, "sys") for m in MODES},
         "pages": {v: {k: {x: statistics.median(c[x] for c in cost[v][k]) for x in ("gbps", "kernel_core_s_per_gb")}

@@ -18,7 +18,7 @@ from tests.integration.test_nvme import _engine_run
 from zoff.config import config_from_dict
 from zoff.engine import build_engine
 from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes
-from zoff.engine.policy import Policy, disk_traffic, grad_buffer_bytes, piece_bytes, subgroup_of
+from zoff.engine.policy import Policy, disk_traffic, grad_buffer_bytes, piece_bytes, piece_ram, subgroup_of
 from zoff.engine.state_swap import ring_size
 from zoff.errors import ConfigError, UserError
 from zoff.planning import memory
@@ -29,7 +29,7 @@ MODEL = {"n_layer": 8}
 
 def _partial_budget(plan, zero, precision: str, accumulating: bool) -> int:
     """The smallest budget (working set + whole pieces) that keeps some but not all pieces in RAM."""
-    sizes = piece_bytes(plan, subgroup_of(zero))
+    sizes = piece_ram(plan, subgroup_of(zero))
     itemsize = 4 if accumulating else {"bf16": 2, "fp32": 4}[precision]
     need = ring_size(len(sizes)) * max(sizes) + grad_buffer_bytes(plan, itemsize)
     for k in range(1, len(sizes)):
@@ -136,7 +136,7 @@ def test_the_rank_s_other_host_memory_counts_against_the_budget(swap: Path) -> N
         )
     )
     plan = memory.engine_plan(memory.meta_model(cfg.model), 2, 1, cfg.zero)
-    sizes = piece_bytes(plan, subgroup_of(cfg.zero))
+    sizes = piece_ram(plan, subgroup_of(cfg.zero))
     working = ring_size(len(sizes)) * max(sizes) + grad_buffer_bytes(plan, 4)
     budget = working + sum(sizes)  # every state, beside the working set
     split = disk_split(plan, Policy(2, "nvme"), cfg.zero, "fp32", True, budget)

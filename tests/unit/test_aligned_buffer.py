@@ -44,3 +44,31 @@ def test_a_large_buffer_is_backed_by_huge_pages_a_small_one_is_not_asked() -> No
         assert _anon_huge_kib(plain.bytes.data_ptr()) == 0
     small = AlignedBuffer(8192)  # below 2 MiB: plain pages, nothing to ask
     assert small.nbytes == 8192 and small.view(torch.float32, 0, 2048).numel() == 2048
+
+
+@pytest.mark.parametrize("part", [2 << 20, 32 << 20, (32 << 20) + 4096 * 3])
+def test_a_pieces_states_lie_apart_in_the_cache_and_inside_its_ram(part: int) -> None:
+    """On huge pages an offset is a cache set: master, moments and the gradient (its buffer starts on a huge
+    page, offset 0) must not share one, or the CPU Adam's four streams fight over it (state_swap.SKEW)."""
+    from zoff.engine.state_swap import SKEW, WAY, kind_offset, piece_ram_bytes
+
+    at = [kind_offset(part, k) for k in range(3)]
+    sets = sorted([0, *(a % WAY for a in at)])
+    if part % WAY == 0:
+        assert min(b - a for a, b in zip(sets, sets[1:], strict=False)) >= SKEW  # a quarter way apart
+    assert len(set(sets)) == 4
+    assert all(a % ALIGN == 0 for a in at) and at[0] > 0  # O_DIRECT-aligned, clear of the gradient's offset
+    assert at[1] >= at[0] + part and at[2] >= at[1] + part  # no overlap
+    ram = piece_ram_bytes(part)
+    assert (
+        at[2] + part <= ram < 3 * part + 3 * SKEW + WAY and ram % WAY == 0
+    )  # whole ways: the next piece too
+
+
+def test_a_piece_smaller_than_a_huge_page_keeps_the_plain_layout() -> None:
+    from zoff.engine.state_swap import kind_offset, piece_ram_bytes
+
+    part = 64 << 10
+    assert [kind_offset(part, k) for k in range(3)] == [0, part, 2 * part] and piece_ram_bytes(
+        part
+    ) == 3 * part

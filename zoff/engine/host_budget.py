@@ -12,7 +12,7 @@ from pathlib import Path
 from zoff.config import ZeroConfig
 from zoff.config.sections import OffloadOptimizerConfig
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.policy import Policy, grad_buffer_bytes, piece_bytes, subgroup_of
+from zoff.engine.policy import Policy, grad_buffer_bytes, piece_bytes, piece_ram, subgroup_of
 from zoff.engine.precision import DTYPES
 from zoff.engine.state_swap import ring_size
 from zoff.errors import UserError
@@ -98,7 +98,8 @@ def disk_split(
     oo = zero.offload_optimizer
     if policy.offload_optimizer != "nvme":
         return DiskSplit()
-    sizes = piece_bytes(plan, subgroup_of(zero))
+    sizes = piece_bytes(plan, subgroup_of(zero))  # the states' bytes (what the split reports)
+    ram = piece_ram(plan, subgroup_of(zero))  # what each takes in RAM (what the budget pays)
     ram_forced = oo.grad_device == "cpu" or (oo.grad_device == "auto" and oo.delay_update)
     disk_forced = oo.grad_device == "nvme"
     itemsize = 4 if policy.shard_accum_fp32(accumulating) else DTYPES[precision].itemsize
@@ -107,14 +108,14 @@ def disk_split(
     if budget is None:
         return DiskSplit((), len(sizes), not ram_forced, None, 0, sum(sizes))
     states, left = sum(sizes), budget - reserved
-    if not disk_forced and states + shard <= left:
+    if not disk_forced and sum(ram) + shard <= left:
         return DiskSplit(tuple(range(len(sizes))), len(sizes), False, budget, states, states, reserved)
     grads = shard if ram_forced else buffers
-    if states + grads <= left:
+    if sum(ram) + grads <= left:
         return DiskSplit(
             tuple(range(len(sizes))), len(sizes), not ram_forced, budget, states, states, reserved
         )
-    ring = ring_size(len(sizes)) * max(sizes)
+    ring = ring_size(len(sizes)) * max(ram)
     room = budget - grads - ring
     if room < 0 and oo.host_budget.strip().lower() == "auto":  # a small host: the working set, as min
         return DiskSplit((), len(sizes), not ram_forced, None, 0, sum(sizes))
@@ -127,8 +128,8 @@ def disk_split(
         )
     room -= reserved  # below the working set: the working set alone (every state streamed)
     resident = 0  # the walk's first pieces (see below for why not spread over it)
-    while resident < len(sizes) and sizes[resident] <= room:
-        room -= sizes[resident]
+    while resident < len(sizes) and ram[resident] <= room:
+        room -= ram[resident]
         resident += 1
     kept = sum(sizes[:resident])
     return DiskSplit(tuple(range(resident)), len(sizes), not ram_forced, budget, kept, states, reserved)

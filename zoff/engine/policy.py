@@ -25,7 +25,7 @@ from zoff.engine.param_swap import HELD_UNITS
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.staging import chunk_bytes, needs_staging
-from zoff.engine.state_swap import partition_layout, piece_spans, ring_size, subgroup_numel
+from zoff.engine.state_swap import partition_layout, piece_ram_bytes, piece_spans, ring_size, subgroup_numel
 
 if TYPE_CHECKING:
     from zoff.engine.host_budget import DiskSplit
@@ -264,13 +264,20 @@ def _piece_bytes(shards: tuple[int, ...], subgroup: int | None) -> tuple[int, ..
     return tuple(3 * aligned(4 * (hi - lo)) for n in shards for lo, hi in piece_spans(n, subgroup))
 
 
+@functools.lru_cache(maxsize=64)
+def _piece_ram(shards: tuple[int, ...], subgroup: int | None) -> tuple[int, ...]:
+    return tuple(
+        piece_ram_bytes(aligned(4 * (hi - lo))) for n in shards for lo, hi in piece_spans(n, subgroup)
+    )
+
+
 def swap_buffer_bytes(
     plan: PartitionPlan, subgroup: int | None = None, split: DiskSplit | None = None
 ) -> int:
     """The disk tier's states in RAM (state_swap.SwappedStates): `split`'s resident pieces (held whole), and,
     unless every piece is resident, up to ring_size (five) page-aligned ring buffers of the largest other
     piece's master, exp_avg and exp_avg_sq (stepped, read ahead, written back)."""
-    sizes = piece_bytes(plan, subgroup)
+    sizes = piece_ram(plan, subgroup)
     resident = set(split.resident) if split is not None else set()
     streamed = [n for k, n in enumerate(sizes) if k not in resident]
     ring = ring_size(len(streamed)) * max(streamed) if streamed else 0
@@ -278,8 +285,13 @@ def swap_buffer_bytes(
 
 
 def piece_bytes(plan: PartitionPlan, subgroup: int | None) -> list[int]:
-    """RAM (and disk bytes each way per step) of each piece's three states, whole pages each."""
+    """Disk bytes each way per step of each piece's three states, whole pages each."""
     return list(_piece_bytes(tuple(u.shard for u in plan.units), subgroup))
+
+
+def piece_ram(plan: PartitionPlan, subgroup: int | None) -> list[int]:
+    """RAM of each piece's three states (state_swap.piece_ram_bytes: set apart in the cache's sets)."""
+    return list(_piece_ram(tuple(u.shard for u in plan.units), subgroup))
 
 
 def disk_bytes(plan: PartitionPlan, policy: Policy, precision: str = "fp32", grads: int = 0) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned, copy_file
+from zoff.engine.disk_io import ALIGN, HUGE_PAGE, AlignedBuffer, SwapFile, aligned, copy_file
 from zoff.tensorfile import FileLayout, file_layout
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -40,6 +40,31 @@ def partition_layout(shard_numels: list[int]) -> FileLayout:
 
 
 RING = 5  # buffers: the piece stepped, two read ahead, two being written back
+
+# A piece's three states in RAM are set apart by a quarter of a 128 KiB cache way more than their length, and
+# start a quarter way in: the I/O buffers are transparent huge pages (disk_io.AlignedBuffer), so an address's
+# cache set is its offset, and master, moments and the gradient (whose buffer starts on a huge page) at equal
+# offsets would share every set of the cache the CPU Adam streams them through. Measured on this project's
+# machines, 64M parameters (4 streams, bf16 gradient): 48 ms a step either aligned or on plain pages, 30 ms
+# apart. Cost: up to 128 KiB of RAM per piece (piece_ram_bytes), only for states of a huge page or more
+# (smaller pieces keep the plain layout: the skew would be a large share of them); the file is unchanged.
+SKEW, WAY = 32 << 10, 128 << 10
+
+
+def _skewed(part: int) -> bool:
+    return part >= HUGE_PAGE
+
+
+def kind_offset(part: int, kind: int) -> int:
+    """Byte offset of state `kind` (KINDS' index) of a piece of `part` bytes per state, in its RAM region."""
+    return (kind + 1) * SKEW + kind * part if _skewed(part) else kind * part
+
+
+def piece_ram_bytes(part: int) -> int:
+    """RAM of a piece's three states of `part` bytes each (kind_offset's layout): skewed ones in whole cache
+    ways, so that the next piece starts a way too."""
+    end = kind_offset(part, 2) + part
+    return -(-end // WAY) * WAY if _skewed(part) else end
 
 
 def ring_size(units: int) -> int:
@@ -98,11 +123,11 @@ class SwappedStates:
         self.home: dict[int, int] = {}  # resident piece k's byte offset in `kept`
         end = 0
         for k in sorted(self.resident):
-            self.home[k], end = end, end + 3 * self.part[k]
+            self.home[k], end = end, end + piece_ram_bytes(self.part[k])
         self.kept = AlignedBuffer(end) if self.resident else None
         streamed = [p for k, p in enumerate(self.part) if k not in self.resident]
         self.n_buffers = ring_size(len(streamed)) if streamed else 0
-        self.buffers = [AlignedBuffer(3 * max(streamed)) for _ in range(self.n_buffers)]
+        self.buffers = [AlignedBuffer(piece_ram_bytes(max(streamed))) for _ in range(self.n_buffers)]
         self.pending: list[list] = [[] for _ in self.buffers]  # futures of the I/O in flight on each buffer
         self.holds: dict[int, int] = {}  # piece -> the buffer it is read (or being read) into, for the walk
         self.contents: list[int | None] = [None] * self.n_buffers  # the piece whose bytes each buffer holds
@@ -132,12 +157,13 @@ class SwappedStates:
 
     def _views(self, b: int | None, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         (buf, base), n, p = self._region(b, i), self.numel[i], self.part[i]
-        return tuple(buf.view(torch.float32, base + k * p, n) for k in range(3))
+        return tuple(buf.view(torch.float32, base + kind_offset(p, k), n) for k in range(3))
 
     def _ranges(self, b: int | None, i: int) -> list[tuple[torch.Tensor, int]]:
         """Piece i's three (buffer range, file offset) pairs in buffer b (None: its resident home)."""
         (buf, base), p = self._region(b, i), self.part[i]
-        return [(buf.bytes[base + k * p : base + (k + 1) * p], off) for k, off in enumerate(self.offsets[i])]
+        at = [base + kind_offset(p, k) for k in range(3)]
+        return [(buf.bytes[a : a + p], off) for a, off in zip(at, self.offsets[i], strict=True)]
 
     def _idle(self, b: int) -> bool:
         return all(f.done() for f in self.pending[b])

@@ -134,12 +134,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--margin", default="2GiB", help="free disk kept beyond the swap files (and checkpoint)")
     ap.add_argument("--interval", type=float, default=0.5, help="seconds between /proc samples")
     ap.add_argument(
-        "--floor-depths", default="2,4",
+        "--floor-depths", default="2,6",
         help="the floor's two depths (model.n_layer) trained with every state in RAM; '' skips the floor",
     )  # fmt: skip
     ap.add_argument(
-        "--floor-steps", type=int, default=4, help="steps of each floor run (the first is dropped)"
+        "--floor-steps", type=int, default=5, help="steps of each floor run (the first is dropped)"
     )
+    ap.add_argument("--floor-rounds", type=int, default=2, help="rounds of the floor's depths, alternating")
     ap.add_argument("--render", action="store_true", help="only print the markdown table from --json's JSON")
     ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides for estimate and train")
     return ap
@@ -270,9 +271,10 @@ def measure_floor(
     scaled to its depth, against the disk bytes this run moved per step at the raw bandwidth just measured."""
     depths = tuple(int(x) for x in a.floor_depths.split(","))
     con.print(
-        f"floor: {a.config} at n_layer {depths} with every state in RAM, {a.floor_steps} steps each ..."
+        f"floor: {a.config} at n_layer {depths} with every state in RAM, {a.floor_steps} steps each, "
+        f"{a.floor_rounds} rounds ..."
     )
-    compute = measure_compute(a.config, overrides, depths, a.floor_steps, cfg.model.n_layer)
+    compute = measure_compute(a.config, overrides, depths, a.floor_steps, cfg.model.n_layer, a.floor_rounds)
     io, bio = result["disk_io_per_step"].get("ranks"), result.get("bench_io")
     out = {"compute": compute}
     if io and bio:

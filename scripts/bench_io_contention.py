@@ -100,6 +100,37 @@ def compute_rate(seconds: float) -> tuple[float, dict]:
     return n / dt, {"sys": (d[2] + d[6]) / total, "iowait": d[4] / total, "idle": d[3] / total}
 
 
+ADAM_LAYOUTS = ("plain pages", "huge pages, states at equal offsets", "huge pages, state_swap's layout")
+
+
+def adam_layouts(rounds: int, numel: int = 64 << 20) -> dict[str, float]:
+    """The fused CPU Adam over one piece of `numel` parameters (master and moments in one buffer, a bf16
+    gradient in another) in three layouts, interleaved: median milliseconds a step each."""
+    from zoff.engine.state_swap import kind_offset
+    from zoff.optim.cpu_adam import cpu_adam_step
+
+    part, keep, sets = 4 * numel, [], {}
+    for name in ADAM_LAYOUTS:
+        huge = not name.startswith("plain")
+        at = ([kind_offset(part, k) for k in range(3)] if name.endswith("layout")
+              else [k * part for k in range(3)])  # fmt: skip
+        states = AlignedBuffer(at[2] + part, huge_pages=huge)
+        grad = AlignedBuffer(2 * numel, huge_pages=huge)
+        keep += [states, grad]
+        sets[name] = [states.view(torch.float32, a, numel).fill_(0.5) for a in at] + [
+            grad.view(torch.bfloat16, 0, numel).normal_()
+        ]
+    times: dict[str, list[float]] = {name: [] for name in ADAM_LAYOUTS}
+    for r in range(rounds):
+        for name in ADAM_LAYOUTS[r % 3 :] + ADAM_LAYOUTS[: r % 3]:
+            p, m, v, g = sets[name]
+            for s in range(1, 4):
+                t0 = time.perf_counter()
+                cpu_adam_step(p, g, m, v, step=s, lr=1e-3, weight_decay=0.1, grad_scale=0.5)
+                times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
 def render(data: dict) -> str:
     pages = [f"| {kind} | {data['pages']['plain'][kind]['gbps']:.2f} | {data['pages']['huge'][kind]['gbps']:.2f} | "
              f"{data['pages']['plain'][kind]['kernel_core_s_per_gb']:.4f} | "
@@ -123,6 +154,16 @@ def render(data: dict) -> str:
         "|---|---:|---:|---:|",
         *rows,
         "",
+        *([
+            "The fused CPU Adam over a 64M-parameter piece (fp32 master and moments in one buffer, a bf16 gradient"
+            " in another, both cores), interleaved: with huge pages an offset is a cache set, so states at equal"
+            " offsets share the cache's sets; state_swap lays a piece's states a quarter way apart.",
+            "",
+            "| layout | ms a step (median) |",
+            "|---|---:|",
+            *(f"| {name} | {ms:.1f} |" for name, ms in data["adam_ms"].items()),
+            "",
+        ] if "adam_ms" in data else []),
         benchlib.measured_line(data, "bench_io_contention"),
     ])  # fmt: skip
 
@@ -197,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                       for k in ("read", "write")} for v in cost},
         "pages_per_round": cost,
     }  # fmt: skip
+    data["adam_ms"] = adam_layouts(a.rounds)
     a.out.write_text(json.dumps(data, indent=2) + "\n")
     print(render(data), end="")
     return 0

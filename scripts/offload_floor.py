@@ -34,38 +34,50 @@ IN_RAM = [
 ]
 
 
-def _steady_step_s(run_dir: Path) -> float:
-    """The median step time after the first step (which allocates and warms up)."""
+def _steady_steps(run_dir: Path) -> list[float]:
+    """The step times after the first step (which allocates and warms up)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     times = [r["step_time_s"] for r in rows if "step_time_s" in r and "event" not in r]
     steady = times[1:] or times
     if not steady:
         raise RuntimeError(f"offload_floor: no step times in {run_dir / 'metrics.jsonl'}")
-    return statistics.median(steady)
+    return steady
+
+
+def _steady_step_s(run_dir: Path) -> float:
+    """The median step time after the first step."""
+    return statistics.median(_steady_steps(run_dir))
 
 
 def measure_compute(
-    config: Path, overrides: list[str], depths: tuple[int, int], steps: int, layers: int
+    config: Path, overrides: list[str], depths: tuple[int, int], steps: int, layers: int, rounds: int = 2
 ) -> dict:
     """Train `config` (with `overrides`, the disk tier's own) at two depths with every state in RAM and
-    return the per-layer fit scaled to `layers`: {depth: step seconds, ..., per_layer_s, fixed_s, scaled_s}."""
+    return the per-layer fit scaled to `layers`: {depth: step seconds, ..., per_layer_s, fixed_s, scaled_s}.
+
+    The depths alternate over `rounds` (A B, B A, ...) and each depth's time is the median of all its steady
+    steps: the per-layer slope is a difference of two times, multiplied by the model's depth, so a host whose
+    speed moves between two single runs moved the floor by a quarter (2026-11-27: 21.8, 28.7 and 24.7 s)."""
     keep = [o for o in overrides if not o.startswith(("model.n_layer=", "train.max_steps=", "zero.offload_"))]
-    out: dict = {"depths": list(depths), "steps": steps, "policy": "zero3-offload (every state in RAM)"}
-    times = []
-    for depth in depths:
-        with tempfile.TemporaryDirectory(prefix="zoff-floor-") as tmp:
-            run = Path(tmp) / "run"
-            cmd = [sys.executable, "-m", "zoff", "train", str(config), *keep, *IN_RAM,
-                   f"model.n_layer={depth}", f"train.max_steps={steps}", "--run-dir", str(run)]  # fmt: skip
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            if p.returncode != 0:
-                raise RuntimeError(f"offload_floor: {' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-            times.append(_steady_step_s(run))
-    (d0, d1), (t0, t1) = depths, times
+    out: dict = {"depths": list(depths), "steps": steps, "rounds": rounds,
+                 "policy": "zero3-offload (every state in RAM)"}  # fmt: skip
+    samples: dict[int, list[float]] = {d: [] for d in depths}
+    for r in range(rounds):
+        for depth in depths if r % 2 == 0 else depths[::-1]:
+            with tempfile.TemporaryDirectory(prefix="zoff-floor-") as tmp:
+                run = Path(tmp) / "run"
+                cmd = [sys.executable, "-m", "zoff", "train", str(config), *keep, *IN_RAM,
+                       f"model.n_layer={depth}", f"train.max_steps={steps}", "--run-dir", str(run)]  # fmt: skip
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                if p.returncode != 0:
+                    raise RuntimeError(f"offload_floor: {' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+                samples[depth] += _steady_steps(run)
+    (d0, d1), (t0, t1) = depths, [statistics.median(samples[d]) for d in depths]
     per_layer = (t1 - t0) / (d1 - d0)
     fixed = t0 - d0 * per_layer
-    out.update({"step_s": dict(zip(map(str, depths), times, strict=True)), "per_layer_s": per_layer,
-                "fixed_s": fixed, "layers": layers, "scaled_s": fixed + layers * per_layer})  # fmt: skip
+    out.update({"step_s": {str(d0): t0, str(d1): t1}, "samples_s": {str(d): s for d, s in samples.items()},
+                "per_layer_s": per_layer, "fixed_s": fixed, "layers": layers,
+                "scaled_s": fixed + layers * per_layer})  # fmt: skip
     return out
 
 

@@ -45,8 +45,9 @@ RING = 5  # buffers: the piece stepped, two read ahead, two being written back
 # start a quarter way in: the I/O buffers are transparent huge pages (disk_io.AlignedBuffer), so an address's
 # cache set is its offset, and master, moments and the gradient (whose buffer starts on a huge page) at equal
 # offsets would share every set of the cache the CPU Adam streams them through. Measured on this project's
-# machines, 64M parameters (4 streams, bf16 gradient): 48 ms a step either aligned or on plain pages, 30 ms
-# apart. Cost: up to 128 KiB of RAM per piece (piece_ram_bytes), only for states of a huge page or more
+# machines (scripts/bench_io_contention.py, one 64M-parameter piece stepped over and over, which the cache
+# favours): 48 ms a step aligned or on plain pages, 19-30 ms apart; in the 3.4B demo's walk, whose pieces come
+# fresh from disk, its CPU Adam went from 4.5 to 4.3 s. Cost: up to 128 KiB of RAM per piece (piece_ram_bytes), only for states of a huge page or more
 # (smaller pieces keep the plain layout: the skew would be a large share of them); the file is unchanged.
 SKEW, WAY = 32 << 10, 128 << 10
 

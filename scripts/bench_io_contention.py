@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pages", choices=("huge", "plain"), default="huge",
         help="the buffers of the compute-beside-I/O part: the engine's (huge) or plain 4 KiB pages",
     )  # fmt: skip
-    ap.add_argument("--json", type=Path, default=JSON, dest="out")
-    ap.add_argument("--render", action="store_true", help="only print the table from --json")
+    benchlib.output_args(ap, JSON)
     a = ap.parse_args(argv)
     if a.render:
         return benchlib.print_rendered(a.out, render)

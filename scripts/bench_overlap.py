@@ -48,8 +48,7 @@ def run(config: Path, overrides: list[str], steps: int) -> dict:
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"bench_overlap: {' '.join(cmd)} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps_rows = [r for r in rows if "step_time_s" in r and "event" not in r]
+        steps_rows = benchlib.step_records(out)
     steady = steps_rows[1:-1] or steps_rows
     walk = [r.get("last_walk_s") or r.get("optimizer_s", 0.0) for r in steady]
     return {"step_s": statistics.median(r["step_time_s"] for r in steady),
@@ -86,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="train.max_steps of each run (at least 4)")
-    ap.add_argument("--json", type=Path, default=JSON, dest="out")
-    ap.add_argument("--render", action="store_true", help="only print the table from --json")
+    benchlib.output_args(ap, JSON)
     ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides for both variants")
     a = ap.parse_args(argv)
     if a.render:

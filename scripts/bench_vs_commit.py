@@ -66,8 +66,7 @@ def step_s(tree: Path, layers: int, steps: int) -> dict:
             raise SystemExit(
                 f"bench_vs_commit: the run in {tree} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}"
             )
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        steps_rows = [r for r in rows if "step_time_s" in r and "event" not in r]
+        steps_rows = benchlib.step_records(run)
         return {"step_s": _steady_step_s(run),
                 "optimizer_s": statistics.median(r.get("optimizer_s", 0.0) for r in steps_rows[1:] or steps_rows),
                 "losses": [r["loss"] for r in steps_rows]}  # fmt: skip
@@ -110,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--json", type=Path, default=JSON, dest="out")
-    ap.add_argument("--render", action="store_true", help="only print the table from --json")
+    benchlib.output_args(ap, JSON)
     a = ap.parse_args(argv)
     if a.render:
         return benchlib.print_rendered(a.out, render)

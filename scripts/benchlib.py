@@ -146,6 +146,18 @@ def command_line(ap: argparse.ArgumentParser, a: argparse.Namespace, script: str
     return " ".join(words)
 
 
+def output_args(ap: argparse.ArgumentParser, json_path: Path) -> None:
+    """--json (where the results go; the docs render from the default) and --render (only print the table)."""
+    ap.add_argument("--json", type=Path, default=json_path, dest="out")
+    ap.add_argument("--render", action="store_true", help="only print the table from --json")
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """A `zoff train` run's per-step records (metrics.jsonl, events left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "step_time_s" in r and "event" not in r]
+
+
 def print_rendered(path: Path, render: Callable[[dict], str]) -> int:
     """--render: the table(s) from the JSON, without measuring; 2 when there is no JSON yet."""
     if not path.is_file():

@@ -16,12 +16,13 @@ Used by bench_beyond_memory.py; importable on its own:
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchlib import step_records
 
 # every state in RAM: the same stage and gathers as the disk tier's run, its bytes never touch the disk
 IN_RAM = [
@@ -36,8 +37,7 @@ IN_RAM = [
 
 def _steady_steps(run_dir: Path) -> list[float]:
     """The step times after the first step (which allocates and warms up)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    times = [r["step_time_s"] for r in rows if "step_time_s" in r and "event" not in r]
+    times = [r["step_time_s"] for r in step_records(run_dir)]
     steady = times[1:] or times
     if not steady:
         raise RuntimeError(f"offload_floor: no step times in {run_dir / 'metrics.jsonl'}")

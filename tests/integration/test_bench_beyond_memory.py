@@ -75,7 +75,9 @@ def test_bench_beyond_memory_tiny_gpt(disk_dir):
     assert not list((disk_dir / "swap").rglob("*.swap")), "swap files left behind"
     # the floor, measured in the same job, and zoff estimate --time's prediction beside the step
     assert "floor_error" not in r, r.get("floor_error")
-    assert r["floor"]["compute"]["depths"] == [2, 4] and r["floor"]["floor_s"] > 0
+    c = r["floor"]["compute"]  # two depths, alternating over rounds: every steady step of each kept
+    assert c["depths"] == [2, 6] and c["rounds"] == 2 and r["floor"]["floor_s"] > 0
+    assert [len(c["samples_s"][d]) for d in ("2", "6")] == [2 * 4, 2 * 4]  # 5 steps a run, the first dropped
     assert r["floor"]["step_to_floor"] == r["step_time_median_s"] / r["floor"]["floor_s"]
     assert r["prediction"]["step_s"] == r["prediction"]["forward_backward_s"] + r["prediction"]["optimizer_s"]
 

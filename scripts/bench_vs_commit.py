@@ -57,9 +57,16 @@ def step_s(tree: Path, layers: int, steps: int) -> dict:
     """One run in `tree` (its own package first on the path): its median steady step time, the median of its
     optimizer phase (metrics.jsonl's optimizer_s: the step less forward and backward) and its losses."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    # a tree whose demo turns the overlapped step on (it needs parameters on disk) gets it off, as states in RAM
+    # have no walk to overlap; an older tree's config has no such key to set
+    own = (
+        ["zero.offload_optimizer.overlap_step=false"]
+        if "overlap_step:" in (tree / CONFIG).read_text()
+        else []
+    )
     with tempfile.TemporaryDirectory(prefix="zoff-vs-") as tmp:
         run = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "zoff", "train", str(tree / CONFIG), *OVERRIDES, f"model.n_layer={layers}",
+        cmd = [sys.executable, "-m", "zoff", "train", str(tree / CONFIG), *OVERRIDES, *own, f"model.n_layer={layers}",
                f"train.max_steps={steps}", "--run-dir", str(run)]  # fmt: skip
         p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         if p.returncode != 0:

@@ -217,7 +217,7 @@ def check_grad_device(zero: ZeroConfig) -> None:
     ):
         raise ConfigError(
             "zero.offload_optimizer.overlap_step: needs zero.stage 3 with zero.offload_optimizer.device and "
-            "zero.offload_param.device nvme (zero3-nvme)"
+            "zero.offload_param.device nvme (zero3-nvme); set it false for any other policy"
         )
     if oo.overlap_step and oo.delay_update:
         raise ConfigError("zero.offload_optimizer.overlap_step: not with delay_update (choose one)")

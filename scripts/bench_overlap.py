@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import benchlib
@@ -41,14 +39,9 @@ COMMON = ["train.log_every=1", "train.eval_batches=1", "checkpoint.enabled=false
 
 def run(config: Path, overrides: list[str], steps: int) -> dict:
     """One `zoff train` of `config` for `steps` steps: steady step and optimizer-phase medians, losses, peak RSS."""
-    with tempfile.TemporaryDirectory(prefix="zoff-overlap-") as tmp:
-        out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "zoff", "train", str(config), *overrides, *COMMON,
-               f"train.max_steps={steps}", "--run-dir", str(out)]  # fmt: skip
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"bench_overlap: {' '.join(cmd)} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")
-        steps_rows = benchlib.step_records(out)
+    steps_rows = benchlib.train_records(
+        config, [*overrides, *COMMON, f"train.max_steps={steps}"], "bench_overlap"
+    )
     steady = steps_rows[1:-1] or steps_rows
     walk = [r.get("last_walk_s") or r.get("optimizer_s", 0.0) for r in steady]
     return {"step_s": statistics.median(r["step_time_s"] for r in steady),

@@ -25,7 +25,6 @@ import tempfile
 from pathlib import Path
 
 import benchlib
-from offload_floor import _steady_step_s
 
 JSON = benchlib.RESULTS / "bench_vs_commit.json"
 REPO = Path(__file__).resolve().parents[1]
@@ -64,19 +63,14 @@ def step_s(tree: Path, layers: int, steps: int) -> dict:
         if "overlap_step:" in (tree / CONFIG).read_text()
         else []
     )
-    with tempfile.TemporaryDirectory(prefix="zoff-vs-") as tmp:
-        run = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "zoff", "train", str(tree / CONFIG), *OVERRIDES, *own, f"model.n_layer={layers}",
-               f"train.max_steps={steps}", "--run-dir", str(run)]  # fmt: skip
-        p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(
-                f"bench_vs_commit: the run in {tree} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}"
-            )
-        steps_rows = benchlib.step_records(run)
-        return {"step_s": _steady_step_s(run),
-                "optimizer_s": statistics.median(r.get("optimizer_s", 0.0) for r in steps_rows[1:] or steps_rows),
-                "losses": [r["loss"] for r in steps_rows]}  # fmt: skip
+    overrides = [*OVERRIDES, *own, f"model.n_layer={layers}", f"train.max_steps={steps}"]
+    steps_rows = benchlib.train_records(
+        tree / CONFIG, overrides, f"bench_vs_commit ({tree})", cwd=tree, env=env
+    )
+    steady = steps_rows[1:] or steps_rows
+    return {"step_s": statistics.median(r["step_time_s"] for r in steady),
+            "optimizer_s": statistics.median(r.get("optimizer_s", 0.0) for r in steady),
+            "losses": [r["loss"] for r in steps_rows]}  # fmt: skip
 
 
 def imports_from(tree: Path) -> str:

@@ -158,6 +158,18 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in rows if "step_time_s" in r and "event" not in r]
 
 
+def train_records(config: Path, overrides: list[str], who: str, **run_kwargs) -> list[dict]:
+    """`zoff train config overrides` in a temporary run folder (subprocess.run's `cwd`/`env` in run_kwargs):
+    its per-step records; a failed run raises SystemExit naming `who` with the run's last output."""
+    with tempfile.TemporaryDirectory(prefix="zoff-bench-") as tmp:
+        run = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "zoff", "train", str(config), *overrides, "--run-dir", str(run)]
+        p = subprocess.run(cmd, capture_output=True, text=True, **run_kwargs)
+        if p.returncode != 0:
+            raise SystemExit(f"{who}: {' '.join(cmd)} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")
+        return step_records(run)
+
+
 def print_rendered(path: Path, render: Callable[[dict], str]) -> int:
     """--render: the table(s) from the JSON, without measuring; 2 when there is no JSON yet."""
     if not path.is_file():

@@ -17,12 +17,9 @@ Used by bench_beyond_memory.py; importable on its own:
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from benchlib import step_records
+from benchlib import train_records
 
 # every state in RAM: the same stage and gathers as the disk tier's run, its bytes never touch the disk
 IN_RAM = [
@@ -33,20 +30,6 @@ IN_RAM = [
     "train.log_every=1",
     "train.eval_batches=1",
 ]
-
-
-def _steady_steps(run_dir: Path) -> list[float]:
-    """The step times after the first step (which allocates and warms up)."""
-    times = [r["step_time_s"] for r in step_records(run_dir)]
-    steady = times[1:] or times
-    if not steady:
-        raise RuntimeError(f"offload_floor: no step times in {run_dir / 'metrics.jsonl'}")
-    return steady
-
-
-def _steady_step_s(run_dir: Path) -> float:
-    """The median step time after the first step."""
-    return statistics.median(_steady_steps(run_dir))
 
 
 def measure_compute(
@@ -64,14 +47,11 @@ def measure_compute(
     samples: dict[int, list[float]] = {d: [] for d in depths}
     for r in range(rounds):
         for depth in depths if r % 2 == 0 else depths[::-1]:
-            with tempfile.TemporaryDirectory(prefix="zoff-floor-") as tmp:
-                run = Path(tmp) / "run"
-                cmd = [sys.executable, "-m", "zoff", "train", str(config), *keep, *IN_RAM,
-                       f"model.n_layer={depth}", f"train.max_steps={steps}", "--run-dir", str(run)]  # fmt: skip
-                p = subprocess.run(cmd, capture_output=True, text=True)
-                if p.returncode != 0:
-                    raise RuntimeError(f"offload_floor: {' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-                samples[depth] += _steady_steps(run)
+            run = [*keep, *IN_RAM, f"model.n_layer={depth}", f"train.max_steps={steps}"]
+            times = [r["step_time_s"] for r in train_records(config, run, "offload_floor")]
+            if not times:
+                raise RuntimeError(f"offload_floor: no step times from {config} at {depth} layers")
+            samples[depth] += times[1:] or times  # (the first step allocates and warms up)
     (d0, d1), (t0, t1) = depths, [statistics.median(samples[d]) for d in depths]
     per_layer = (t1 - t0) / (d1 - d0)
     fixed = t0 - d0 * per_layer

@@ -266,9 +266,7 @@ def _piece_bytes(shards: tuple[int, ...], subgroup: int | None) -> tuple[int, ..
 
 @functools.lru_cache(maxsize=64)
 def _piece_ram(shards: tuple[int, ...], subgroup: int | None) -> tuple[int, ...]:
-    return tuple(
-        piece_ram_bytes(aligned(4 * (hi - lo))) for n in shards for lo, hi in piece_spans(n, subgroup)
-    )
+    return tuple(piece_ram_bytes(n // 3) for n in _piece_bytes(shards, subgroup))  # (three states of n // 3)
 
 
 def swap_buffer_bytes(

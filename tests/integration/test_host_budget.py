@@ -151,9 +151,10 @@ def test_the_rank_s_other_host_memory_counts_against_the_budget(swap: Path) -> N
 def test_auto_is_the_host_less_its_margin_split_over_the_ranks() -> None:
     oo = config_from_dict({}).zero.offload_optimizer
     gib = 2**30
-    assert host_budget_bytes(oo, 128 * gib, 1) == 96 * gib  # 25% kept
-    assert host_budget_bytes(oo, 128 * gib, 4) == 24 * gib
-    assert host_budget_bytes(oo, 8 * gib, 1) == 4 * gib  # at least 4 GiB kept
+    assert host_budget_bytes(oo, 128 * gib, 1) == 112 * gib  # 12.5% kept
+    assert host_budget_bytes(oo, 128 * gib, 4) == 28 * gib
+    assert host_budget_bytes(oo, 8 * gib, 1) == 5 * gib + gib // 4  # at least 2 GiB + 0.75 GiB a rank kept
+    assert host_budget_bytes(oo, 24 * gib, 8) == (24 - 8) * gib // 8  # 2 + 8 x 0.75 GiB > 12.5%
     oo_min = config_from_dict({}, ["zero.offload_optimizer.host_budget=min"]).zero.offload_optimizer
     assert host_budget_bytes(oo_min, 128 * gib, 1) is None
     sized = config_from_dict({}, ["zero.offload_optimizer.host_budget=3GiB"]).zero.offload_optimizer

@@ -17,8 +17,17 @@ from tests.harness import run_zoff, tiny_cfg
 from tests.integration.test_nvme import _engine_run
 from zoff.config import config_from_dict
 from zoff.engine import build_engine
+from zoff.engine.disk_io import aligned
 from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes
-from zoff.engine.policy import Policy, disk_traffic, grad_buffer_bytes, piece_bytes, piece_ram, subgroup_of
+from zoff.engine.policy import (
+    Policy,
+    disk_traffic,
+    grad_buffer_bytes,
+    master_served_units,
+    piece_bytes,
+    piece_ram,
+    subgroup_of,
+)
 from zoff.engine.state_swap import ring_size
 from zoff.errors import ConfigError, UserError
 from zoff.planning import memory
@@ -27,12 +36,13 @@ LAYERS = 8  # more pieces than the ring's five, so that a budget can hold some a
 MODEL = {"n_layer": 8}
 
 
-def _partial_budget(plan, zero, precision: str, accumulating: bool) -> int:
-    """The smallest budget (working set + whole pieces) that keeps some but not all pieces in RAM."""
+def _partial_budget(plan, zero, precision: str, accumulating: bool, half: bool = False) -> int:
+    """The smallest budget (working set + whole pieces) that keeps some but not all pieces in RAM (`half`: at
+    least half of them, so that whole units past the persistent ones are resident)."""
     sizes = piece_ram(plan, subgroup_of(zero))
     itemsize = 4 if accumulating else {"bf16": 2, "fp32": 4}[precision]
     need = ring_size(len(sizes)) * max(sizes) + grad_buffer_bytes(plan, itemsize)
-    for k in range(1, len(sizes)):
+    for k in range(len(sizes) // 2 if half else 1, len(sizes)):
         split = disk_split(plan, Policy.of(zero), zero, precision, accumulating, need + sum(sizes[:k]))
         if 0 < split.resident_pieces < split.pieces and split.grads_on_disk:
             return need + sum(sizes[:k])
@@ -43,10 +53,12 @@ def _half_budget(swap: Path, stage: int, precision: str, params: str) -> tuple[i
     """A budget that keeps some of the optimizer's pieces in RAM (with the working set beside them)."""
     _, _, eng = _engine_run(stage, precision, "nvme", swap / "probe", steps=0, params=params, layers=LAYERS)
     eng.close()
-    return _partial_budget(eng.plan, eng.zero, precision, True), eng.split
+    return _partial_budget(eng.plan, eng.zero, precision, True, half=True), eng.split
 
 
-@pytest.mark.parametrize(("stage", "precision", "params"), [(2, "bf16", "none"), (3, "fp32", "nvme")])
+@pytest.mark.parametrize(
+    ("stage", "precision", "params"), [(2, "bf16", "none"), (3, "fp32", "nvme"), (3, "bf16", "nvme")]
+)
 def test_a_split_budget_gives_the_bits_of_all_on_disk_and_of_cpu_offload(
     stage: int, precision: str, params: str, swap: Path
 ) -> None:
@@ -78,6 +90,16 @@ def test_a_split_budget_gives_the_bits_of_all_on_disk_and_of_cpu_offload(
         streamed = sum(n for k, n in enumerate(sizes) if k not in split.resident)
         assert t["disk_optimizer_read_bytes"] == t["disk_optimizer_written_bytes"] == streamed, budget
         assert ("disk_grads_read_bytes" in t) == split.grads_on_disk
+        if params == "nvme":  # units whose states are all in RAM gather from their masters: no parameter I/O
+            served = master_served_units(eng.plan, eng.policy, subgroup_of(eng.zero), split, False)
+            assert set(eng.param_disk.from_master) == served
+            assert bool(served) == (budget != "min") and (eng.param_disk.cast_bytes > 0) == bool(served)
+            itemsize = {"bf16": 2, "fp32": 4}[precision]
+            on_disk = [u for u in eng.plan.units if not u.persistent and u.index not in served]
+            assert t["disk_params_written_bytes"] == sum(aligned(itemsize * u.shard) for u in on_disk), budget
+            assert t["disk_params_read_bytes"] == 2 * sum(
+                aligned(itemsize * u.shard) * (1 if u.modules == ("",) else 2) for u in on_disk
+            ), budget  # forward and backward, over the 2 micro-batches
         eng.close()
 
 

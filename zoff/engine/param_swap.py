@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -87,6 +88,9 @@ class SwappedShards:
         self._held_ids: set[int] = set()  # buffers in `held`: not spares when their write lands
         self._landed_ids: set[int] = set()  # held buffers whose write has landed
         self.read_from_memory_bytes = 0  # shard bytes a gather took from `held` rather than the disk
+        # units whose shard is cast from a master in RAM (policy.master_served_units): unit -> fill(out)
+        self.from_master: dict[int, Callable[[torch.Tensor], None]] = {}
+        self.cast_bytes = 0  # shard bytes gathers cast from resident masters
 
     def _take(self, nbytes: int) -> AlignedBuffer:
         with self._lock:
@@ -164,6 +168,13 @@ class SwappedShards:
 
     def read(self, u: int) -> ShardRead:
         """Start reading unit u's shard (wait() on the result). Any write of it still in flight lands first."""
+        fill = self.from_master.get(u)
+        if fill is not None:
+            n = self.numels[u]
+            buf = self._take(n * self.dtype.itemsize)
+            fill(buf.view(self.dtype, 0, n))
+            self.cast_bytes += n * self.dtype.itemsize
+            return ShardRead(self, buf, [], n, self.dtype)
         held = self._held_read(u) if self.held else None
         if held is not None:
             return held
@@ -180,6 +191,8 @@ class SwappedShards:
 
         A write must start on a page: lo is 0 or a multiple of the optimizer's sub-group (whole 4096-element
         pages)."""
+        if u in self.from_master:
+            return  # its gathers cast the master itself: nothing on disk is read
         n, size = src.numel(), self.dtype.itemsize
         start = self.offset[u] + lo * size
         if start % ALIGN or (lo + n < self.numels[u] and (n * size) % ALIGN):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -151,6 +152,20 @@ class SwappedStates:
     def spans(self, i: int) -> list[tuple[int, int, int]]:
         """Unit i's pieces as (piece, lo, hi), in order (the step asks per unit: looked up, not searched)."""
         return self._spans[i]
+
+    def master_cast(self, i: int) -> Callable[[torch.Tensor], None]:
+        """fill(out): unit i's fp32 master cast into `out` (its 16-bit shard), every piece of it resident (the
+        host budget's); the write-back's cast, so the same bits. For gathers that skip the parameter file."""
+        spans = self.spans(i)
+        if not spans or any(k not in self.resident for k, _, _ in spans):
+            raise RuntimeError(f"zoff: unit {i}'s master is not all in RAM")  # a bug in the caller's rule
+        pieces = [(lo, self._views(None, k)[0]) for k, lo, _ in spans]  # fixed buffers: valid while we live
+
+        def fill(out: torch.Tensor) -> None:
+            for lo, master in pieces:
+                out[lo : lo + master.numel()].copy_(master)
+
+        return fill
 
     def _region(self, b: int | None, i: int) -> tuple[AlignedBuffer, int]:
         """Where piece i's states lie in RAM: (its buffer, byte offset); b None for a resident piece."""

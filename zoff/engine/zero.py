@@ -30,6 +30,7 @@ from zoff.engine.param_swap import HELD_UNITS, SwappedShards
 from zoff.engine.policy import (
     Policy,
     engine_plan,
+    master_served_units,
     param_swap_path,
     subgroup_of,
 )
@@ -95,6 +96,7 @@ class ZeroEngine(EngineReports):
         self.cpu_threads = torch.get_num_threads()
         self.optimizer = self._build_optimizer(optim, grad_clip > 0 or precision == "fp16")
         self.staging = self.optimizer.tier.staging  # offload on a GPU: bounded pinned buffers (staging.py)
+        self._serve_from_masters()
         # The reduced gradient shards, in the tier that holds the optimizer's states (grad_store.py); stages 0-1
         # without offload keep them as views of the full gradient buffers.
         self.grads = (
@@ -147,6 +149,15 @@ class ZeroEngine(EngineReports):
             request_bytes=op.io.request_mb << 20,
             hold_units=HELD_UNITS if self.zero.offload_optimizer.overlap_step else 0,
         )  # fmt: skip
+
+    def _serve_from_masters(self) -> None:
+        """Parameters on disk: the units whose masters the host budget keeps in RAM are gathered from them
+        (policy.master_served_units), no parameter I/O."""
+        oz = self.zero.offload_optimizer
+        for u in master_served_units(
+            self.plan, self.policy, subgroup_of(self.zero), self.split, oz.delay_update
+        ):
+            self.param_disk.from_master[u] = self.optimizer.states.master_cast(u)
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
         """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or under

@@ -200,7 +200,10 @@ def estimate(
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
         grads = grad_disk_bytes(plan, pol, split, accumulating, precision)
         disk = disk_bytes(plan, pol, precision, grads)
-        traffic = disk_traffic(plan, pol, subgroup_of(zero_cfg), precision, micro_batches, grads, split)
+        traffic = disk_traffic(
+            plan, pol, subgroup_of(zero_cfg), precision, micro_batches, grads, split,
+            overlap=zero_cfg.offload_optimizer.overlap_step, delay_update=zero_cfg.offload_optimizer.delay_update,
+        )  # fmt: skip
         out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk, *traffic, grads, split))
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.

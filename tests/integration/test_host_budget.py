@@ -18,7 +18,7 @@ from tests.integration.test_nvme import _engine_run
 from zoff.config import config_from_dict
 from zoff.engine import build_engine
 from zoff.engine.disk_io import aligned
-from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes
+from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes, spread_units
 from zoff.engine.policy import (
     Policy,
     disk_traffic,
@@ -27,6 +27,7 @@ from zoff.engine.policy import (
     piece_bytes,
     piece_ram,
     subgroup_of,
+    unit_pieces,
 )
 from zoff.engine.state_swap import ring_size
 from zoff.errors import ConfigError, UserError
@@ -252,12 +253,30 @@ def test_a_run_resumes_bit_for_bit_at_another_budget(swap: Path, tmp_path: Path)
             assert torch.equal(again["params"][name], p), (other, name)
 
 
-def test_the_budget_keeps_the_walks_first_pieces() -> None:
-    """Kept first, the resident pieces' parameter write-backs run while the disk has nothing else to do."""
+def test_the_budget_keeps_whole_units_spread_over_the_walk() -> None:
+    """Resident pieces are whole units (their gathers then cast the master: no parameter I/O), spread evenly
+    over the walk (their CPU Adam runs while the disk reads the streamed ones ahead), and as many as the room
+    holds, less at most one unit."""
     from zoff.config import load_config
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "gpt-3b-nvme.yaml", ["model.n_layer=4"])
     plan = memory.engine_plan(memory.meta_model(cfg.model), 3, 1, cfg.zero)
-    split = disk_split(plan, Policy.of(cfg.zero), cfg.zero, "bf16", False, 4 << 30)
+    room = 4 << 30
+    split = disk_split(plan, Policy.of(cfg.zero), cfg.zero, "bf16", False, room)
     assert 0 < split.resident_pieces < split.pieces
-    assert split.resident == tuple(range(split.resident_pieces))
+    units = unit_pieces(plan, subgroup_of(cfg.zero))
+    resident = set(split.resident)
+    assert all(set(p) <= resident or not set(p) & resident for p in units)  # whole units only
+    half = split.pieces // 2
+    assert 0.3 < sum(k < half for k in resident) / len(resident) < 0.7  # in both halves of the walk
+    served = master_served_units(plan, Policy.of(cfg.zero), subgroup_of(cfg.zero), split, False)
+    assert served == {
+        u.index for u, p in zip(plan.units, units) if p and set(p) <= resident and not u.persistent
+    }
+    assert master_served_units(plan, Policy.of(cfg.zero), subgroup_of(cfg.zero), split, True) == frozenset()
+    # the arithmetic: a unit is kept while the kept bytes, with half of it, stay within the room's share
+    ram = [10, 10, 10, 10, 10, 10, 10, 10]
+    assert spread_units(ram, [range(k, k + 1) for k in range(8)], 40) == (0, 2, 4, 6)
+    assert spread_units(ram, [range(0, 2), range(2, 4), range(4, 6), range(6, 8)], 40) == (0, 1, 4, 5)
+    assert spread_units(ram, [range(k, k + 1) for k in range(8)], 80) == tuple(range(8))
+    assert spread_units(ram, [range(k, k + 1) for k in range(8)], 9) == ()

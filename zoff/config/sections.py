@@ -126,9 +126,10 @@ class OffloadOptimizerConfig:
     # memory beside disk-tier states (less disk traffic, RAM grows with the model); auto is cpu under
     # delay_update.
     grad_device: Literal["auto", "cpu", "nvme"] = "auto"
-    # nvme: the host memory (per rank) the disk tier may use, so that the disk holds only what RAM cannot: the
-    # first sub-groups of the step stay in RAM and are never read or written, the rest stream through a ring of
-    # five sub-group buffers; with grad_device auto the gradient shard stays in RAM too when every state does.
+    # nvme: the host memory (per rank) the disk tier may use, so that the disk holds only what RAM cannot: whole
+    # units' sub-groups, spread over the step, stay in RAM and are never read or written (nor, parameters on
+    # disk, their shards), the rest stream through a ring of five sub-group buffers; with grad_device auto the
+    # gradient shard stays in RAM too when every state does.
     # auto: this host's MemTotal less max(2 GiB + 0.75 GiB per local rank, 12.5%) (the OS, the interpreters),
     # split evenly over the node's ranks; min: only the ring and the gradient buffers (everything on disk); or
     # a size (e.g. 8GiB), which must hold at least that minimum. Placement only: the numbers are the same.

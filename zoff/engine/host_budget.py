@@ -12,7 +12,7 @@ from pathlib import Path
 from zoff.config import ZeroConfig
 from zoff.config.sections import OffloadOptimizerConfig
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.policy import Policy, grad_buffer_bytes, piece_bytes, piece_ram, subgroup_of
+from zoff.engine.policy import Policy, grad_buffer_bytes, piece_bytes, piece_ram, subgroup_of, unit_pieces
 from zoff.engine.precision import DTYPES
 from zoff.engine.state_swap import ring_size
 from zoff.errors import UserError
@@ -56,7 +56,7 @@ class DiskSplit:
     """What the disk tier keeps in RAM under its host budget (disk_split): a pure value, the engine's and the
     estimate's alike."""
 
-    resident: tuple[int, ...] = ()  # pieces of the step's walk held in RAM (its first ones)
+    resident: tuple[int, ...] = ()  # pieces of the step's walk held in RAM (whole units, spread_units)
     pieces: int = 0  # all of the optimizer's pieces
     grads_on_disk: bool = False  # the gradient shard in its own swap file (else in host memory)
     budget: int | None = None  # bytes per rank; None: min (only the working set)
@@ -90,8 +90,8 @@ def disk_split(
     budget: int | None, reserved: int = 0,
 ) -> DiskSplit:  # fmt: skip
     """How the disk tier spends `budget` bytes of RAM per rank (host_budget_bytes): first on optimizer states
-    (each byte kept saves a byte read and a byte written in the step itself), the walk's first pieces; the
-    gradient shard stays in RAM with grad_device auto only when every state does and it fits beside them (its
+    (each byte kept saves a byte read and a byte written in the step itself), whole units spread over the
+    walk (spread_units); the gradient shard stays in RAM with grad_device auto only when every state does and it fits beside them (its
     write happens during backward, its read in the step). What must be in RAM whatever the budget (the ring
     for streamed pieces, the gradient buffers or a gradient shard grad_device cpu or delay_update keeps in
     RAM) is the working set; a size below it is a UserError naming the key (auto falls back to min: the
@@ -133,15 +133,33 @@ def disk_split(
             f"{human(grads)}); give at least that, or min"
         )
     room -= reserved  # below the working set: the working set alone (every state streamed)
-    resident = 0  # the walk's first pieces (see below for why not spread over it)
-    while resident < len(sizes) and ram[resident] <= room:
-        room -= ram[resident]
-        resident += 1
-    kept = sum(sizes[:resident])
-    return DiskSplit(tuple(range(resident)), len(sizes), not ram_forced, budget, kept, states, reserved)
+    resident = spread_units(ram, unit_pieces(plan, subgroup_of(zero)), room)
+    kept = sum(sizes[k] for k in resident)
+    return DiskSplit(resident, len(sizes), not ram_forced, budget, kept, states, reserved)
 
 
-# Why the first pieces and not pieces spread over the walk (where the CPU Adam would step a resident piece
-# while the disk reads the next streamed one): measured on the 3.4B demo (default budget, 6 steps each,
-# separate runs), spread pieces made the optimizer phase 24 s against 20 s, its parameter write-backs waiting
-# 3.0 s against 0.1 s: kept first, the resident pieces' write-backs run while the disk has nothing else to do.
+def spread_units(ram: list[int], units: list[range], room: int) -> tuple[int, ...]:
+    """The resident pieces: whole units (so that their parameter shards need no disk either:
+    policy.master_served_units) spread evenly over the walk, at most `room` bytes of RAM. A unit is kept when
+    what is kept so far, with half of it, stays within the room's share of what the walk has passed.
+
+    Why spread: a resident piece costs the walk only its CPU Adam, which, between streamed pieces, runs while
+    the disk reads the next ones ahead; kept first, the walk stepped them all with the disk idle, then waited
+    on the disk for the rest (the 3.4B demo: the walk's first 1.8 s)."""
+    total = sum(ram)
+    share = room / total if total else 0.0
+    kept = seen = 0
+    out: list[int] = []
+    for pieces in units:
+        r = sum(ram[k] for k in pieces)
+        seen += r
+        if r and kept + r <= room and kept + r / 2 <= share * seen:
+            out.extend(pieces)
+            kept += r
+    return tuple(out)
+
+
+# History: until 0403c7f the budget kept the walk's first pieces. Spread then (measured on the 3.4B demo
+# without overlap_step, 6 steps, separate runs) made the optimizer phase 24 s against 20 s, the resident
+# pieces' parameter write-backs waiting 3.0 s against 0.1 s in the streamed pieces' traffic; served from their
+# masters since, resident units write nothing, and spread is the faster (docs/benchmarks.md, "Beyond memory").

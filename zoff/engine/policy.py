@@ -374,13 +374,22 @@ def master_served_units(
     update in flight."""
     if not policy.params_on_disk or split is None or not split.resident or delay_update:
         return frozenset()
-    resident, first, out = set(split.resident), 0, []
+    resident = set(split.resident)
+    return frozenset(
+        u.index
+        for u, pieces in zip(plan.units, unit_pieces(plan, subgroup), strict=True)
+        if pieces and not u.persistent and all(k in resident for k in pieces)
+    )
+
+
+def unit_pieces(plan: PartitionPlan, subgroup: int | None) -> list[range]:
+    """The disk tier's pieces (piece_bytes' indices) of each trainable unit, in the walk's order."""
+    out, first = [], 0
     for u in plan.units:
         n = len(piece_spans(u.shard, subgroup))
-        if n and not u.persistent and all(k in resident for k in range(first, first + n)):
-            out.append(u.index)
+        out.append(range(first, first + n))
         first += n
-    return frozenset(out)
+    return out
 
 
 def data_parallel_bytes(trainable_params: int) -> int:

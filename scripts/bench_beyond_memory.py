@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     con.print("running: " + " ".join(cmd))
     dev = block_device(swap_root) if swap_root else None
     t0 = time.perf_counter()
+    floor_samples, before = floor_before(a, cfg, overrides, con)
     proc = subprocess.Popen(cmd)
     sampler = Sampler(proc.pid, swap_dirs, dev, run_dir / "metrics.jsonl", cfg.train.max_steps)
     while proc.poll() is None:
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     # the floor and the prediction after the run: a failure there is recorded beside the run's figures
     try:
         if a.floor_depths and result["status"] == "ok":
-            result["floor"] = measure_floor(a, cfg, overrides, result, con)
+            result["floor"] = measure_floor(a, cfg, overrides, result, con, floor_samples, before)
         if result["status"] == "ok" and result.get("bench_io"):
             result["prediction"] = predicted_step(cfg, est, result)
     except Exception as e:  # noqa: BLE001  (the run's own measurements are written whatever happens here)
@@ -264,17 +265,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if proc.returncode == 0 else 1
 
 
+def floor_before(
+    a: argparse.Namespace, cfg: Config, overrides: list[str], con: Console
+) -> tuple[dict[int, list[float]], int]:
+    """The floor's first rounds (half of --floor-rounds, rounded down), before the run: with the rest after
+    it, the floor brackets the run, so a host whose speed moves during the job moves both alike (one round
+    after the run measured 23.8 to 27.2 s over three runs of the same code and step). (samples, rounds)."""
+    before = a.floor_rounds // 2 if a.floor_depths else 0
+    samples: dict[int, list[float]] = {}
+    if before:
+        depths = tuple(int(x) for x in a.floor_depths.split(","))
+        con.print(f"floor, before the run: n_layer {depths} with every state in RAM, {before} round(s) ...")
+        measure_compute(a.config, overrides, depths, a.floor_steps, cfg.model.n_layer, before, samples)
+    return samples, before
+
+
 def measure_floor(
-    a: argparse.Namespace, cfg: Config, overrides: list[str], result: dict, con: Console
-) -> dict:
+    a: argparse.Namespace, cfg: Config, overrides: list[str], result: dict, con: Console,
+    samples: dict[int, list[float]] | None = None, before: int = 0,
+) -> dict:  # fmt: skip
     """The step's floor in the same job (offload_floor.py): the config at two depths with every state in RAM,
-    scaled to its depth, against the disk bytes this run moved per step at the raw bandwidth just measured."""
+    scaled to its depth, against the disk bytes this run moved per step at the raw bandwidth just measured;
+    `before` rounds of it were measured before the run (`samples`), the rest now."""
     depths = tuple(int(x) for x in a.floor_depths.split(","))
+    after = max(1, a.floor_rounds - before)
     con.print(
         f"floor: {a.config} at n_layer {depths} with every state in RAM, {a.floor_steps} steps each, "
-        f"{a.floor_rounds} rounds ..."
+        f"{after} round(s) after the run ..."
     )
-    compute = measure_compute(a.config, overrides, depths, a.floor_steps, cfg.model.n_layer, a.floor_rounds)
+    compute = measure_compute(
+        a.config, overrides, depths, a.floor_steps, cfg.model.n_layer, after, samples, first_round=before
+    )
+    compute["rounds_before_run"] = before
     io, bio = result["disk_io_per_step"].get("ranks"), result.get("bench_io")
     out = {"compute": compute}
     if io and bio:

@@ -220,6 +220,8 @@ def render(r: dict) -> str:
         depths = " and ".join(f"{d} layers {c['step_s'][str(d)]:.2f} s" for d in c["depths"])
         if c.get("rounds", 1) > 1:
             depths += f", medians of {c['rounds']} alternating runs each"
+        if c.get("rounds_before_run"):
+            depths += f", {c['rounds_before_run']} of them before this run and the rest after it"
         rows.append([f"floor: compute + CPU Adam with every state in RAM ({depths}; scaled to {c['layers']}), s",
                      f"{fl['compute_adam_s']:.1f}", "", ""])  # fmt: skip
         rows.append([f"floor: this run's disk bytes per step at the disk's best bandwidth above ({fl['read_gbps']:.2f} / "

@@ -33,32 +33,34 @@ IN_RAM = [
 
 
 def measure_compute(
-    config: Path, overrides: list[str], depths: tuple[int, int], steps: int, layers: int, rounds: int = 2
-) -> dict:
+    config: Path, overrides: list[str], depths: tuple[int, int], steps: int, layers: int, rounds: int = 2,
+    samples: dict[int, list[float]] | None = None, first_round: int = 0,
+) -> dict:  # fmt: skip
     """Train `config` (with `overrides`, the disk tier's own) at two depths with every state in RAM and
     return the per-layer fit scaled to `layers`: {depth: step seconds, ..., per_layer_s, fixed_s, scaled_s}.
 
     The depths alternate over `rounds` (A B, B A, ...) and each depth's time is the median of all its steady
     steps: the per-layer slope is a difference of two times, multiplied by the model's depth, so a host whose
-    speed moves between two single runs moved the floor by a quarter (2026-11-27: 21.8, 28.7 and 24.7 s)."""
+    speed moves between two single runs moved the floor by a quarter (2026-11-27: 21.8, 28.7 and 24.7 s).
+    `samples` (depth -> step times) carries rounds measured earlier, which the fit includes (a benchmark
+    that brackets its run: rounds before it and after it); `first_round` continues their alternation."""
     keep = [o for o in overrides if not o.startswith(("model.n_layer=", "train.max_steps=", "zero.offload_"))]
-    out: dict = {"depths": list(depths), "steps": steps, "rounds": rounds,
-                 "policy": "zero3-offload (every state in RAM)"}  # fmt: skip
-    samples: dict[int, list[float]] = {d: [] for d in depths}
-    for r in range(rounds):
+    samples = samples if samples is not None else {d: [] for d in depths}
+    for r in range(first_round, first_round + rounds):
         for depth in depths if r % 2 == 0 else depths[::-1]:
             run = [*keep, *IN_RAM, f"model.n_layer={depth}", f"train.max_steps={steps}"]
             times = [r["step_time_s"] for r in train_records(config, run, "offload_floor")]
             if not times:
                 raise RuntimeError(f"offload_floor: no step times from {config} at {depth} layers")
-            samples[depth] += times[1:] or times  # (the first step allocates and warms up)
+            samples.setdefault(depth, []).extend(times[1:] or times)  # (the first step warms up)
     (d0, d1), (t0, t1) = depths, [statistics.median(samples[d]) for d in depths]
     per_layer = (t1 - t0) / (d1 - d0)
     fixed = t0 - d0 * per_layer
-    out.update({"step_s": {str(d0): t0, str(d1): t1}, "samples_s": {str(d): s for d, s in samples.items()},
-                "per_layer_s": per_layer, "fixed_s": fixed, "layers": layers,
-                "scaled_s": fixed + layers * per_layer})  # fmt: skip
-    return out
+    return {"depths": list(depths), "steps": steps, "rounds": first_round + rounds,
+            "policy": "zero3-offload (every state in RAM)",
+            "step_s": {str(d0): t0, str(d1): t1}, "samples_s": {str(d): samples[d] for d in depths},
+            "per_layer_s": per_layer, "fixed_s": fixed, "layers": layers,
+            "scaled_s": fixed + layers * per_layer}  # fmt: skip
 
 
 def floor(

@@ -77,6 +77,7 @@ def test_bench_beyond_memory_tiny_gpt(disk_dir):
     assert "floor_error" not in r, r.get("floor_error")
     c = r["floor"]["compute"]  # two depths, alternating over rounds: every steady step of each kept
     assert c["depths"] == [2, 6] and c["rounds"] == 2 and r["floor"]["floor_s"] > 0
+    assert c["rounds_before_run"] == 1  # the floor brackets the run: one round before it, one after
     assert [len(c["samples_s"][d]) for d in ("2", "6")] == [2 * 4, 2 * 4]  # 5 steps a run, the first dropped
     assert r["floor"]["step_to_floor"] == r["step_time_median_s"] / r["floor"]["floor_s"]
     assert r["prediction"]["step_s"] == r["prediction"]["forward_backward_s"] + r["prediction"]["optimizer_s"]

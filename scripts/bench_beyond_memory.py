@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         result["bench_io"] = io_bandwidth(swap_root, io_bytes, io.threads, io.request_mb)
     baseline = import_baseline_rss()
     result["import_baseline_rss_bytes"] = baseline
+    floor_samples, before = floor_before(a, cfg, overrides, con)  # (the rest of the floor after the run)
 
     # ---- the run
     run_dir = a.run_dir or Path("runs/bench") / f"beyond-memory-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -239,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     con.print("running: " + " ".join(cmd))
     dev = block_device(swap_root) if swap_root else None
     t0 = time.perf_counter()
-    floor_samples, before = floor_before(a, cfg, overrides, con)
     proc = subprocess.Popen(cmd)
     sampler = Sampler(proc.pid, swap_dirs, dev, run_dir / "metrics.jsonl", cfg.train.max_steps)
     while proc.poll() is None:

@@ -60,8 +60,8 @@ def predict(
     step (zero3-nvme, overlap_step), whose walk runs beside the next forward (a third of the compute): backward,
     then the longer of the walk's disk and the cores' work beside it, the forward and the CPU Adam one after
     the other on a CPU-only host (`shared_cores`), the longer of the two where the Adam has cores of its own
-    (a GPU host). Measured on the 3.4B demo (scripts/bench_overlap.py): 38 s a step, the walk 20-21 s of it
-    beside the forward, against 42-45 s serial."""
+    (a GPU host). Measured on the 3.4B demo (scripts/bench_overlap.py, af92201): 30.2 s a step, the walk
+    14.2-14.3 s of it beside the forward, against 37.0-37.8 s serial."""
     rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
     resident = set(pe.split.resident)
     streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)

@@ -17,7 +17,7 @@ from zoff.config import Config, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.engine.activation_offload import ActivationOffload
-from zoff.engine.policy import data_parallel_bytes
+from zoff.engine.policy import data_parallel_bytes, held_write_back_bytes
 from zoff.errors import UserError
 from zoff.models import (
     build_for_engine,
@@ -184,7 +184,8 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         *(
             [
                 f"  host memory per rank (offload): params {gib(mem['cpu_params'])}, grads {gib(mem['cpu_grads'])}, "
-                f"optimizer {gib(mem['cpu_optimizer_states'])}, staging {gib(mem['cpu_staging'])}; "
+                f"optimizer {gib(mem['cpu_optimizer_states'])}, staging {gib(mem['cpu_staging'])}"
+                f"{_held_text(engine, gib)}; "
                 f"page-locked {gib(engine.pinned_bytes())}" + _disk_text(mem, gib)
             ]
             if engine.offload
@@ -194,6 +195,13 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
     ] + _stage3_line(plan, engine.zero.block_classes)
+
+
+def _held_text(engine: ZeroEngine, gib) -> str:
+    """The overlapped step's held parameter write-backs: host buffers taken as the step runs, not at start-up
+    (the estimate counts them in staging; the plan's staging figure is what is allocated now)."""
+    held = held_write_back_bytes(engine.plan, engine.policy, engine.zero, engine.precision)
+    return f" (+ up to {gib(held)} of held write-backs while the overlapped step runs)" if held else ""
 
 
 def _frozen_text(engine: ZeroEngine) -> str:

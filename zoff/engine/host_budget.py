@@ -91,8 +91,8 @@ def disk_split(
 ) -> DiskSplit:  # fmt: skip
     """How the disk tier spends `budget` bytes of RAM per rank (host_budget_bytes): first on optimizer states
     (each byte kept saves a byte read and a byte written in the step itself), whole units spread over the
-    walk (spread_units); the gradient shard stays in RAM with grad_device auto only when every state does and it fits beside them (its
-    write happens during backward, its read in the step). What must be in RAM whatever the budget (the ring
+    walk (spread_units); the gradient shard stays in RAM with grad_device auto only when every state does and
+    it fits beside them (its write happens during backward, its read in the step). What must be in RAM whatever the budget (the ring
     for streamed pieces, the gradient buffers or a gradient shard grad_device cpu or delay_update keeps in
     RAM) is the working set; a size below it is a UserError naming the key (auto falls back to min: the
     estimate then says whether that fits).

@@ -335,9 +335,10 @@ def disk_traffic(
 
     `overlap` (zero.offload_optimizer.overlap_step): the first forward trails the walk and takes a unit's
     shard from its held write-back (param_swap.SwappedShards.held) where the walk waits on the disk, the
-    units whose last piece is streamed; where every piece is resident the walk runs ahead of the forward
-    (only CPU Adam), its two held units are overtaken, and the forward reads the disk. A model of timing, not
-    a count: the 3.4B demo measured within 1% of it at two budgets (docs/benchmarks.md)."""
+    units whose last piece is streamed; where that piece is resident the walk (only CPU Adam there) may
+    overtake the forward's two held units, and the forward reads the disk (a unit resident whole reads
+    nothing: master_served_units). A model of timing, not a count: the 3.4B demo measured within 0.5% of it
+    at two budgets (docs/benchmarks.md)."""
     # every piece's three states, each read and written whole pages (not the file's header)
     resident = set(split.resident) if split is not None else set()
     sizes = piece_bytes(plan, subgroup) if policy.offload_optimizer == "nvme" else []

@@ -93,11 +93,11 @@ def piece_spans(numel: int, piece: int | None) -> list[tuple[int, int]]:
 class SwappedStates:
     """Every unit's states in one swap file laid out as its checkpoint shard, stepped piece by piece.
 
-    The `resident` pieces (the host budget's, host_budget.disk_split: whole units spread over the walk) live in RAM for
-    good: never read or written during a step, synced into the file only for a checkpoint. The others stream through the
-    ring; a ring buffer keeps the bytes of the piece it last held, so a piece still there is not read again,
-    and reads run ahead of the walk into idle buffers; prefetch() starts the next walk's first pieces while
-    backward computes.
+    The `resident` pieces (the host budget's, host_budget.disk_split: whole units spread over the walk) live
+    in RAM for good: never read or written during a step, synced into the file only for a checkpoint. The
+    others stream through the ring; a ring buffer keeps the bytes of the piece it last held, so a piece still
+    there is not read again, and reads run ahead of the walk into idle buffers; prefetch() starts the next
+    walk's first streamed pieces while backward computes.
     """
 
     def __init__(

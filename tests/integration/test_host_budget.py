@@ -23,6 +23,7 @@ from zoff.engine.policy import (
     Policy,
     disk_traffic,
     grad_buffer_bytes,
+    held_write_back_bytes,
     master_served_units,
     piece_bytes,
     piece_ram,
@@ -274,6 +275,11 @@ def test_the_budget_keeps_whole_units_spread_over_the_walk() -> None:
         u.index for u, p in zip(plan.units, units) if p and set(p) <= resident and not u.persistent
     }
     assert master_served_units(plan, Policy.of(cfg.zero), subgroup_of(cfg.zero), split, True) == frozenset()
+    # the overlapped step holds write-backs of streamed units only: none when every unit is resident
+    everything = disk_split(plan, Policy.of(cfg.zero), cfg.zero, "bf16", False, 1 << 40)
+    assert cfg.zero.offload_optimizer.overlap_step and everything.all_resident
+    held = [held_write_back_bytes(plan, Policy.of(cfg.zero), cfg.zero, "bf16", s) for s in (None, everything)]
+    assert held[0] > 0 and held[1] == 0
     # the arithmetic: a unit is kept while the kept bytes, with half of it, stay within the room's share
     ram = [10, 10, 10, 10, 10, 10, 10, 10]
     assert spread_units(ram, [range(k, k + 1) for k in range(8)], 40) == (0, 2, 4, 6)

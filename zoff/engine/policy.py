@@ -407,13 +407,18 @@ def host_staging(policy: Policy, zero: ZeroConfig, device_type: str) -> int:
     return 2 * chunk_bytes(zero.offload_optimizer.staging_mb << 20)
 
 
-def held_write_back_bytes(plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str) -> int:
+def held_write_back_bytes(
+    plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, split: DiskSplit | None = None
+) -> int:
     """Host bytes of the overlapped step's held parameter write-backs: param_swap.HELD_UNITS units' shards,
-    and one more (the unit a gather is copying out while the walk holds the next ones), the largest ones;
-    only with parameters on disk and zero.offload_optimizer.overlap_step."""
+    and one more (the unit a gather is copying out while the walk holds the next ones), the largest ones
+    written back (not master_served_units', which write nothing under `split`); only with parameters on disk
+    and zero.offload_optimizer.overlap_step."""
     if not (zero.offload_optimizer.overlap_step and policy.params_on_disk):
         return 0
-    shards = sorted((u.shard for u in plan.units if not u.persistent), reverse=True)[: HELD_UNITS + 1]
+    served = master_served_units(plan, policy, subgroup_of(zero), split, zero.offload_optimizer.delay_update)
+    written = (u.shard for u in plan.units if not u.persistent and u.index not in served)
+    shards = sorted(written, reverse=True)[: HELD_UNITS + 1]
     return DTYPES[precision].itemsize * sum(shards)
 
 

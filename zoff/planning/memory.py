@@ -182,7 +182,7 @@ def estimate(
             )  # fmt: skip
             # (the overlapped step's held parameter write-backs are host buffers of the same kind)
             cpu["staging"] = host_staging(pol, zero_cfg, device_type) + held_write_back_bytes(
-                plan, pol, zero_cfg, precision
+                plan, pol, zero_cfg, precision, split
             )
             gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
             gpu["activations"] = acts[pol.activation_checkpointing].peak

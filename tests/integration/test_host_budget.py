@@ -18,13 +18,11 @@ from tests.integration.test_nvme import _engine_run
 from zoff.config import config_from_dict
 from zoff.engine import build_engine
 from zoff.engine.disk_io import aligned
+from zoff.engine.disk_traffic import disk_traffic, held_write_back_bytes, master_served_units
 from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes, spread_units
 from zoff.engine.policy import (
     Policy,
-    disk_traffic,
     grad_buffer_bytes,
-    held_write_back_bytes,
-    master_served_units,
     piece_bytes,
     piece_ram,
     subgroup_of,

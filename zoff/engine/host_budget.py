@@ -140,7 +140,7 @@ def disk_split(
 
 def spread_units(ram: list[int], units: list[range], room: int) -> tuple[int, ...]:
     """The resident pieces: whole units (so that their parameter shards need no disk either:
-    policy.master_served_units) spread evenly over the walk, at most `room` bytes of RAM. A unit is kept when
+    disk_traffic.master_served_units) spread evenly over the walk, at most `room` bytes of RAM. A unit is kept when
     what is kept so far, with half of it, stays within the room's share of what the walk has passed.
 
     Why spread: a resident piece costs the walk only its CPU Adam, which, between streamed pieces, runs while

@@ -20,6 +20,7 @@ from torch import nn
 from zoff.config import OptimConfig, ZeroConfig
 from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
+from zoff.engine.disk_traffic import master_served_units
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.grad_store import ResidentGrads
 from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
@@ -30,7 +31,6 @@ from zoff.engine.param_swap import HELD_UNITS, SwappedShards
 from zoff.engine.policy import (
     Policy,
     engine_plan,
-    master_served_units,
     param_swap_path,
     subgroup_of,
 )
@@ -96,7 +96,10 @@ class ZeroEngine(EngineReports):
         self.cpu_threads = torch.get_num_threads()
         self.optimizer = self._build_optimizer(optim, grad_clip > 0 or precision == "fp16")
         self.staging = self.optimizer.tier.staging  # offload on a GPU: bounded pinned buffers (staging.py)
-        self._serve_from_masters()
+        if self.param_disk is not None:  # units the budget keeps in RAM gather from their masters: no disk
+            oz = zero.offload_optimizer
+            units = master_served_units(self.plan, policy, subgroup_of(zero), self.split, oz.delay_update)
+            self.param_disk.from_master = {u: self.optimizer.states.master_cast(u) for u in units}
         # The reduced gradient shards, in the tier that holds the optimizer's states (grad_store.py); stages 0-1
         # without offload keep them as views of the full gradient buffers.
         self.grads = (
@@ -149,15 +152,6 @@ class ZeroEngine(EngineReports):
             request_bytes=op.io.request_mb << 20,
             hold_units=HELD_UNITS if self.zero.offload_optimizer.overlap_step else 0,
         )  # fmt: skip
-
-    def _serve_from_masters(self) -> None:
-        """Parameters on disk: the units whose masters the host budget keeps in RAM are gathered from them
-        (policy.master_served_units), no parameter I/O."""
-        oz = self.zero.offload_optimizer
-        for u in master_served_units(
-            self.plan, self.policy, subgroup_of(self.zero), self.split, oz.delay_update
-        ):
-            self.param_disk.from_master[u] = self.optimizer.states.master_cast(u)
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
         """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or under

@@ -337,7 +337,7 @@ def predicted_step(cfg: Config, est, result: dict) -> dict:
               and p.policy.activation_checkpointing == cfg.train.activation_checkpointing)  # fmt: skip
     st = step_time.predict(
         pe, pieces[pe.policy.stage], rates, cfg.train.grad_accum, shard[pe.policy.stage],
-        cfg.zero.offload_optimizer.overlap_step, shared_cores=True,
+        cfg.zero.offload_optimizer.overlap_step, shared_cores=True, delayed=cfg.zero.offload_optimizer.delay_update,
     )  # fmt: skip
     med = result.get("step_time_median_s")
     return {"forward_backward_s": st.forward_backward_s, "optimizer_s": st.optimizer_s, "step_s": st.step_s,

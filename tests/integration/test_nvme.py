@@ -42,7 +42,7 @@ def _offload(device: str, swap: Path, delay: bool = False) -> dict:
 
 def _engine_run(
     stage: int, precision: str, device: str, swap: Path, steps: int = 5, bucket: int = 1500, params: str = "none",
-    prefetch: int = 3_000_000, layers: int = 2, budget: str = "min",
+    prefetch: int = 3_000_000, layers: int = 2, budget: str = "min", delay: bool = False, grad_device: str = "auto",
 ):  # fmt: skip
     torch.manual_seed(0)
     model = GPT(layers, 2, 32, 64, 16)
@@ -50,7 +50,8 @@ def _engine_run(
         stage=stage, reduce_bucket_size=bucket, param_persistence_threshold=64, prefetch_bucket_size=prefetch,
         offload_optimizer=OffloadOptimizerConfig(
             device=device, nvme_path=str(swap) if device == "nvme" else None, io=OptimizerIoConfig(threads=2, request_mb=1),
-            host_budget=budget,
+            host_budget=budget, delay_update=delay, delay_update_warmup=1 if delay else 0,
+            grad_device=grad_device if device == "nvme" else "auto",
         ),
         offload_param=OffloadParamConfig(device=params, io=IoConfig(threads=2, request_mb=1)),
     )  # fmt: skip

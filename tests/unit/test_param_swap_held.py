@@ -37,7 +37,7 @@ def test_a_whole_unit_reads_from_its_held_pieces_and_equals_the_disk(tmp_path: P
     assert torch.equal(got.wait(), want)
     assert sw.read_from_memory_bytes == want.numel() * 2
     got.release()
-    assert not sw.held and not sw._held_ids and not sw._landed_ids
+    assert not sw.held and not sw._held_bufs and not sw._landed_bufs
     assert torch.equal(sw.load(1), want)  # the disk has the same bits (the write landed)
     assert sw.read_from_memory_bytes == want.numel() * 2
     sw.close()
@@ -73,7 +73,7 @@ def test_no_hold_by_default_and_trim_hands_everything_back(tmp_path: Path) -> No
     sw = _shards(tmp_path / "b", hold=2)
     _write_unit(sw, 0, gen)
     sw.flush()
-    assert sw.held and sw._held_ids
+    assert sw.held and sw._held_bufs
     sw.trim()
-    assert not sw.held and not sw._held_ids and not sw._landed_ids and not sw._spare
+    assert not sw.held and not sw._held_bufs and not sw._landed_bufs and not sw._spare
     sw.close()

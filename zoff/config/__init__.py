@@ -221,11 +221,6 @@ def check_grad_device(zero: ZeroConfig) -> None:
         )
     if oo.overlap_step and oo.delay_update:
         raise ConfigError("zero.offload_optimizer.overlap_step: not with delay_update (choose one)")
-    if oo.delay_update and oo.grad_device == "nvme":
-        raise ConfigError(
-            "zero.offload_optimizer.grad_device: delay_update needs the gradient shard in memory (cpu or "
-            "auto): the delayed step reads it while the next backward writes the next one"
-        )
 
 
 def _check_cross_section(cfg: Config) -> None:

@@ -123,8 +123,9 @@ class OffloadOptimizerConfig:
     # Where the reduced gradient shard lives (it leaves the device as each reduction finishes): auto is the
     # optimizer's own tier (cpu: host memory; nvme: a gradient swap file, so RAM stays bounded by buffers,
     # at 2 B/param/N more disk traffic each way per micro-batch, 4 when accumulating); cpu keeps it in host
-    # memory beside disk-tier states (less disk traffic, RAM grows with the model); auto is cpu under
-    # delay_update.
+    # memory beside disk-tier states (less disk traffic, RAM grows with the model). Under delay_update the
+    # delayed step reads the shard while the next backward writes the next one: on disk, two gradient files;
+    # in RAM, the shard and a snapshot of it (in fp32 when clipping or fp16 rescales it).
     grad_device: Literal["auto", "cpu", "nvme"] = "auto"
     # nvme: the host memory (per rank) the disk tier may use, so that the disk holds only what RAM cannot: whole
     # units' sub-groups, spread over the step, stay in RAM and are never read or written (nor, parameters on
@@ -144,11 +145,10 @@ class OffloadOptimizerConfig:
 
     @property
     def grads_on_disk(self) -> bool:
-        """The disk tier keeps the gradient shard in its own swap file: grad_device nvme, or auto without
-        delay_update (whose background step reads the shard while the next backward writes the next one)."""
-        if self.device != "nvme":
-            return False
-        return self.grad_device == "nvme" or (self.grad_device == "auto" and not self.delay_update)
+        """The disk tier may keep the gradient shard in its own swap file (two under delay_update: the delayed
+        step reads one while the next backward writes the other): grad_device nvme, or auto, where the host
+        budget keeps it in RAM only when it holds every state too (host_budget.disk_split)."""
+        return self.device == "nvme" and self.grad_device != "cpu"
 
 
 @dataclass(frozen=True)

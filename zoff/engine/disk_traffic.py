@@ -36,12 +36,20 @@ def disk_traffic(
     units whose last piece is streamed; where that piece is resident the walk (only CPU Adam there) may
     overtake the forward's two held units, and the forward reads the disk (a unit resident whole reads
     nothing: master_served_units). A model of timing, not a count: the 3.4B demo measured within 0.5% of it
-    at two budgets (docs/benchmarks.md)."""
+    at two budgets (docs/benchmarks.md).
+
+    `delay_update` (DPU): the same walk, in the background; what it cannot publish from there is read back
+    once it is done."""
     # every piece's three states, each read and written whole pages (not the file's header)
     resident = set(split.resident) if split is not None else set()
     sizes = piece_bytes(plan, subgroup) if policy.offload_optimizer == "nvme" else []
     opt = sum(n for k, n in enumerate(sizes) if k not in resident)
     opt_r, opt_w = opt + micro_batches * grads, opt + micro_batches * grads
+    if delay_update and sizes and not policy.params_on_disk:
+        # DPU publishes once its background step is done (ZeroEngine.flush) from the masters, read back (at
+        # most: the ring's last pieces may still be there); stage 3 with parameters on disk publishes from
+        # the walk itself, into the parameter file's other slot
+        opt_r += opt
     if not policy.params_on_disk:
         return opt_r, opt_w
     c = DTYPES[precision].itemsize

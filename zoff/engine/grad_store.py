@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -90,6 +91,11 @@ class GradShards:
     def begin_window(self) -> None:
         """A new accumulation window: the folded norms belong to the last one."""
         self._norms = [None] * len(self._norms)
+
+    def for_step(self, delayed: bool) -> GradShards:
+        """The store the optimizer step reads: this one, unless the step runs `delayed` (DPU) while the next
+        backward lands here (DelayedDiskGrads hands over its landed slot and lands in the other)."""
+        return self
 
     def norms_sq(self) -> list[float]:
         """Each unit's squared norm, as folded at its last landing (computed now where none was: a step with
@@ -174,7 +180,7 @@ class DiskGrads(GradShards):
 
     def __init__(
         self, numels: list[int], dtype: torch.dtype, swap_dir: Path, *, threads: int, request_bytes: int,
-        staging: Staging | None = None,
+        staging: Staging | None = None, name: str = "grads.swap",
     ):  # fmt: skip
         super().__init__(len(numels))
         self.numels, self.dtype, self.staging = numels, dtype, staging
@@ -183,7 +189,7 @@ class DiskGrads(GradShards):
             self.offset.append(end)
             end += aligned(n * dtype.itemsize)
         rank = os.environ.get("RANK", "0")
-        self.file = SwapFile(swap_dir / f"rank{rank}" / "grads.swap", max(end, ALIGN), threads, request_bytes)
+        self.file = SwapFile(swap_dir / f"rank{rank}" / name, max(end, ALIGN), threads, request_bytes)
         largest = max((n * dtype.itemsize for n in numels), default=1)
         self.buffers = [AlignedBuffer(largest) for _ in range(GRAD_BUFFERS)]
         self.pending: list[list[Future]] = [[] for _ in self.buffers]  # I/O in flight on each buffer
@@ -273,6 +279,10 @@ class DiskGrads(GradShards):
         self.holds.clear()
         return out
 
+    @property
+    def files(self) -> list[SwapFile]:
+        return [self.file]
+
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
@@ -283,3 +293,52 @@ class DiskGrads(GradShards):
         self.holds.clear()
         self._drain_writes()
         self.file.close()
+
+
+class DelayedDiskGrads(GradShards):
+    """The disk tier's gradient shard under DPU (zero.offload_optimizer.delay_update): two swap files, one the
+    backward lands in and one the delayed step reads while the next backward runs, swapped at each delayed
+    step (for_step). Each is a DiskGrads with its own buffers and I/O threads, so the two threads never share
+    a buffer. Cost: a second gradient file on disk (2 B/param/N, 4 while accumulating) and its three buffers
+    in RAM, instead of DPU's snapshot of the whole shard in RAM (4 B/param/N when clipping rescales it)."""
+
+    resident = False
+
+    def __init__(self, make: Callable[[str], DiskGrads]):
+        self.live, self.stepped = make("grads.swap"), make("grads.1.swap")
+        self.numels, self.dtype, self.staging = self.live.numels, self.live.dtype, self.live.staging
+
+    def for_step(self, delayed: bool) -> GradShards:
+        if not delayed:  # (DPU's warm-up steps run before the next backward: no swap)
+            return self.live
+        self.live, self.stepped = self.stepped, self.live
+        return self.stepped
+
+    def land(self, u: int, src: torch.Tensor | None, *, copy: bool, divide: int, final: bool) -> None:
+        self.live.land(u, src, copy=copy, divide=divide, final=final)
+
+    def correct(self, u: int, delta: torch.Tensor, alpha: float, final: bool) -> None:
+        self.live.correct(u, delta, alpha, final)
+
+    def get(self, u: int) -> torch.Tensor:
+        return self.live.get(u)
+
+    def begin_window(self) -> None:
+        self.live.begin_window()
+
+    def norms_sq(self) -> list[float]:
+        return self.live.norms_sq()
+
+    @property
+    def files(self) -> list[SwapFile]:
+        return [self.live.file, self.stepped.file]
+
+    def host_bytes(self) -> int:
+        return self.live.host_bytes() + self.stepped.host_bytes()
+
+    def disk_bytes(self) -> int:
+        return self.live.disk_bytes() + self.stepped.disk_bytes()
+
+    def close(self) -> None:
+        self.live.close()
+        self.stepped.close()

@@ -93,8 +93,8 @@ def disk_split(
     (each byte kept saves a byte read and a byte written in the step itself), whole units spread over the
     walk (spread_units); the gradient shard stays in RAM with grad_device auto only when every state does and
     it fits beside them (its write happens during backward, its read in the step). What must be in RAM whatever the budget (the ring
-    for streamed pieces, the gradient buffers or a gradient shard grad_device cpu or delay_update keeps in
-    RAM) is the working set; a size below it is a UserError naming the key (auto falls back to min: the
+    for streamed pieces, the gradient buffers or a gradient shard grad_device cpu keeps in RAM, each twice
+    under delay_update) is the working set; a size below it is a UserError naming the key (auto falls back to min: the
     estimate then says whether that fits).
 
     `reserved`: the rank's other host memory, which the budget holds as well (planning.memory's
@@ -106,11 +106,14 @@ def disk_split(
         return DiskSplit()
     sizes = piece_bytes(plan, subgroup_of(zero))  # the states' bytes (what the split reports)
     ram = piece_ram(plan, subgroup_of(zero))  # what each takes in RAM (what the budget pays)
-    ram_forced = oo.grad_device == "cpu" or (oo.grad_device == "auto" and oo.delay_update)
+    ram_forced = oo.grad_device == "cpu"
     disk_forced = oo.grad_device == "nvme"
     itemsize = 4 if policy.shard_accum_fp32(accumulating) else DTYPES[precision].itemsize
-    shard = itemsize * sum(u.shard for u in plan.units)
-    buffers = grad_buffer_bytes(plan, itemsize)
+    numel = sum(u.shard for u in plan.units)
+    # DPU's delayed step reads the shard while the next backward writes the next one: in RAM beside it a
+    # snapshot (fp32 at most: clipping or fp16 rescale it), on disk a second file with its own buffers
+    shard = itemsize * numel + (4 * numel if oo.delay_update else 0)
+    buffers = grad_buffer_bytes(plan, itemsize) * (2 if oo.delay_update else 1)
     if budget is None:
         return DiskSplit((), len(sizes), not ram_forced, None, 0, sum(sizes))
     states, left = sum(sizes), budget - reserved

@@ -163,6 +163,7 @@ class ShardOptimizer:
         on_unit: Callable[[int, int | None, torch.Tensor | None], None] | None = None,
         runs: list[list[StepRun]] | None = None,
         background: bool = False,
+        delayed_on_unit: Callable[[int, int | None, torch.Tensor | None], None] | None = None,
     ) -> bool:
         """Update the masters from the (clipped, unscaled) gradient shards.
 
@@ -173,7 +174,8 @@ class ShardOptimizer:
         when the update runs in the background (DPU past its warm-up of synchronous steps): the caller
         publishes it only after finish(); otherwise `on_unit(i, lo, master)` runs for each updated piece of unit i
         (its master resident, starting at element lo) and `on_unit(i, None, None)` once the unit is done (the
-        engine starts its all-gather there).
+        engine starts its all-gather there). A delayed (DPU) update calls `delayed_on_unit` instead, from its
+        thread (the disk tier writes the new parameter shards where the next forward does not read them).
         """
         self.finish()
         # per unit, what the kernel multiplies its gradient by (RescaledGrads in fused mode; else 1)
@@ -183,13 +185,23 @@ class ShardOptimizer:
         self.step_count += 1
         runs = runs or all_runs(self.runs, self.step_count)
         if background or (self.delay and self.step_count > self.warmup):
-            on = on_unit if background else None
+            on = on_unit if background else delayed_on_unit
             args = (grads, scales, lr, runs, on)
             self._thread = threading.Thread(target=self._run, args=args, daemon=True)
             self._thread.start()
             return True
         self._update(grads, scales, lr, runs, on_unit)
         return False
+
+    @property
+    def running(self) -> bool:
+        """A background update (DPU's or the overlapped walk) is in flight: the states are its alone."""
+        return self._thread is not None
+
+    @property
+    def next_step_delayed(self) -> bool:
+        """Whether the next step() runs as DPU's background update (past its warm-up of exact steps)."""
+        return self.delay and self.step_count + 1 > self.warmup
 
     def finish(self) -> None:
         """Join an in-flight background step, DPU's or the overlapped walk (before publishing, checkpointing,

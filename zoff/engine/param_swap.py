@@ -66,7 +66,7 @@ class SwappedShards:
 
     def __init__(
         self, numels: dict[int, int], dtype: torch.dtype, swap_dir: Path, *, threads: int, request_bytes: int,
-        hold_units: int = 0,
+        hold_units: int = 0, slotted: frozenset[int] = frozenset(),
     ):  # fmt: skip
         self.numels, self.dtype = dict(numels), dtype
         self.offset: dict[int, int] = {}
@@ -74,19 +74,29 @@ class SwappedShards:
         for u, n in self.numels.items():
             self.offset[u] = end
             end += aligned(n * dtype.itemsize)
+        # DPU (delay_update): the `slotted` units (the trainable ones) have a second region, which the delayed
+        # step writes while the next forward and backward read the first; flip() swaps them. Frozen units
+        # never change: one region, read in either slot. Cost: the trainable shards twice on disk.
+        self.slots = [dict(self.offset), dict(self.offset)]
+        for u in sorted(u for u in slotted if u in self.numels):
+            self.slots[1][u] = end
+            end += aligned(self.numels[u] * dtype.itemsize)
+        self.slot = 0  # the region gathers read and foreground writes write
         rank = os.environ.get("RANK", "0")
         self.file = SwapFile(
             swap_dir / f"rank{rank}" / "params.swap", max(end, ALIGN), threads, request_bytes
         )
-        self.writes: deque[tuple[AlignedBuffer, list[Future]]] = deque()
+        self.writes: deque[tuple[AlignedBuffer, list[Future], int]] = deque()  # (buffer, I/O, slot)
         # the overlapped step writes back from its walk thread while gathers read here: one queue, locked
         self._lock = threading.Lock()
         self._spare: dict[int, list[AlignedBuffer]] = {}  # nbytes -> released buffers (module docstring)
         # the overlapped step's written-back pieces, per unit in write order: (element lo, elements, buffer)
         self.hold_units = hold_units
         self.held: dict[int, list[tuple[int, int, AlignedBuffer]]] = {}
-        self._held_ids: set[int] = set()  # buffers in `held`: not spares when their write lands
-        self._landed_ids: set[int] = set()  # held buffers whose write has landed
+        self._held_bufs: set[AlignedBuffer] = set()  # buffers in `held`: not spares when their write lands
+        self._landed_bufs: set[AlignedBuffer] = set()  # held buffers whose write has landed
+        # (sets of the buffers themselves, hashed by identity: they stay alive while listed, so no entry can
+        # ever match a later buffer, as a freed object's id() could)
         self.read_from_memory_bytes = 0  # shard bytes a gather took from `held` rather than the disk
         # units whose shard is cast from a master in RAM (disk_traffic.master_served_units): unit -> fill(out)
         self.from_master: dict[int, Callable[[torch.Tensor], None]] = {}
@@ -113,8 +123,8 @@ class SwappedShards:
     def _landed(self, buf: AlignedBuffer) -> None:
         """(Under the lock.) A write-back's write landed: its buffer is free unless a unit holds it. Decided
         under the lock, with _unhold, so that a buffer never enters the spares twice."""
-        if id(buf) in self._held_ids:
-            self._landed_ids.add(id(buf))
+        if buf in self._held_bufs:
+            self._landed_bufs.add(buf)
         else:
             self._keep(buf)
 
@@ -133,9 +143,9 @@ class SwappedShards:
     def _unhold(self, pieces: list[tuple[int, int, AlignedBuffer]]) -> None:
         """(Under the lock.) Held buffers no read will take: back to the spares once their writes landed."""
         for _, _, buf in pieces:
-            self._held_ids.discard(id(buf))
-            if id(buf) in self._landed_ids:
-                self._landed_ids.discard(id(buf))
+            self._held_bufs.discard(buf)
+            if buf in self._landed_bufs:
+                self._landed_bufs.discard(buf)
                 self._keep(buf)
 
     def _held_read(self, u: int) -> ShardRead | None:
@@ -158,7 +168,7 @@ class SwappedShards:
                     out[lo : lo + count].copy_(src.view(self.dtype, 0, count))
                 self.read_from_memory_bytes += n * self.dtype.itemsize
                 read = ShardRead(self, buf, [], n, self.dtype)
-        finally:  # (even on an error: ids left in _held_ids could match a later buffer's)
+        finally:  # (even on an error: a buffer left in _held_bufs would never be a spare)
             with self._lock:
                 self._unhold(pieces)
         return read
@@ -178,48 +188,61 @@ class SwappedShards:
         held = self._held_read(u) if self.held else None
         if held is not None:
             return held
-        self.flush()
+        self.flush(self.slot)  # (not the delayed step's writes: they go to the other slot)
         n = self.numels[u]
         buf = self._take(n * self.dtype.itemsize)  # the read fills it whole: the region's padding is zeros
-        return ShardRead(self, buf, self.file.read(buf.bytes, self.offset[u]), n, self.dtype)
+        return ShardRead(self, buf, self.file.read(buf.bytes, self.slots[self.slot][u]), n, self.dtype)
 
     def load(self, u: int) -> torch.Tensor:
         return self.read(u).wait()
 
-    def write(self, u: int, lo: int, src: torch.Tensor) -> None:
-        """Unit u's elements [lo, lo + len(src)) from `src` (any float dtype), asynchronously.
+    def write(self, u: int, lo: int, src: torch.Tensor, slot: int | None = None) -> None:
+        """Unit u's elements [lo, lo + len(src)) from `src` (any float dtype), asynchronously, into `slot`
+        (None: the one gathers read; the delayed step writes the other).
 
         A write must start on a page: lo is 0 or a multiple of the optimizer's sub-group (whole 4096-element
         pages)."""
         if u in self.from_master:
             return  # its gathers cast the master itself: nothing on disk is read
+        slot = self.slot if slot is None else slot
         n, size = src.numel(), self.dtype.itemsize
-        start = self.offset[u] + lo * size
+        start = self.slots[slot][u] + lo * size
         if start % ALIGN or (lo + n < self.numels[u] and (n * size) % ALIGN):
             raise ValueError(f"parameter swap write of unit {u} at element {lo} (+{n}) is not page-aligned")
         buf = self._take(n * size)
         buf.bytes[n * size :].zero_()  # its tail lands in the region's own padding: zeros, as in a fresh map
         buf.view(self.dtype, 0, n).copy_(src.reshape(-1))
         with self._lock:
-            self.writes.append((buf, self.file.write(buf.bytes, start)))
+            self.writes.append((buf, self.file.write(buf.bytes, start), slot))
             if self.hold_units:
                 if u not in self.held and len(self.held) >= self.hold_units:
                     oldest = next(iter(self.held))  # not read by now: its gather reads the disk
                     self._unhold(self.held.pop(oldest))
                 self.held.setdefault(u, []).append((lo, n, buf))
-                self._held_ids.add(id(buf))
+                self._held_bufs.add(buf)
             while len(self.writes) > MAX_WRITES:
-                old, futures = self.writes.popleft()
+                old, futures, _ = self.writes.popleft()
                 self.file.wait(futures)
                 self._landed(old)
 
-    def flush(self) -> None:
-        """Wait for every write-back (before a read, and at the end of a step)."""
+    def flush(self, slot: int | None = None) -> None:
+        """Wait for every write-back (before a read, and at the end of a step), or only those into `slot`."""
         with self._lock:
+            others = deque()
             while self.writes:
-                old, futures = self.writes.popleft()
+                old, futures, into = self.writes.popleft()
+                if slot is not None and into != slot:
+                    others.append((old, futures, into))
+                    continue
                 self.file.wait(futures)
                 self._landed(old)
+            self.writes = others
+
+    def flip(self) -> None:
+        """The delayed step's slot becomes the one gathers read (after that step has finished: every
+        trainable unit's new shard is written there), and the old one the next delayed step's."""
+        self.flush()
+        self.slot ^= 1
 
     def disk_bytes(self) -> int:
         return self.file.nbytes

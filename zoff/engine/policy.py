@@ -216,11 +216,12 @@ def model_states(
     elif not opt_off:
         gpu["grads"] = grad_shard
     elif policy.offload_optimizer == "nvme" and (split is None or split.grads_on_disk):
-        cpu["grads"] = grad_buffer_bytes(plan, 4 if fp32_shard else c)
+        # (DPU: two gradient files, each with its buffers: grad_store.DelayedDiskGrads)
+        cpu["grads"] = grad_buffer_bytes(plan, 4 if fp32_shard else c) * (2 if delay_update else 1)
     else:
         cpu["grads"] = grad_shard
-    if opt_off and delay_update:  # the snapshot DPU's background step reads (tiers.HostTier.to_kernel)
-        cpu["grads"] += (4 if fp32_grad_staging or fp32_shard else c) * shard
+        if opt_off and delay_update:  # the snapshot DPU's background step reads (tiers.HostTier.to_kernel)
+            cpu["grads"] += (4 if fp32_grad_staging or fp32_shard else c) * shard
     if not opt_off:  # fp32 training steps the params in place; 16-bit keeps a separate fp32 master
         gpu["optimizer_states"] = (8 + (4 if c != 4 else 0)) * shard
     elif policy.offload_optimizer == "nvme":  # the budget's resident sub-groups and the ring for the rest
@@ -236,14 +237,16 @@ def grad_buffer_bytes(plan: PartitionPlan, itemsize: int) -> int:
 
 
 def grad_disk_bytes(
-    plan: PartitionPlan, policy: Policy, split: DiskSplit, accumulating: bool, precision: str
-) -> int:
+    plan: PartitionPlan, policy: Policy, split: DiskSplit, accumulating: bool, precision: str,
+    delayed: bool = False,
+) -> int:  # fmt: skip
     """The gradient swap file per rank (grad_store.DiskGrads): an aligned region per unit, in fp32 when
-    micro-batches accumulate; 0 unless the disk tier keeps its gradients on disk (`split`)."""
+    micro-batches accumulate; two such files when `delayed` (DPU: grad_store.DelayedDiskGrads); 0 unless the
+    disk tier keeps its gradients on disk (`split`)."""
     if policy.offload_optimizer != "nvme" or not split.grads_on_disk:
         return 0
     size = 4 if policy.shard_accum_fp32(accumulating) else DTYPES[precision].itemsize
-    return aligned(max(ALIGN, sum(aligned(size * u.shard) for u in plan.units)))
+    return aligned(max(ALIGN, sum(aligned(size * u.shard) for u in plan.units))) * (2 if delayed else 1)
 
 
 def param_swap_path(zero: ZeroConfig) -> str | None:
@@ -291,11 +294,13 @@ def piece_ram(plan: PartitionPlan, subgroup: int | None) -> list[int]:
     return list(_piece_ram(tuple(u.shard for u in plan.units), subgroup))
 
 
-def disk_bytes(plan: PartitionPlan, policy: Policy, precision: str = "fp32", grads: int = 0) -> int:
+def disk_bytes(
+    plan: PartitionPlan, policy: Policy, precision: str = "fp32", grads: int = 0, delayed: bool = False
+) -> int:
     """The disk tier's swap files per rank: every unit's fp32 master and moments as a checkpoint shard, under
     parameter offload to nvme every non-persistent parameter shard in the compute dtype, and `grads`, the
     gradient swap file (grad_disk_bytes)."""
-    return optimizer_disk_bytes(plan, policy) + param_disk_bytes(plan, policy, precision) + grads
+    return optimizer_disk_bytes(plan, policy) + param_disk_bytes(plan, policy, precision, delayed) + grads
 
 
 def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
@@ -311,13 +316,17 @@ def _layout_bytes(shards: tuple[int, ...]) -> int:
     return partition_layout(list(shards)).nbytes
 
 
-def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str) -> int:
+def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str, delayed: bool = False) -> int:
     """Stage 3's parameter swap file per rank (param_swap.SwappedShards): one aligned region per sharded unit,
-    frozen ones included."""
+    frozen ones included, and a second one per trainable unit when `delayed` (DPU writes the new shards
+    there while the next forward reads the old)."""
     if not policy.params_on_disk:
         return 0
     c = DTYPES[precision].itemsize
-    return sum(aligned(c * u.shard) for u in plan.all_units if not u.persistent)
+    twice = len(plan.units) if delayed else 0  # (plan.all_units: the trainable units first)
+    return sum(
+        aligned(c * u.shard) * (2 if u.index < twice else 1) for u in plan.all_units if not u.persistent
+    )
 
 
 def unit_pieces(plan: PartitionPlan, subgroup: int | None) -> list[range]:

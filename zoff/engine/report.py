@@ -17,14 +17,16 @@ from zoff.engine.policy import (
 class EngineReports:
     def _disk_counters(self) -> dict[str, float]:
         """This rank's swap-file I/O so far, per file: bytes read and written, seconds blocked waiting."""
-        files = {"optimizer": getattr(self.optimizer.states, "file", None)}
-        files["params"] = self.param_disk.file if self.param_disk is not None else None
-        files["grads"] = getattr(self.grads, "file", None)  # the gradient swap file (grad_store.DiskGrads)
+        opt = getattr(self.optimizer.states, "file", None)
+        files = {"optimizer": [opt] if opt is not None else []}
+        files["params"] = [self.param_disk.file] if self.param_disk is not None else []
+        files["grads"] = getattr(self.grads, "files", [])  # the gradient swap file(s) (grad_store.DiskGrads)
         out: dict[str, float] = {}
-        for name, f in files.items():
-            if f is not None:
-                out |= {f"disk_{name}_read_bytes": f.read_bytes, f"disk_{name}_written_bytes": f.written_bytes,
-                        f"disk_{name}_wait_s": f.wait_s}  # fmt: skip
+        for name, fs in files.items():
+            if fs:
+                out |= {f"disk_{name}_read_bytes": sum(f.read_bytes for f in fs),
+                        f"disk_{name}_written_bytes": sum(f.written_bytes for f in fs),
+                        f"disk_{name}_wait_s": sum(f.wait_s for f in fs)}  # fmt: skip
         if self.param_disk is not None:  # gathers waiting for shards, apart from the step's write-backs
             out["disk_params_read_wait_s"] = self.param_disk.file.read_wait_s
         return out
@@ -82,11 +84,12 @@ class EngineReports:
             delay_update=self.zero.offload_optimizer.delay_update, accumulating=self.grad_accum > 1,
             subgroup=subgroup_of(self.zero), split=self.split,
         )  # fmt: skip
+        delayed = self.zero.offload_optimizer.delay_update
         disk = {
             "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy),
-            "disk_params": param_disk_bytes(self.plan, self.policy, self.precision),
+            "disk_params": param_disk_bytes(self.plan, self.policy, self.precision, delayed),
             "disk_grads": grad_disk_bytes(
-                self.plan, self.policy, self.split, self.grad_accum > 1, self.precision
+                self.plan, self.policy, self.split, self.grad_accum > 1, self.precision, delayed
             ),
         }
         return {**gpu, **{f"cpu_{k}": v for k, v in cpu.items()}, **disk}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.grad_store import DiskGrads, GradShards, ResidentGrads
+from zoff.engine.grad_store import DelayedDiskGrads, DiskGrads, GradShards, ResidentGrads
 from zoff.engine.param_swap import SwappedShards
 from zoff.engine.staging import Staging
 from zoff.engine.state_swap import KINDS, SwappedStates
@@ -145,9 +145,10 @@ class DiskTier(HostTier):
     def __init__(
         self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
         request_mb: int, piece: int | None = None, params: SwappedShards | None = None, grads_on_disk: bool = True,
-        resident: tuple[int, ...] = (),
+        resident: tuple[int, ...] = (), delayed: bool = False,
     ):  # fmt: skip
         super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
+        self.delayed = delayed  # DPU (delay_update): gradients on disk alternate between two files
         self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece
         self.params = params  # parameter offload to nvme: where the shards that are not in memory are
         self.grads_on_disk = (
@@ -158,10 +159,15 @@ class DiskTier(HostTier):
     def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
         if not self.grads_on_disk:
             return super().grad_store(numels, dtype, device)
-        return DiskGrads(
-            numels, dtype, self.swap_dir, threads=self.threads, request_bytes=self.request_mb << 20,
-            staging=self.staging,
-        )  # fmt: skip
+
+        def make(name: str) -> DiskGrads:
+            return DiskGrads(
+                numels, dtype, self.swap_dir, threads=self.threads, request_bytes=self.request_mb << 20,
+                staging=self.staging, name=name,
+            )  # fmt: skip
+
+        # DPU: the delayed step reads one gradient file while the next backward writes the other
+        return DelayedDiskGrads(make) if self.delayed else make("grads.swap")
 
     def make_states(self, shards: list[torch.Tensor]) -> SwappedStates:
         if self.copy_grads:  # as the host tier: DPU's snapshot of the gradient shard

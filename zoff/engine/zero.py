@@ -134,6 +134,7 @@ class ZeroEngine(EngineReports):
             self.gatherer.wait_ready = self._wait_unit
             self.optimizer.on_background_end = self.overlap.end
         self._published = 0
+        self._pending: list[tuple[int, int, torch.Tensor]] = []  # DPU's kept pieces (_publish_next)
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
@@ -147,10 +148,12 @@ class ZeroEngine(EngineReports):
         """Parameter offload to nvme: every non-persistent unit's shard (frozen ones too) in a swap file."""
         op = self.zero.offload_param
         numels = {u.index: u.shard for u in self.plan.all_units if not u.persistent}
+        delayed = self.zero.offload_optimizer.delay_update  # DPU: the trainable shards in two slots
         return SwappedShards(
             numels, self.dtype, Path(param_swap_path(self.zero)), threads=op.io.threads,
             request_bytes=op.io.request_mb << 20,
             hold_units=HELD_UNITS if self.zero.offload_optimizer.overlap_step else 0,
+            slotted=frozenset(u.index for u in self.plan.units if not u.persistent) if delayed else frozenset(),
         )  # fmt: skip
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
@@ -169,12 +172,13 @@ class ZeroEngine(EngineReports):
         on_host = self.device.type == "cpu"
         # what step() hands the optimizer: rescaled (clipped, unscaled) gradients are fp32, others as reduced
         grad_dtype = torch.float32 if rescales or self.accum_dtype == torch.float32 else self.dtype
-        copy_grads = oz.delay_update  # DPU's step reads a snapshot: the next backward rewrites the shards
+        # DPU's step reads a snapshot: the next backward rewrites the shards (on disk: the other gradient file)
+        copy_grads = oz.delay_update and not (oz.device == "nvme" and self.split.grads_on_disk)
         if oz.device == "nvme":
             tier = DiskTier(
                 staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb,
                 piece=subgroup_of(self.zero), params=self.param_disk, grads_on_disk=self.split.grads_on_disk,
-                resident=self.split.resident,
+                resident=self.split.resident, delayed=oz.delay_update,
             )  # fmt: skip
         else:
             tier = HostTier(
@@ -191,7 +195,10 @@ class ZeroEngine(EngineReports):
     # ---------------------------------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Backward of one micro-batch; `sync` on the last micro-batch of a step averages the gradients."""
-        self.optimizer.finish()  # an overlapped step's walk reads the gradient shards this backward rewrites
+        # An overlapped step's walk reads the gradient shards this backward rewrites; DPU's reads a snapshot
+        # (or, on disk, the other gradient file) and goes on beside backward too.
+        if not self.optimizer.delay:
+            self.optimizer.finish()
         if self.param_disk is not None:
             self.param_disk.drop_held()  # what the forward did not take from the walk's write-backs
         self.reducer.begin(sync)
@@ -199,7 +206,7 @@ class ZeroEngine(EngineReports):
             self.gatherer.check_same_gathers()  # the forward's gathers, before backward's could hang on them
         self.blocks.in_backward = True
         prefetch = getattr(self.optimizer.states, "prefetch", None)
-        if prefetch is not None and sync:
+        if prefetch is not None and sync and not self.optimizer.running:
             prefetch()  # the disk tier reads the step's first streamed pieces while backward computes
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
@@ -218,9 +225,10 @@ class ZeroEngine(EngineReports):
         Under DPU the update of this step runs in the background and the previous one is published first, so
         the next forward sees parameters one step stale (ZeRO-Offload's delayed parameter update).
         """
-        self.last_flush_s = 0.0
+        t_wait = time.perf_counter()
         self.optimizer.finish()  # (an overlapped step's walk is joined already, by backward)
         self.flush()
+        self.last_flush_s = time.perf_counter() - t_wait  # DPU: the wait for the last step's walk
         if self.gatherer is not None:
             self.gatherer.release_all()
         if self.param_disk is not None:
@@ -237,7 +245,8 @@ class ZeroEngine(EngineReports):
         if self.grad_clip > 0:
             coef *= min(self.grad_clip / (norm + 1e-6), 1.0)
         # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
-        grads = RescaledGrads(self.grads, coef, fused=self.optimizer.fuses_grad_scale)
+        delayed = self.overlap is None and self.optimizer.next_step_delayed
+        grads = RescaledGrads(self.grads.for_step(delayed), coef, fused=self.optimizer.fuses_grad_scale)
         t0 = time.perf_counter()
         # The fused CPU kernel may have written the 16-bit shards in its own pass.
         copy = not self.optimizer.writes_live_shards
@@ -248,16 +257,23 @@ class ZeroEngine(EngineReports):
         if self.overlap is not None:
             return self._overlapped_step(grads, lr, runs, copy, norm, t0)
         # True: a delayed (DPU) update runs in the background and is published next step
-        in_flight = self.optimizer.step(grads, lr, on_unit=publish, runs=runs)
+        in_flight = self.optimizer.step(
+            grads, lr, on_unit=publish, runs=runs, delayed_on_unit=self._publish_next
+        )
         t1 = time.perf_counter()
         for h in handles:
             h.wait()
         if self.param_disk is not None:
-            self.param_disk.flush()  # the next forward reads the shards written back
+            self.param_disk.flush(self.param_disk.slot)  # the next forward reads the shards written back
             self.param_disk.trim()  # the write-backs' kept buffers: not held through the next forward
         if not in_flight:
             self._published = self.optimizer.step_count
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
+        if self.optimizer.delay:  # DPU: the last walk (beside this forward and backward) and the wait for it
+            self.last_step_times |= {
+                "last_walk_s": self.optimizer.last_background_s,
+                "dpu_wait_s": self.last_flush_s,
+            }
         now = self._disk_counters()  # the step's swap I/O: from zero_grad (forward's gathers) to here
         self.last_step_times |= {k: v - self._disk_at_start.get(k, 0) for k, v in now.items()}
         self.last_step_comm = dict(self.comm.stats.elements)
@@ -326,7 +342,32 @@ class ZeroEngine(EngineReports):
             t0 = time.perf_counter()
             self.optimizer.finish()
             self.last_flush_s = time.perf_counter() - t0  # DPU: waiting for the background CPU step
-            self._publish_params()
+            if self.param_disk is None or not self.zero.offload_optimizer.delay_update:
+                self._publish_params()  # (each master read back where it is)
+                return
+            # the delayed step wrote its shards on disk into the other slot and kept the rest (_publish_next)
+            self.param_disk.flip()
+            self._published = self.optimizer.step_count
+            handles: list[Handle] = []
+            pending, self._pending = self._pending, []
+            for u, lo, piece in pending:
+                self._publish(u, lo, piece, True, handles)
+            for u in dict.fromkeys(u for u, _, _ in pending):
+                self._publish(u, None, None, True, handles)
+            for h in handles:
+                h.wait()
+
+    def _publish_next(self, u: int, lo: int | None, master: torch.Tensor | None) -> None:
+        """DPU's publication from its background step, stage 3 with parameters on disk: a piece of unit u's
+        new master into the parameter file's other slot, which no gather reads until flush() flips it; the
+        persistent units' pieces (small: their live shards are what the next forward reads) are kept, cast,
+        until flush() copies them in. So the publication reads nothing back from disk."""
+        if lo is None or self.param_disk is None:
+            return
+        if self.param_disk.holds(u):
+            self.param_disk.write(u, lo, master, slot=self.param_disk.slot ^ 1)
+        else:  # (the cast the copy into the shard would do: the same bits)
+            self._pending.append((u, lo, master.to(self.shard_params[u].dtype, copy=True)))
 
     def _publish_params(self) -> None:
         """Masters -> 16-bit shards -> all-gathered full buffers, for every unit."""

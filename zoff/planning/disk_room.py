@@ -78,14 +78,16 @@ def _swap_needs(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None
     needs: dict[Path, list] = {}  # folder -> [config key, bytes per rank]
     # the largest gradient file: whatever the host budget, the file is there when it may be used (min)
     split = disk_split(plan, policy, zero, cfg.train.precision, _may_accumulate(cfg), None)
+    delayed = zero.offload_optimizer.delay_update  # DPU: two gradient files, two slots of parameters
     wanted = [  # (key, folder, bytes per rank, whether the policy swaps there at all)
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
          optimizer_disk_bytes(plan, policy), policy.offload_optimizer == "nvme"),
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
-         grad_disk_bytes(plan, policy, split, _may_accumulate(cfg), cfg.train.precision),
+         grad_disk_bytes(plan, policy, split, _may_accumulate(cfg), cfg.train.precision, delayed),
          split.grads_on_disk),
         ("zero.offload_param.nvme_path" if zero.offload_param.nvme_path else "zero.offload_optimizer.nvme_path",
-         param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision), policy.params_on_disk),
+         param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision, delayed),
+         policy.params_on_disk),
     ]  # fmt: skip
     for key, where, nbytes, used in wanted:
         if used:  # (even with nothing to swap: the engine still opens its file there)

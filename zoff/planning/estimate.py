@@ -365,8 +365,8 @@ def step_timing(cfg: Config, est: Estimate, local_ranks: int, compute_s: float |
     gbs = cfg.train.global_batch_size
     micro = cfg.train.grad_accum if gbs is None else max(1, gbs // (cfg.data.batch_size * est.world_size))
     shared = not torch.cuda.is_available()  # a CPU-only host: compute and the CPU Adam share the cores
-    overlap = cfg.zero.offload_optimizer.overlap_step
-    steps = step_time.predict_all(est, rates, pieces, shard, micro, overlap, shared)
+    overlap, delayed = cfg.zero.offload_optimizer.overlap_step, cfg.zero.offload_optimizer.delay_update
+    steps = step_time.predict_all(est, rates, pieces, shard, micro, overlap, shared, delayed)
     ac = cfg.train.activation_checkpointing
     return rates, {p: st for p, st in steps.items() if p.activation_checkpointing == ac}
 

@@ -66,6 +66,7 @@ class PolicyEstimate:
     disk_written: int = 0  # ... and writes back per step
     disk_grads: int = 0  # the part of `disk` that is the gradient shard (offload_optimizer.grad_device)
     split: DiskSplit = DiskSplit()  # nvme: what the host budget keeps in RAM (policy.disk_split)
+    grad_files: int = 1  # disk_grads is this many files, one read and written a step: two under delay_update
     # zero-section settings this stage-3 row assumes beyond the config's, where it does not fit as configured
     # (fit_gathering): ((key, value), ...), block_classes as a tuple
     zero_changes: tuple[tuple[str, object], ...] = ()
@@ -197,13 +198,28 @@ def estimate(
             gpu, cpu = states(split)
         pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, device_type)
         per_node = {k: v * gpus_per_node for k, v in cpu.items()}
-        grads = grad_disk_bytes(plan, pol, split, accumulating, precision)
-        disk = disk_bytes(plan, pol, precision, grads)
+        delayed = zero_cfg.offload_optimizer.delay_update  # DPU: two gradient files, one used a step
+        grad_file = grad_disk_bytes(plan, pol, split, accumulating, precision)
+        files = 2 if delayed else 1
+        disk = disk_bytes(plan, pol, precision, grad_file * files, delayed)
         traffic = disk_traffic(
-            plan, pol, subgroup_of(zero_cfg), precision, micro_batches, grads, split,
-            overlap=zero_cfg.offload_optimizer.overlap_step, delay_update=zero_cfg.offload_optimizer.delay_update,
+            plan, pol, subgroup_of(zero_cfg), precision, micro_batches, grad_file, split,
+            overlap=zero_cfg.offload_optimizer.overlap_step, delay_update=delayed,
         )  # fmt: skip
-        out.append(PolicyEstimate(pol, gpu, per_node, gpus_per_node, pinned, disk, *traffic, grads, split))
+        out.append(
+            PolicyEstimate(
+                pol,
+                gpu,
+                per_node,
+                gpus_per_node,
+                pinned,
+                disk,
+                *traffic,
+                grad_file * files,
+                split,
+                grad_files=files,
+            )  # fmt: skip
+        )
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (

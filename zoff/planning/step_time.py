@@ -53,7 +53,7 @@ class StepTime:
 
 def predict(
     pe: PolicyEstimate, plan_pieces: list[int], rates: Rates, micro_batches: int, shard: int,
-    overlap: bool = False, shared_cores: bool = True,
+    overlap: bool = False, shared_cores: bool = True, delayed: bool = False,
 ) -> StepTime:  # fmt: skip
     """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), those
     in `pe.split.resident` stay in RAM; `shard`: the rank's trainable parameters. `overlap`: the overlapped
@@ -61,12 +61,15 @@ def predict(
     then the longer of the walk's disk and the cores' work beside it, the forward and the CPU Adam one after
     the other on a CPU-only host (`shared_cores`), the longer of the two where the Adam has cores of its own
     (a GPU host). Measured on the 3.4B demo (scripts/bench_overlap.py, af92201): 30.2 s a step, the walk
-    14.2-14.3 s of it beside the forward, against 37.0-37.8 s serial."""
+    14.2-14.3 s of it beside the forward, against 37.0-37.8 s serial. `delayed` (delay_update, past its
+    warm-up): the update runs beside the next forward and backward, so the step is the longer of the cores'
+    work (compute and Adam, one after the other on shared cores) and all of the step's disk I/O; where the
+    walk cannot publish from its thread (parameters not on disk) the masters' read-back follows it."""
     rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
     resident = set(pe.split.resident)
     streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)
     streamed = streamed if pe.policy.offload_optimizer == "nvme" else 0
-    grads = pe.disk_grads if pe.split.grads_on_disk else 0
+    grads = pe.disk_grads // pe.grad_files if pe.split.grads_on_disk else 0  # (one file a step)
     # the step phase reads the streamed states and the gradient file and writes the states back; the rest
     # of the disk's bytes (parameter reads, gradient landings) belong to forward and backward
     step_read, step_written = streamed + grads, streamed
@@ -78,6 +81,12 @@ def predict(
     fb_disk = fb_read / rbw + fb_written / wbw
     adam = shard * rates.adam_s_per_param
     opt_disk = step_read / rbw + step_written / wbw
+    if delayed:
+        cpu = compute + adam if shared_cores else max(compute, adam)
+        reread = streamed / rbw if pe.policy.offload_param != "nvme" else 0.0  # (disk_traffic's, serial)
+        disk = pe.disk_read / rbw + pe.disk_written / wbw - reread
+        which = "cores" if cpu >= disk else "disk"
+        return StepTime(max(cpu, disk), reread, f"delayed update beside forward and backward: {which}")
     if overlap and pe.policy.offload_param == "nvme" and pe.policy.stage == 3:
         forward = rates.compute_s / 3  # (a third of one micro-batch's forward + backward: the walk meets one)
         cpu = forward + adam if shared_cores else max(forward, adam)
@@ -92,12 +101,19 @@ def predict(
 
 def predict_all(
     est: Estimate, rates: Rates, plan_pieces: dict[int, list[int]], shard: dict[int, int], micro: int,
-    overlap: bool = False, shared_cores: bool = True,
+    overlap: bool = False, shared_cores: bool = True, delayed: bool = False,
 ):  # fmt: skip
     """{policy: StepTime} for every offload policy of the estimate (plan_pieces and shard by stage)."""
     return {
         pe.policy: predict(
-            pe, plan_pieces[pe.policy.stage], rates, micro, shard[pe.policy.stage], overlap, shared_cores
+            pe,
+            plan_pieces[pe.policy.stage],
+            rates,
+            micro,
+            shard[pe.policy.stage],
+            overlap,
+            shared_cores,
+            delayed,
         )  # fmt: skip
         for pe in est.policies
         if pe.policy.offload_optimizer != "none"

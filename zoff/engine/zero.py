@@ -21,6 +21,7 @@ from zoff.config import OptimConfig, ZeroConfig
 from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
 from zoff.engine.disk_traffic import master_served_units
+from zoff.engine.engine_state import EngineState
 from zoff.engine.gather import UnitGatherer
 from zoff.engine.grad_store import ResidentGrads
 from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
@@ -35,6 +36,7 @@ from zoff.engine.policy import (
     subgroup_of,
 )
 from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads
+from zoff.engine.publish import ShardPublishing
 from zoff.engine.reduce import GradReducer
 from zoff.engine.report import EngineReports
 from zoff.engine.staging import Staging, needs_staging
@@ -47,7 +49,7 @@ class StepResult:
     stepped: bool  # False when fp16 overflowed and the step was skipped
 
 
-class ZeroEngine(EngineReports):
+class ZeroEngine(EngineReports, ShardPublishing, EngineState):
     def __init__(
         self,
         model: nn.Module,
@@ -336,77 +338,6 @@ class ZeroEngine(EngineReports):
             self.skipped_steps[slot] += 1
         return step_runs(self.plan, self.rank, set(unused), self.skipped_steps, self.optimizer.step_count + 1)
 
-    def flush(self) -> None:
-        """Finish a delayed (DPU) optimizer step in flight and publish its parameters; otherwise a no-op."""
-        if self.optimizer.step_count > self._published:
-            t0 = time.perf_counter()
-            self.optimizer.finish()
-            self.last_flush_s = time.perf_counter() - t0  # DPU: waiting for the background CPU step
-            if self.param_disk is None or not self.zero.offload_optimizer.delay_update:
-                self._publish_params()  # (each master read back where it is)
-                return
-            # the delayed step wrote its shards on disk into the other slot and kept the rest (_publish_next)
-            self.param_disk.flip()
-            self._published = self.optimizer.step_count
-            handles: list[Handle] = []
-            pending, self._pending = self._pending, []
-            for u, lo, piece in pending:
-                self._publish(u, lo, piece, True, handles)
-            for u in dict.fromkeys(u for u, _, _ in pending):
-                self._publish(u, None, None, True, handles)
-            for h in handles:
-                h.wait()
-
-    def _publish_next(self, u: int, lo: int | None, master: torch.Tensor | None) -> None:
-        """DPU's publication from its background step, stage 3 with parameters on disk: a piece of unit u's
-        new master into the parameter file's other slot, which no gather reads until flush() flips it; the
-        persistent units' pieces (small: their live shards are what the next forward reads) are kept, cast,
-        until flush() copies them in. So the publication reads nothing back from disk."""
-        if lo is None or self.param_disk is None:
-            return
-        if self.param_disk.holds(u):
-            self.param_disk.write(u, lo, master, slot=self.param_disk.slot ^ 1)
-        else:  # (the cast the copy into the shard would do: the same bits)
-            self._pending.append((u, lo, master.to(self.shard_params[u].dtype, copy=True)))
-
-    def _publish_params(self) -> None:
-        """Masters -> 16-bit shards -> all-gathered full buffers, for every unit."""
-        self._published = self.optimizer.step_count
-        handles: list[Handle] = []
-        states, n = self.optimizer.states, len(self.plan.units)
-        pieces = [(u, k, lo) for u in range(n) for k, lo, _ in states.spans(u)]
-        for j, (u, k, lo) in enumerate(pieces):
-            following = pieces[j + 1][1] if j + 1 < len(pieces) else None
-            with states.open(k, following, write_back=False) as (master, _, _):  # read only
-                self._publish(u, lo, master, True, handles)
-            if j + 1 == len(pieces) or pieces[j + 1][0] != u:
-                self._publish(u, None, None, True, handles)
-        for h in handles:
-            h.wait()
-        if self.param_disk is not None:
-            self.param_disk.flush()
-
-    def _publish(
-        self, u: int, lo: int | None, master: torch.Tensor | None, copy_master: bool, handles: list[Handle]
-    ) -> None:
-        """A piece of unit u's updated master (starting at element lo) into its live shard; with lo None, the
-        unit is complete and its all-gather starts."""
-        if lo is None:
-            if self.policy.gathers_after_step(self.plan.units[u].persistent):
-                handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
-            return
-        if self.param_disk is not None and self.param_disk.holds(u):
-            self.param_disk.write(u, lo, master)  # parameter offload to nvme: back to the swap file
-            return
-        shard = self.shard_params[u][lo : lo + master.numel()]
-        if master.data_ptr() == shard.data_ptr() or not copy_master:
-            return  # fp32 stepping the shard in place, or the CPU kernel wrote the 16-bit shard itself
-        if self._host_shard(u):  # parameter offload: a gather may still be copying this shard up
-            self.gatherer.wait_host_reads()
-            shard.copy_(master)
-        else:  # through the tier: asynchronous uploads on a GPU, which the gather waits for
-            self.optimizer.tier.publish(master, shard)
-
     @property
     def gshard(self) -> list[torch.Tensor]:
         """The resident gradient shards (empty when they live on disk)."""
@@ -416,10 +347,6 @@ class ZeroEngine(EngineReports):
     def masters(self) -> list[torch.Tensor] | None:
         """The resident fp32 masters (None on the disk tier: read them with optimizer.read)."""
         return self.optimizer.masters
-
-    def _host_shard(self, u: int) -> bool:
-        """Stage 3 parameter offload on a GPU: unit u's shard lives in host memory, not on the device."""
-        return self.shard_params[u].device.type == "cpu" and self.device.type != "cpu"
 
     def zero_grad(self) -> None:
         """Start an accumulation window: full-gradient buffers (stages 0-1 without offload) are zeroed,
@@ -439,56 +366,6 @@ class ZeroEngine(EngineReports):
         self.grads.close()
         if self.param_disk is not None:
             self.param_disk.close()
-
-    def gathered_params(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter at full size in fp32, from the masters (a collective: call on all ranks)."""
-        self.optimizer.finish()
-        out = {}
-        for u, unit in enumerate(self.plan.units):
-            full = torch.zeros(unit.padded, dtype=torch.float32, device=self.device)
-            master = self.optimizer.read(u, "master").to(self.device, torch.float32)
-            self.comm.all_gather(master, full) if self.policy.partitioned else full.copy_(master)
-            for si in unit.slots:
-                s = self.plan.slots[si]
-                for name in s.names:
-                    out[name] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
-        self.comm.stats.reset()
-        return out
-
-    def state_dict(self) -> dict:
-        opt = self.optimizer.state_dict()
-        return {
-            "optimizer": opt,
-            "masters": opt.pop("masters"),
-            "scaler": self.scaler.state_dict(),
-            "skipped_steps": {s.names[0]: n for s, n in zip(self.plan.slots, self.skipped_steps) if n},
-        }
-
-    def load_frozen_shards(self, shards: list[torch.Tensor]) -> None:
-        """Stage 3's frozen parameter shards (plan.frozen_units, in order), e.g. from a checkpoint."""
-        n = len(self.plan.units)
-        for u, (dst, src) in enumerate(zip(self.shard_params[n:], shards, strict=True), start=n):
-            if self.param_disk is not None and self.param_disk.holds(u):
-                self.param_disk.write(u, 0, src)
-            else:
-                dst.copy_(src)
-        if self.param_disk is not None:
-            self.param_disk.flush()
-
-    def param_shard(self, u: int) -> torch.Tensor:
-        """Unit u's live parameter shard: in memory, or a copy read from the parameter swap file."""
-        if self.param_disk is not None and self.param_disk.holds(u):
-            return self.param_disk.load(u)
-        return self.shard_params[u]
-
-    def load_state_dict(self, state: dict) -> None:
-        skipped = state.get("skipped_steps", {})
-        self.skipped_steps = [int(skipped.get(s.names[0], 0)) for s in self.plan.slots]
-        self.optimizer.load_state_dict(state["optimizer"])
-        for u, src in enumerate(state["masters"] or ()):  # None: already in place (optimizer.load_file)
-            self.optimizer.write(u, "master", src)
-        self.scaler.load_state_dict(state["scaler"])
-        self._publish_params()
 
 
 def _local_ranks(world: int) -> int:

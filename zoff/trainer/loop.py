@@ -52,8 +52,6 @@ def train_loop(
         dt = time.perf_counter() - t0
         done = step + 1
         losses.append(mean_loss)
-        if done == train.max_steps:
-            engine.flush()  # a delayed (DPU) update still in flight lands before the final eval and save
         if writer is not None:
             record = {
                 "step": done,
@@ -69,6 +67,10 @@ def train_loop(
                 trained = round(batch.loss_divisor * comm.world)  # the global batch's trained tokens
                 record |= {"trained_tokens": trained, "trained_tokens_per_s": trained / dt}
             writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
+        if done == train.max_steps:
+            # a delayed (DPU) update still in flight lands before the final eval and save; after the step's
+            # record, which (as every step's) holds the step alone, not the wait for its background update
+            engine.flush()
         if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
             val = evaluate(engine, batches, train.eval_batches, comm, train.loss_tile)
             if writer is not None:

@@ -83,6 +83,40 @@ def test_the_overlapped_step_is_backward_then_the_walk_beside_one_forward() -> N
     )
 
 
+def test_the_delayed_update_is_the_longer_of_the_cores_and_the_whole_disk() -> None:
+    """delay_update: the walk runs beside the next forward and backward, so the step is the longer of the
+    cores' work (compute and Adam one after the other on shared cores, the longer of the two on a GPU host)
+    and every byte of the step at the disk's rates; with parameters in memory the masters' read-back (the
+    streamed states, as disk_traffic counts them) follows the walk; the second gradient file is not read."""
+    pieces = [4 * GB, 4 * GB]
+    split = DiskSplit(resident=(), pieces=2, grads_on_disk=True)
+    streamed, grads, params = 8 * GB, 1 * GB, 1 * GB
+    pe = PolicyEstimate(
+        Policy(3, "nvme", "nvme"), {}, {}, 1, 0, 0, streamed + grads + 2 * params, streamed + grads + params,
+        2 * grads, split, grad_files=2,
+    )  # fmt: skip
+    disk = (streamed + grads + 2 * params) / GB + (streamed + grads + params) / (2 * GB)  # 11 + 5 s
+    fast = Rates(compute_s=6.0, adam_s_per_param=1e-9, read_gbps=1.0, write_gbps=2.0, sources=())
+    st = predict(pe, pieces, fast, 1, 10**9, delayed=True)
+    assert (st.step_s, st.optimizer_s) == pytest.approx((disk, 0.0))
+    assert st.bound == "delayed update beside forward and backward: disk"
+    slow = Rates(compute_s=30.0, adam_s_per_param=4e-9, read_gbps=1.0, write_gbps=2.0, sources=())
+    assert predict(pe, pieces, slow, 1, 10**9, delayed=True).step_s == pytest.approx(34.0)
+    assert predict(pe, pieces, slow, 1, 10**9, shared_cores=False, delayed=True).step_s == pytest.approx(30.0)
+    # parameters in memory: the walk cannot publish from its thread; the read-back of the states follows it
+    opt_only = PolicyEstimate(
+        Policy(3, "nvme", "cpu"), {}, {}, 1, 0, 0, 2 * streamed + grads, streamed + grads, 2 * grads, split,
+        grad_files=2,
+    )  # fmt: skip
+    st = predict(opt_only, pieces, fast, 1, 10**9, delayed=True)
+    assert st.optimizer_s == pytest.approx(streamed / GB)
+    assert st.forward_backward_s == pytest.approx((streamed + grads) / GB + (streamed + grads) / (2 * GB))
+    # the exact step's model is untouched by the second file: one file's bytes a step
+    assert predict(pe, pieces, fast, 1, 10**9).optimizer_s == pytest.approx(
+        (streamed + grads) / GB + (streamed + params) / (2 * GB)
+    )
+
+
 def test_zoff_estimate_time_prints_the_offload_rows_step(tmp_path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from zoff.config import ZeroConfig
 from zoff.engine.disk_io import aligned
-from zoff.engine.param_swap import HELD_UNITS
+from zoff.engine.param_swap import HELD_UNITS, MAX_WRITES, SPARES
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import Policy, piece_bytes, subgroup_of, unit_pieces
 from zoff.engine.precision import DTYPES
@@ -95,10 +95,18 @@ def held_write_back_bytes(
     """Host bytes of the overlapped step's held parameter write-backs: param_swap.HELD_UNITS units' shards,
     and one more (the unit a gather is copying out while the walk holds the next ones), the largest ones
     written back (not master_served_units', which write nothing under `split`); only with parameters on disk
-    and zero.offload_optimizer.overlap_step."""
+    and zero.offload_optimizer.overlap_step. Under delay_update (parameters on disk) the delayed step's write
+    buffers and kept pieces instead, which live beside the next forward and backward."""
+    c = DTYPES[precision].itemsize
+    if zero.offload_optimizer.delay_update and policy.params_on_disk:
+        # DPU's step writes beside forward and backward: its write-back buffers (MAX_WRITES in flight, the one
+        # being filled and the SPARES kept) of its largest piece, and the persistent units' kept pieces
+        piece = max((min(u.shard, subgroup_of(zero)) for u in plan.units if not u.persistent), default=0)
+        kept = sum(u.shard for u in plan.units if u.persistent)
+        return c * ((MAX_WRITES + 1 + SPARES) * piece + kept)
     if not (zero.offload_optimizer.overlap_step and policy.params_on_disk):
         return 0
     served = master_served_units(plan, policy, subgroup_of(zero), split, zero.offload_optimizer.delay_update)
     written = (u.shard for u in plan.units if not u.persistent and u.index not in served)
     shards = sorted(written, reverse=True)[: HELD_UNITS + 1]
-    return DTYPES[precision].itemsize * sum(shards)
+    return c * sum(shards)

@@ -220,23 +220,32 @@ class SwappedShards:
                     self._unhold(self.held.pop(oldest))
                 self.held.setdefault(u, []).append((lo, n, buf))
                 self._held_bufs.add(buf)
-            while len(self.writes) > MAX_WRITES:
-                old, futures, _ = self.writes.popleft()
-                self.file.wait(futures)
-                self._landed(old)
+            excess = [
+                f for _, futures, _ in list(self.writes)[: len(self.writes) - MAX_WRITES] for f in futures
+            ]
+        self._wait_and_settle(excess)
 
     def flush(self, slot: int | None = None) -> None:
         """Wait for every write-back (before a read, and at the end of a step), or only those into `slot`."""
         with self._lock:
-            others = deque()
-            while self.writes:
-                old, futures, into = self.writes.popleft()
-                if slot is not None and into != slot:
-                    others.append((old, futures, into))
-                    continue
-                self.file.wait(futures)
-                self._landed(old)
-            self.writes = others
+            pending = [f for _, futures, into in self.writes if slot is None or into == slot for f in futures]
+        self._wait_and_settle(pending)
+
+    def _wait_and_settle(self, futures: list[Future]) -> None:
+        """Wait for `futures` with the lock released (a gather's read must not queue behind another thread's
+        write: DPU's step writes beside the whole forward and backward), then land every finished write. A
+        write stays listed until it has landed, so a read's flush still sees one another thread waits on."""
+        if not futures:
+            return
+        self.file.wait(futures)
+        with self._lock:
+            still = deque()
+            for entry in self.writes:
+                if all(f.done() for f in entry[1]):
+                    self._landed(entry[0])
+                else:
+                    still.append(entry)
+            self.writes = still
 
     def flip(self) -> None:
         """The delayed step's slot becomes the one gathers read (after that step has finished: every

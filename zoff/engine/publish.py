@@ -21,10 +21,11 @@ class ShardPublishing:
             t0 = time.perf_counter()
             self.optimizer.finish()
             self.last_flush_s = time.perf_counter() - t0  # DPU: waiting for the background CPU step
-            if self.param_disk is None or not self.zero.offload_optimizer.delay_update:
+            if not self._slot_written:
                 self._publish_params()  # (each master read back where it is)
                 return
             # the delayed step wrote its shards on disk into the other slot and kept the rest (_publish_next)
+            self._slot_written = False
             self.param_disk.flip()
             self._published = self.optimizer.step_count
             handles: list[Handle] = []
@@ -51,7 +52,7 @@ class ShardPublishing:
     def _publish_params(self) -> None:
         """Masters -> 16-bit shards -> all-gathered full buffers, for every unit."""
         self._published = self.optimizer.step_count
-        self._pending = []  # (a delayed step's kept pieces: superseded)
+        self._pending, self._slot_written = [], False  # (a delayed step's output: superseded)
         handles: list[Handle] = []
         states, n = self.optimizer.states, len(self.plan.units)
         pieces = [(u, k, lo) for u in range(n) for k, lo, _ in states.spans(u)]

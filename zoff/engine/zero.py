@@ -137,6 +137,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
             self.optimizer.on_background_end = self.overlap.end
         self._published = 0
         self._pending: list[tuple[int, int, torch.Tensor]] = []  # DPU's kept pieces (_publish_next)
+        self._slot_written = False  # a delayed step wrote the parameter file's other slot: flush() flips it
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
@@ -259,9 +260,11 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         if self.overlap is not None:
             return self._overlapped_step(grads, lr, runs, copy, norm, t0)
         # True: a delayed (DPU) update runs in the background and is published next step
+        last_walk = self.optimizer.last_background_s  # (DPU: the walk just joined, before the next starts)
         in_flight = self.optimizer.step(
             grads, lr, on_unit=publish, runs=runs, delayed_on_unit=self._publish_next
         )
+        self._slot_written = in_flight and self.param_disk is not None
         t1 = time.perf_counter()
         for h in handles:
             h.wait()
@@ -273,7 +276,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
         if self.optimizer.delay:  # DPU: the last walk (beside this forward and backward) and the wait for it
             self.last_step_times |= {
-                "last_walk_s": self.optimizer.last_background_s,
+                "last_walk_s": last_walk,
                 "dpu_wait_s": self.last_flush_s,
             }
         now = self._disk_counters()  # the step's swap I/O: from zero_grad (forward's gathers) to here
@@ -362,10 +365,12 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
 
     def close(self) -> None:
         """Release what outlives the process's memory: the disk tier's swap files (removed at a clean exit)."""
-        self.optimizer.close()
-        self.grads.close()
-        if self.param_disk is not None:
-            self.param_disk.close()
+        try:
+            self.optimizer.close()  # (re-raises a background step's error: the other files close all the same)
+        finally:
+            self.grads.close()
+            if self.param_disk is not None:
+                self.param_disk.close()
 
 
 def _local_ranks(world: int) -> int:

@@ -199,10 +199,11 @@ def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, thre
 
 
 def _held_text(engine: ZeroEngine, gib) -> str:
-    """The overlapped step's held parameter write-backs: host buffers taken as the step runs, not at start-up
-    (the estimate counts them in staging; the plan's staging figure is what is allocated now)."""
+    """The overlapped or delayed step's parameter write-backs: host buffers taken as the step runs, not at
+    start-up (the estimate counts them in staging; the plan's staging figure is what is allocated now)."""
     held = held_write_back_bytes(engine.plan, engine.policy, engine.zero, engine.precision, engine.split)
-    return f" (+ up to {gib(held)} of held write-backs while the overlapped step runs)" if held else ""
+    which = "delayed" if engine.zero.offload_optimizer.delay_update else "overlapped"
+    return f" (+ up to {gib(held)} of held write-backs while the {which} step runs)" if held else ""
 
 
 def _frozen_text(engine: ZeroEngine) -> str:

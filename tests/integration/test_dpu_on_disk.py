@@ -20,6 +20,22 @@ STATE_KEYS = ("params", "grads", "optimizer_states", "cpu_params", "cpu_grads", 
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dpu_with_parameters_in_memory_publishes_from_its_own_file(precision: str, swap: Path) -> None:
+    """zero2-nvme under DPU: the delayed step writes the new shards to a file of their own, read back once it
+    is done; the numbers are DPU's in host memory, bit for bit; the files are the estimate's."""
+    want_losses, want, ref = _engine_run(2, precision, "cpu", swap, delay=True)
+    ref.close()
+    losses, got, eng = _engine_run(2, precision, "nvme", swap, delay=True)
+    assert losses == want_losses
+    for name, p in want.items():
+        assert torch.equal(got[name], p), name
+    mem, planned = eng.memory_report(), eng.planned_memory()
+    assert eng.next_params is not None and eng.param_disk is None
+    assert planned["disk_params"] == eng.next_params.disk_bytes() == mem["disk_params"] > 0
+    eng.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_dpu_on_disk_is_bitwise_dpu_in_host_memory(precision: str, swap: Path) -> None:
     want_losses, want, ref = _engine_run(3, precision, "cpu", swap, params="cpu", delay=True)
     ref.close()
@@ -48,21 +64,23 @@ def test_dpu_on_disk_is_bitwise_dpu_in_host_memory(precision: str, swap: Path) -
         eng.close()
 
 
-def test_dpu_on_disk_moves_the_bytes_the_estimate_says(swap: Path) -> None:
-    """zero3-nvme under DPU, every state on disk: two whole steps (each from one publication to the next)
-    read and write what `zoff estimate` says per step, and the files are its sizes."""
+@pytest.mark.parametrize(("stage", "params"), [(3, "nvme"), (2, "none")])
+def test_dpu_on_disk_moves_the_bytes_the_estimate_says(stage: int, params: str, swap: Path) -> None:
+    """zero3-nvme and zero2-nvme under DPU, every state on disk: two whole steps (each from one publication to
+    the next) read and write what `zoff estimate` says per step, and the files are its sizes."""
     from zoff.planning import memory
 
     oo = {**_offload("nvme", swap, delay=True), "delay_update_warmup": 1}
-    zero = {"stage": 3, "reduce_bucket_size": 3000, "param_persistence_threshold": 64,
-            "offload_optimizer": oo, "offload_param": {"device": "nvme"}}  # fmt: skip
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "param_persistence_threshold": 64,
+            "offload_optimizer": oo, "offload_param": {"device": params}}  # fmt: skip
     cfg = config_from_dict(tiny_cfg(zero=zero, train={"grad_accum": 1}))
     row = memory.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 1, "cpu").get(
-        memory.Policy(3, "nvme", "nvme")
+        memory.Policy(stage, "nvme", params)
     )
     torch.manual_seed(0)
     eng = build_engine(memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=0.5)
-    files = (eng.optimizer.states.file, eng.param_disk.file, *eng.grads.files)
+    params_file = eng.param_disk if eng.param_disk is not None else eng.next_params
+    files = (eng.optimizer.states.file, params_file.file, *eng.grads.files)
     assert row.disk == sum(f.nbytes for f in files)
     x = torch.randint(0, 256, (2, 16))
 

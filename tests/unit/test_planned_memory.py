@@ -74,7 +74,8 @@ def test_the_disk_tier_allocates_what_the_table_plans(pol, precision: str, delay
     keys = (*KEYS, "disk_optimizer_states", "disk_params", "disk_grads")
     got = {k: mem[k] for k in keys} | {"params": mem["params"] + mem["frozen_params"]}
     assert got == {k: planned[k] for k in keys}
-    assert (planned["disk_params"] > 0) == (pol.offload_param == "nvme")
+    # (DPU with the parameters in memory: the file its delayed step writes the new shards to)
+    assert (planned["disk_params"] > 0) == (pol.offload_param == "nvme" or delay)
     assert planned["disk_optimizer_states"] > 0 and planned["optimizer_states"] == 0
     assert (
         planned["disk_grads"] > 0

@@ -87,7 +87,7 @@ def test_the_delayed_update_is_the_longer_of_the_cores_and_the_whole_disk() -> N
     """delay_update: the walk runs beside the next forward and backward, so the step is the longer of the
     cores' work (compute and Adam one after the other on shared cores, the longer of the two on a GPU host)
     and every byte of the step at the disk's rates; with parameters in memory the masters' read-back (the
-    streamed states, as disk_traffic counts them) follows the walk; the second gradient file is not read."""
+    new shards' file, disk_publish) follows the walk; the second gradient file is not read."""
     pieces = [4 * GB, 4 * GB]
     split = DiskSplit(resident=(), pieces=2, grads_on_disk=True)
     streamed, grads, params = 8 * GB, 1 * GB, 1 * GB
@@ -103,14 +103,17 @@ def test_the_delayed_update_is_the_longer_of_the_cores_and_the_whole_disk() -> N
     slow = Rates(compute_s=30.0, adam_s_per_param=4e-9, read_gbps=1.0, write_gbps=2.0, sources=())
     assert predict(pe, pieces, slow, 1, 10**9, delayed=True).step_s == pytest.approx(34.0)
     assert predict(pe, pieces, slow, 1, 10**9, shared_cores=False, delayed=True).step_s == pytest.approx(30.0)
-    # parameters in memory: the walk cannot publish from its thread; the read-back of the states follows it
+    # parameters in memory: the walk writes the new shards to a file of their own, read back after it
+    shards = 1 * GB
     opt_only = PolicyEstimate(
-        Policy(3, "nvme", "cpu"), {}, {}, 1, 0, 0, 2 * streamed + grads, streamed + grads, 2 * grads, split,
-        grad_files=2,
+        Policy(3, "nvme", "cpu"), {}, {}, 1, 0, 0, streamed + grads + shards, streamed + grads + shards,
+        2 * grads, split, grad_files=2, disk_publish=shards,
     )  # fmt: skip
     st = predict(opt_only, pieces, fast, 1, 10**9, delayed=True)
-    assert st.optimizer_s == pytest.approx(streamed / GB)
-    assert st.forward_backward_s == pytest.approx((streamed + grads) / GB + (streamed + grads) / (2 * GB))
+    assert st.optimizer_s == pytest.approx(shards / GB)
+    assert st.forward_backward_s == pytest.approx(
+        (streamed + grads) / GB + (streamed + grads + shards) / (2 * GB)
+    )
     # the exact step's model is untouched by the second file: one file's bytes a step
     assert predict(pe, pieces, fast, 1, 10**9).optimizer_s == pytest.approx(
         (streamed + grads) / GB + (streamed + params) / (2 * GB)

@@ -13,7 +13,7 @@ from zoff.config import ZeroConfig
 from zoff.engine.disk_io import aligned
 from zoff.engine.param_swap import HELD_UNITS, MAX_WRITES, SPARES
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.policy import Policy, piece_bytes, subgroup_of, unit_pieces
+from zoff.engine.policy import Policy, next_params_bytes, piece_bytes, subgroup_of, unit_pieces
 from zoff.engine.precision import DTYPES
 
 if TYPE_CHECKING:
@@ -45,11 +45,10 @@ def disk_traffic(
     sizes = piece_bytes(plan, subgroup) if policy.offload_optimizer == "nvme" else []
     opt = sum(n for k, n in enumerate(sizes) if k not in resident)
     opt_r, opt_w = opt + micro_batches * grads, opt + micro_batches * grads
-    if delay_update and sizes and not policy.params_on_disk:
-        # DPU publishes once its background step is done (ZeroEngine.flush) from the masters, read back (at
-        # most: the ring's last pieces may still be there); stage 3 with parameters on disk publishes from
-        # the walk itself, into the parameter file's other slot
-        opt_r += opt
+    # DPU with the parameters in memory: the walk writes the new shards to a file of their own, read back
+    # once it is done (ZeroEngine.flush); on disk they go to the parameter file's other slot instead
+    nxt = next_params_bytes(plan, policy, precision, delay_update)
+    opt_r, opt_w = opt_r + nxt, opt_w + nxt
     if not policy.params_on_disk:
         return opt_r, opt_w
     c = DTYPES[precision].itemsize
@@ -98,11 +97,19 @@ def held_write_back_bytes(
     and zero.offload_optimizer.overlap_step. Under delay_update (parameters on disk) the delayed step's write
     buffers and kept pieces instead, which live beside the next forward and backward."""
     c = DTYPES[precision].itemsize
-    if zero.offload_optimizer.delay_update and policy.params_on_disk:
+    if zero.offload_optimizer.delay_update and policy.offload_optimizer == "nvme":
         # DPU's step writes beside forward and backward: its write-back buffers (MAX_WRITES in flight, the one
-        # being filled and the SPARES kept) of its largest piece, and the persistent units' kept pieces
-        piece = max((min(u.shard, subgroup_of(zero)) for u in plan.units if not u.persistent), default=0)
-        kept = sum(u.shard for u in plan.units if u.persistent)
+        # being filled and the SPARES kept) of its largest piece, and the persistent units' kept pieces; with
+        # the parameters in memory every unit's pieces go to the file that flush() reads back, two units at a time
+        on_disk = policy.params_on_disk
+        piece = max(
+            (min(u.shard, subgroup_of(zero)) for u in plan.units if not (on_disk and u.persistent)), default=0
+        )
+        kept = (
+            sum(u.shard for u in plan.units if u.persistent)
+            if on_disk
+            else 2 * max((u.shard for u in plan.units), default=0)
+        )
         return c * ((MAX_WRITES + 1 + SPARES) * piece + kept)
     if not (zero.offload_optimizer.overlap_step and policy.params_on_disk):
         return 0

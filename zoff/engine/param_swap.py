@@ -66,7 +66,7 @@ class SwappedShards:
 
     def __init__(
         self, numels: dict[int, int], dtype: torch.dtype, swap_dir: Path, *, threads: int, request_bytes: int,
-        hold_units: int = 0, slotted: frozenset[int] = frozenset(),
+        hold_units: int = 0, slotted: frozenset[int] = frozenset(), name: str = "params.swap",
     ):  # fmt: skip
         self.numels, self.dtype = dict(numels), dtype
         self.offset: dict[int, int] = {}
@@ -83,9 +83,7 @@ class SwappedShards:
             end += aligned(self.numels[u] * dtype.itemsize)
         self.slot = 0  # the region gathers read and foreground writes write
         rank = os.environ.get("RANK", "0")
-        self.file = SwapFile(
-            swap_dir / f"rank{rank}" / "params.swap", max(end, ALIGN), threads, request_bytes
-        )
+        self.file = SwapFile(swap_dir / f"rank{rank}" / name, max(end, ALIGN), threads, request_bytes)
         self.writes: deque[tuple[AlignedBuffer, list[Future], int]] = deque()  # (buffer, I/O, slot)
         # the overlapped step writes back from its walk thread while gathers read here: one queue, locked
         self._lock = threading.Lock()

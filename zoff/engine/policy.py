@@ -300,7 +300,10 @@ def disk_bytes(
     """The disk tier's swap files per rank: every unit's fp32 master and moments as a checkpoint shard, under
     parameter offload to nvme every non-persistent parameter shard in the compute dtype, and `grads`, the
     gradient swap file (grad_disk_bytes)."""
-    return optimizer_disk_bytes(plan, policy) + param_disk_bytes(plan, policy, precision, delayed) + grads
+    params = param_disk_bytes(plan, policy, precision, delayed) + next_params_bytes(
+        plan, policy, precision, delayed
+    )
+    return optimizer_disk_bytes(plan, policy) + params + grads
 
 
 def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
@@ -327,6 +330,15 @@ def param_disk_bytes(plan: PartitionPlan, policy: Policy, precision: str, delaye
     return sum(
         aligned(c * u.shard) * (2 if u.index < twice else 1) for u in plan.all_units if not u.persistent
     )
+
+
+def next_params_bytes(plan: PartitionPlan, policy: Policy, precision: str, delayed: bool) -> int:
+    """DPU on the disk tier with the parameters in memory: the file the delayed step writes the new shards
+    to and the publication reads them back from (ZeroEngine.next_params), one aligned region per unit."""
+    if not (delayed and policy.offload_optimizer == "nvme" and not policy.params_on_disk):
+        return 0
+    c = DTYPES[precision].itemsize
+    return sum(aligned(c * u.shard) for u in plan.units)
 
 
 def unit_pieces(plan: PartitionPlan, subgroup: int | None) -> list[range]:

@@ -24,11 +24,14 @@ class ShardPublishing:
             if not self._slot_written:
                 self._publish_params()  # (each master read back where it is)
                 return
-            # the delayed step wrote its shards on disk into the other slot and kept the rest (_publish_next)
             self._slot_written = False
-            self.param_disk.flip()
             self._published = self.optimizer.step_count
             handles: list[Handle] = []
+            if self.next_params is not None:  # the new shards, from their file into the live ones
+                self._publish_from(self.next_params, handles)
+                return
+            # the delayed step wrote its shards on disk into the other slot and kept the rest (_publish_next)
+            self.param_disk.flip()
             pending, self._pending = self._pending, []
             for u, lo, piece in pending:
                 self._publish(u, lo, piece, True, handles)
@@ -37,14 +40,32 @@ class ShardPublishing:
             for h in handles:
                 h.wait()
 
+    def _publish_from(self, shards, handles: list[Handle]) -> None:
+        """Every unit's new shard read from `shards` (a param_swap.SwappedShards, the next unit's read in
+        flight meanwhile) into its live shard, and the all-gathers after it."""
+        shards.flush()
+        n = len(self.plan.units)
+        ahead = shards.read(0) if n else None
+        for u in range(n):
+            read, ahead = ahead, shards.read(u + 1) if u + 1 < n else None
+            self._publish(u, 0, read.wait(), True, handles)
+            read.release()
+            self._publish(u, None, None, True, handles)
+        for h in handles:
+            h.wait()
+
     def _publish_next(self, u: int, lo: int | None, master: torch.Tensor | None) -> None:
         """DPU's publication from its background step, stage 3 with parameters on disk: a piece of unit u's
         new master into the parameter file's other slot, which no gather reads until flush() flips it; the
         persistent units' pieces (small: their live shards are what the next forward reads) are kept, cast,
         until flush() copies them in. So the publication reads nothing back from disk."""
-        if lo is None or self.param_disk is None:
+        if lo is None:
             return
-        if self.param_disk.holds(u):
+        if self.next_params is not None:  # parameters in memory: their own file (flush reads it back)
+            self.next_params.write(u, lo, master)
+        elif self.param_disk is None:
+            return
+        elif self.param_disk.holds(u):
             self.param_disk.write(u, lo, master, slot=self.param_disk.slot ^ 1)
         else:  # (the cast the copy into the shard would do: the same bits)
             self._pending.append((u, lo, master.to(self.shard_params[u].dtype, copy=True)))

@@ -8,6 +8,7 @@ from zoff.engine.policy import (
     frozen_param_bytes,
     grad_disk_bytes,
     model_states,
+    next_params_bytes,
     optimizer_disk_bytes,
     param_disk_bytes,
     subgroup_of,
@@ -19,7 +20,7 @@ class EngineReports:
         """This rank's swap-file I/O so far, per file: bytes read and written, seconds blocked waiting."""
         opt = getattr(self.optimizer.states, "file", None)
         files = {"optimizer": [opt] if opt is not None else []}
-        files["params"] = [self.param_disk.file] if self.param_disk is not None else []
+        files["params"] = [f.file for f in (self.param_disk, self.next_params) if f is not None]
         files["grads"] = getattr(self.grads, "files", [])  # the gradient swap file(s) (grad_store.DiskGrads)
         out: dict[str, float] = {}
         for name, fs in files.items():
@@ -70,7 +71,7 @@ class EngineReports:
             "cpu_optimizer_states": 0 if on_device else opt,
             "cpu_staging": self.staging.nbytes if self.staging is not None else 0,
             "disk_optimizer_states": on_disk,
-            "disk_params": self.param_disk.disk_bytes() if self.param_disk is not None else 0,
+            "disk_params": sum(f.disk_bytes() for f in (self.param_disk, self.next_params) if f is not None),
             "disk_grads": self.grads.disk_bytes(),
         }
 
@@ -87,7 +88,8 @@ class EngineReports:
         delayed = self.zero.offload_optimizer.delay_update
         disk = {
             "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy),
-            "disk_params": param_disk_bytes(self.plan, self.policy, self.precision, delayed),
+            "disk_params": param_disk_bytes(self.plan, self.policy, self.precision, delayed)
+            + next_params_bytes(self.plan, self.policy, self.precision, delayed),
             "disk_grads": grad_disk_bytes(
                 self.plan, self.policy, self.split, self.grad_accum > 1, self.precision, delayed
             ),

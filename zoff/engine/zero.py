@@ -85,6 +85,22 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
         self.param_disk = self._param_swap() if policy.params_on_disk else None
+        # DPU on the disk tier with the parameters in memory: the delayed step writes the new 16-bit shards
+        # to a file of their own (its live shards are what the next forward reads), which flush() reads back:
+        # 2 B/param each way rather than every streamed state read back (12 B/param of them)
+        oz = zero.offload_optimizer
+        self.next_params = (
+            SwappedShards(
+                {u.index: u.shard for u in self.plan.units},
+                self.dtype,
+                Path(oz.nvme_path),
+                threads=oz.io.threads,
+                request_bytes=oz.io.request_mb << 20,
+                name="params.next.swap",
+            )  # fmt: skip
+            if oz.delay_update and policy.offload_optimizer == "nvme" and self.param_disk is None
+            else None
+        )
         flat = FlatBuffers.build(
             model, self.plan, self.comm, stage=self.stage, rank=self.rank, dtype=self.dtype, device=self.device,
             deferred=self.deferred, keep_full_grads=self.keep_full_grads, host_shards=self.offload_params, pin_host_shards=zero.offload_param.pin_memory, disk=self.param_disk,
@@ -264,7 +280,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         in_flight = self.optimizer.step(
             grads, lr, on_unit=publish, runs=runs, delayed_on_unit=self._publish_next
         )
-        self._slot_written = in_flight and self.param_disk is not None
+        self._slot_written = in_flight and (self.param_disk is not None or self.next_params is not None)
         t1 = time.perf_counter()
         for h in handles:
             h.wait()
@@ -369,8 +385,9 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
             self.optimizer.close()  # (re-raises a background step's error: the other files close all the same)
         finally:
             self.grads.close()
-            if self.param_disk is not None:
-                self.param_disk.close()
+            for f in (self.param_disk, self.next_params):
+                if f is not None:
+                    f.close()
 
 
 def _local_ranks(world: int) -> int:

@@ -22,6 +22,7 @@ from zoff.engine.policy import (
     Policy,
     engine_plan,
     grad_disk_bytes,
+    next_params_bytes,
     optimizer_disk_bytes,
     param_disk_bytes,
     param_swap_path,
@@ -88,6 +89,9 @@ def _swap_needs(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None
         ("zero.offload_param.nvme_path" if zero.offload_param.nvme_path else "zero.offload_optimizer.nvme_path",
          param_swap_path(zero), param_disk_bytes(plan, policy, cfg.train.precision, delayed),
          policy.params_on_disk),
+        ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,
+         next_params_bytes(plan, policy, cfg.train.precision, delayed), delayed and policy.offload_optimizer == "nvme"
+         and not policy.params_on_disk),
     ]  # fmt: skip
     for key, where, nbytes, used in wanted:
         if used:  # (even with nothing to swap: the engine still opens its file there)

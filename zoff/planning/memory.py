@@ -29,6 +29,7 @@ from zoff.engine.policy import (  # the policy table and its memory terms, which
     grad_disk_bytes,
     host_staging,
     model_states,
+    next_params_bytes,
     pinned_host_bytes,
     subgroup_of,
 )
@@ -67,6 +68,7 @@ class PolicyEstimate:
     disk_grads: int = 0  # the part of `disk` that is the gradient shard (offload_optimizer.grad_device)
     split: DiskSplit = DiskSplit()  # nvme: what the host budget keeps in RAM (policy.disk_split)
     grad_files: int = 1  # disk_grads is this many files, one read and written a step: two under delay_update
+    disk_publish: int = 0  # DPU, parameters in memory: the new shards' file, read back after the step
     # zero-section settings this stage-3 row assumes beyond the config's, where it does not fit as configured
     # (fit_gathering): ((key, value), ...), block_classes as a tuple
     zero_changes: tuple[tuple[str, object], ...] = ()
@@ -218,6 +220,7 @@ def estimate(
                 grad_file * files,
                 split,
                 grad_files=files,
+                disk_publish=next_params_bytes(plan, pol, precision, delayed),
             )  # fmt: skip
         )
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models

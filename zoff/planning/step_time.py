@@ -64,7 +64,7 @@ def predict(
     14.2-14.3 s of it beside the forward, against 37.0-37.8 s serial. `delayed` (delay_update, past its
     warm-up): the update runs beside the next forward and backward, so the step is the longer of the cores'
     work (compute and Adam, one after the other on shared cores) and all of the step's disk I/O; where the
-    walk cannot publish from its thread (parameters not on disk) the masters' read-back follows it."""
+    parameters live in memory the read-back of the new shards' file (`pe.disk_publish`) follows it."""
     rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
     resident = set(pe.split.resident)
     streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)
@@ -83,7 +83,7 @@ def predict(
     opt_disk = step_read / rbw + step_written / wbw
     if delayed:
         cpu = compute + adam if shared_cores else max(compute, adam)
-        reread = streamed / rbw if pe.policy.offload_param != "nvme" else 0.0  # (disk_traffic's, serial)
+        reread = pe.disk_publish / rbw  # (parameters in memory: their new shards' file, read back after it)
         disk = pe.disk_read / rbw + pe.disk_written / wbw - reread
         which = "cores" if cpu >= disk else "disk"
         return StepTime(max(cpu, disk), reread, f"delayed update beside forward and backward: {which}")

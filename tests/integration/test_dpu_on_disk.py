@@ -97,7 +97,11 @@ def test_dpu_on_disk_moves_the_bytes_the_estimate_says(stage: int, params: str, 
         step()
     eng.flush()  # the second step's update, published
     read, written = sum(f.read_bytes for f in files) - r0, sum(f.written_bytes for f in files) - w0
-    assert abs(read - 2 * row.disk_read) <= 0.05 * 2 * row.disk_read, (read, row.disk_read)
+    # At most the estimate: a piece whose bytes a ring buffer still holds is not read again, which depends on
+    # when the write-backs land (at most the ring's worth of pieces a step)
+    states = eng.optimizer.states
+    ring = states.n_buffers * 3 * max(states.part)
+    assert 2 * (row.disk_read - ring) <= read <= 2 * row.disk_read, (read, row.disk_read, ring)
     assert written == 2 * row.disk_written
     eng.close()
 

@@ -87,7 +87,7 @@ class DiskSplit:
 
 def disk_split(
     plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, accumulating: bool,
-    budget: int | None, reserved: int = 0,
+    budget: int | None, reserved: int = 0, clipping: bool = True,
 ) -> DiskSplit:  # fmt: skip
     """How the disk tier spends `budget` bytes of RAM per rank (host_budget_bytes): first on optimizer states
     (each byte kept saves a byte read and a byte written in the step itself), whole units spread over the
@@ -97,7 +97,7 @@ def disk_split(
     under delay_update) is the working set; a size below it is a UserError naming the key (auto falls back to min: the
     estimate then says whether that fits).
 
-    `reserved`: the rank's other host memory, which the budget holds as well (planning.memory's
+    `clipping`: train.grad_clip > 0 (DPU's RAM snapshot is fp32 then). `reserved`: the rank's other host memory, which the budget holds as well (planning.memory's
     host_reserved: on a CPU-only host the "device" working set, parameters offloaded to CPU, pinned staging),
     so that the whole rank stays within the budget; the tier keeps what is left, and only its working set
     when that is less. Placement only: every tier computes the same numbers."""
@@ -111,8 +111,10 @@ def disk_split(
     itemsize = 4 if policy.shard_accum_fp32(accumulating) else DTYPES[precision].itemsize
     numel = sum(u.shard for u in plan.units)
     # DPU's delayed step reads the shard while the next backward writes the next one: in RAM beside it a
-    # snapshot (fp32 at most: clipping or fp16 rescale it), on disk a second file with its own buffers
-    shard = itemsize * numel + (4 * numel if oo.delay_update else 0)
+    # snapshot (in fp32 when `clipping` or fp16 rescale it, as policy.model_states counts it), on disk a second
+    # file with its own buffers
+    snapshot = 4 if clipping or precision == "fp16" else itemsize
+    shard = itemsize * numel + (snapshot * numel if oo.delay_update else 0)
     buffers = grad_buffer_bytes(plan, itemsize) * (2 if oo.delay_update else 1)
     if budget is None:
         return DiskSplit((), len(sizes), not ram_forced, None, 0, sum(sizes))

@@ -80,6 +80,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         self.split = disk_split(
             self.plan, policy, zero, precision, grad_accum > 1,
             host_budget_bytes(zero.offload_optimizer, mem_total(), _local_ranks(self.comm.world)), host_reserved,
+            clipping=grad_clip > 0,
         )  # fmt: skip
         self.model, self.deferred = prepare_model(model, self.device, self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")

@@ -41,6 +41,7 @@ def check_swap_path(cfg: Config, model: nn.Module) -> None:
         disk_split(
             _plan(cfg, model), Policy.of(cfg.zero), cfg.zero, cfg.train.precision, _may_accumulate(cfg),
             host_budget_bytes(cfg.zero.offload_optimizer, mem_total(), cfg.launch.nproc_per_node),
+            clipping=cfg.train.grad_clip > 0,
         )  # fmt: skip
     for path, (key, per_rank) in _swap_needs(cfg, model).items():
         if not path.is_dir():
@@ -78,7 +79,9 @@ def _swap_needs(cfg: Config, model: nn.Module, plan: PartitionPlan | None = None
     plan = plan or _plan(cfg, model)
     needs: dict[Path, list] = {}  # folder -> [config key, bytes per rank]
     # the largest gradient file: whatever the host budget, the file is there when it may be used (min)
-    split = disk_split(plan, policy, zero, cfg.train.precision, _may_accumulate(cfg), None)
+    split = disk_split(
+        plan, policy, zero, cfg.train.precision, _may_accumulate(cfg), None, clipping=cfg.train.grad_clip > 0
+    )
     delayed = zero.offload_optimizer.delay_update  # DPU: two gradient files, two slots of parameters
     wanted = [  # (key, folder, bytes per rank, whether the policy swaps there at all)
         ("zero.offload_optimizer.nvme_path", zero.offload_optimizer.nvme_path,

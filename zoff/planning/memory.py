@@ -194,8 +194,9 @@ def estimate(
 
         gpu, cpu = states(DiskSplit())
         split = disk_split(
-            plan, pol, zero_cfg, precision, accumulating, budget, host_reserved(gpu, cpu, device_type)
-        )
+            plan, pol, zero_cfg, precision, accumulating, budget, host_reserved(gpu, cpu, device_type),
+            clipping=train_cfg.grad_clip > 0,
+        )  # fmt: skip
         if split != DiskSplit():
             gpu, cpu = states(split)
         pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, device_type)

@@ -35,6 +35,24 @@ def test_a_link_planted_at_a_swap_file_leaves_its_target_alone(kind: str, swap: 
     assert victim.read_bytes() == VICTIM and victim.stat().st_nlink == 1  # the links' names are gone
 
 
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_links_planted_at_the_delayed_updates_files_leave_their_target_alone(kind: str, swap: Path) -> None:
+    """delay_update on the disk tier opens two more files (the second gradient file, the new parameter shards'
+    file): the same rule, a planted link loses its name and its target keeps its bytes."""
+    victim = swap / "victim.bin"
+    victim.write_bytes(VICTIM)
+    folder = swap / "run" / "rank0"
+    folder.mkdir(parents=True)
+    for name in ("grads.swap", "grads.1.swap", "params.next.swap"):
+        (folder / name).symlink_to(victim) if kind == "symlink" else os.link(victim, folder / name)
+    want, _, _ = _engine_run(2, "fp32", "cpu", swap / "ref", steps=2, delay=True)
+    losses, _, eng = _engine_run(2, "fp32", "nvme", swap / "run", steps=2, delay=True)
+    assert losses == want
+    assert not any(f.path.is_symlink() for f in (*eng.grads.files, eng.next_params.file))
+    eng.close()
+    assert victim.read_bytes() == VICTIM and victim.stat().st_nlink == 1
+
+
 def test_a_rank_folder_that_is_a_link_is_refused(swap: Path, tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -182,9 +182,10 @@ class ShardOptimizer:
         scale = getattr(grads, "scale", None)
         scales = [scale(i) for i in range(len(grads))] if scale is not None else [1.0] * len(grads)
         grads = self.tier.to_kernel(grads)
+        delayed = self.next_step_delayed  # (before the count moves on)
         self.step_count += 1
         runs = runs or all_runs(self.runs, self.step_count)
-        if background or (self.delay and self.step_count > self.warmup):
+        if background or delayed:
             on = on_unit if background else delayed_on_unit
             args = (grads, scales, lr, runs, on)
             self._thread = threading.Thread(target=self._run, args=args, daemon=True)

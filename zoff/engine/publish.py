@@ -55,10 +55,11 @@ class ShardPublishing:
             h.wait()
 
     def _publish_next(self, u: int, lo: int | None, master: torch.Tensor | None) -> None:
-        """DPU's publication from its background step, stage 3 with parameters on disk: a piece of unit u's
-        new master into the parameter file's other slot, which no gather reads until flush() flips it; the
-        persistent units' pieces (small: their live shards are what the next forward reads) are kept, cast,
-        until flush() copies them in. So the publication reads nothing back from disk."""
+        """DPU's publication from its background step on the disk tier, a piece of unit u's new master at a
+        time: with parameters in memory, into the new shards' file (next_params) that flush() reads back;
+        stage 3 with parameters on disk, into the parameter file's other slot, which no gather reads until
+        flush() flips it, the persistent units' pieces (small: their live shards are what the next forward
+        reads) kept, cast, until flush() copies them in."""
         if lo is None:
             return
         if self.next_params is not None:  # parameters in memory: their own file (flush reads it back)

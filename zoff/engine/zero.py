@@ -86,22 +86,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
         self.param_disk = self._param_swap() if policy.params_on_disk else None
-        # DPU on the disk tier with the parameters in memory: the delayed step writes the new 16-bit shards
-        # to a file of their own (its live shards are what the next forward reads), which flush() reads back:
-        # 2 B/param each way rather than every streamed state read back (12 B/param of them)
-        oz = zero.offload_optimizer
-        self.next_params = (
-            SwappedShards(
-                {u.index: u.shard for u in self.plan.units},
-                self.dtype,
-                Path(oz.nvme_path),
-                threads=oz.io.threads,
-                request_bytes=oz.io.request_mb << 20,
-                name="params.next.swap",
-            )  # fmt: skip
-            if oz.delay_update and policy.offload_optimizer == "nvme" and self.param_disk is None
-            else None
-        )
+        self.next_params = self._next_params_file()  # DPU on disk with the parameters in memory
         flat = FlatBuffers.build(
             model, self.plan, self.comm, stage=self.stage, rank=self.rank, dtype=self.dtype, device=self.device,
             deferred=self.deferred, keep_full_grads=self.keep_full_grads, host_shards=self.offload_params, pin_host_shards=zero.offload_param.pin_memory, disk=self.param_disk,
@@ -174,6 +159,18 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
             request_bytes=op.io.request_mb << 20,
             hold_units=HELD_UNITS if self.zero.offload_optimizer.overlap_step else 0,
             slotted=frozenset(u.index for u in self.plan.units if not u.persistent) if delayed else frozenset(),
+        )  # fmt: skip
+
+    def _next_params_file(self) -> SwappedShards | None:
+        """DPU on the disk tier with the parameters in memory: the delayed step writes the new 16-bit shards to
+        a file of their own (the live shards are what the next forward reads), which flush() reads back: 2
+        B/param each way rather than every streamed state read back (12 B/param of them)."""
+        oz = self.zero.offload_optimizer
+        if not (oz.delay_update and self.policy.offload_optimizer == "nvme" and self.param_disk is None):
+            return None
+        return SwappedShards(
+            {u.index: u.shard for u in self.plan.units}, self.dtype, Path(oz.nvme_path), threads=oz.io.threads,
+            request_bytes=oz.io.request_mb << 20, name="params.next.swap",
         )  # fmt: skip
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:

@@ -149,6 +149,29 @@ def test_offload_on_cuda_equals_the_device_optimizer(stage: int) -> None:
     assert not any(t.is_pinned() for t in eng.optimizer.exp_avg + eng.optimizer.exp_avg_sq)
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_gradient_landings_on_their_thread_equal_inline_ones_on_cuda(tier: str, tmp_path) -> None:
+    """Issue 32: with overlapped reductions the gradients come down on the landing thread (landing.py, the
+    side stream ordered after an event the compute stream recorded), while backward goes on; the same bits
+    as landing them inline (overlap_comm off), in host memory and on the disk tier."""
+
+    def run(overlap: bool, where: str) -> tuple[list[float], object]:
+        oo = OffloadOptimizerConfig(
+            device=tier, staging_mb=1, nvme_path=str(tmp_path / where) if tier == "nvme" else None,
+            host_budget="min",
+        )  # fmt: skip
+        return _engine_losses(
+            ZeroConfig(stage=3, overlap_comm=overlap, offload_optimizer=oo), precision="bf16"
+        )
+
+    want, inline = run(False, "a")
+    got, eng = run(True, "b")
+    assert inline.reducer.landings is None and eng.reducer.landings.landed > 0
+    assert got == want
+    for a, b in zip(eng.gathered_params().values(), inline.gathered_params().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_keeps_no_gradient_shard_on_the_device(stage: int, tmp_path) -> None:
     """Under offload the device holds no gradient partition: what the engine allocated on the GPU for its

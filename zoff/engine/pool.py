@@ -7,6 +7,7 @@ every element (~100 ms/step on a 57M-parameter model here), and glibc keeps the 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -27,22 +28,25 @@ class BufferPool:
         self.pin = pin  # page-locked host buffers (copies to and from a GPU run asynchronously)
         self._free: list[torch.Tensor] = []
         self.held_bytes = self.peak_bytes = 0
+        self._lock = threading.Lock()  # a landing thread gives back what backward's thread took (landing.py)
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer of `numel` elements with arbitrary contents."""
-        for i, buf in enumerate(self._free):
-            if buf.dtype == dtype and buf.numel() == numel:
-                return self._free.pop(i)
-        need = numel * dtype.itemsize
-        while self._free and self.budget is not None and self.held_bytes + need > self.budget:
-            self.held_bytes -= _nbytes(self._free.pop())
-        self.held_bytes += need
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.dtype == dtype and buf.numel() == numel:
+                    return self._free.pop(i)
+            need = numel * dtype.itemsize
+            while self._free and self.budget is not None and self.held_bytes + need > self.budget:
+                self.held_bytes -= _nbytes(self._free.pop())
+            self.held_bytes += need
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
-        self._free.sort(key=_nbytes)
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=_nbytes)
 
 
 def _nbytes(t: torch.Tensor) -> int:

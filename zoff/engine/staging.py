@@ -6,7 +6,8 @@ cannot be swapped, and a 70B model at N=8 would lock ~105 GB per rank. Here only
 (two halves, so one chunk's DMA overlaps the host copy of the other); the optimizer states stay pageable.
 Cost: one host-side copy per chunk (pinned <-> pageable, and the dtype conversion, at memory bandwidth).
 
-Uploads run on a side stream: the host goes on to the next unit's CPU Adam while the previous unit's
+Downloads land on one worker thread (landing.py) where the engine overlaps its reductions: the thread that
+runs backward only marks the compute stream (ready) and goes on. Uploads run on a side stream: the host goes on to the next unit's CPU Adam while the previous unit's
 parameters cross the bus; `uploads_done()` orders the compute stream after them (no host wait). A host-only
 machine has nothing to stage and never builds one; the tests run the same chunking through unpinned host
 buffers with null streams (`Staging(..., device=cpu)`), so no arithmetic here is CUDA-only.
@@ -15,6 +16,8 @@ buffers with null streams (`Staging(..., device=cpu)`), so no arithmetic here is
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -53,6 +56,7 @@ class Staging:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._next = 0
         self.chunks = 0  # chunk copies issued, both directions (tests check the bound is honoured)
+        self._local = threading.local()  # a landing thread's `ordered_after` event
 
     @property
     def pinned_bytes(self) -> int:
@@ -76,6 +80,26 @@ class Staging:
         step = self.chunk_bytes // elem_bytes
         return [(a, min(a + step, t.numel())) for a in range(0, t.numel(), step)]
 
+    def ready(self) -> object | None:
+        """(On the thread that queued the reduction) an event after what the compute stream has queued so far,
+        for a download run later on another thread (landing.py): ordered after it, not after whatever that
+        stream holds by then. None on a host-only machine."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextlib.contextmanager
+    def ordered_after(self, event: object | None) -> Iterator[None]:
+        """Downloads in this block (on this thread) start once `event` (ready()) has passed on the device."""
+        self._local.after = event
+        try:
+            with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+                yield
+        finally:
+            self._local.after = None
+
     def download(self, src: torch.Tensor, dst: torch.Tensor, add: bool = False) -> None:
         """dst (host, any float dtype) <- src (device), or dst += src with `add` (a gradient accumulating
         in its host tier: the same arithmetic as adding on the device); returns with dst complete.
@@ -83,7 +107,11 @@ class Staging:
         Chunk k+1's DMA is in flight while the host copies chunk k out of the other buffer."""
         src, dst = src.reshape(-1), dst.reshape(-1)
         if self.cuda:  # the side stream reads what the compute stream wrote (the reduced gradients)
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            after = getattr(self._local, "after", None)
+            if after is not None:
+                self.stream.wait_event(after)
+            else:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
         pending: list[tuple[torch.Tensor, object, int, int]] = []
         for a, b in self._spans(src, src.element_size()):
             buf, event = self._take(src.dtype, b - a)

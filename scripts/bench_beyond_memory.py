@@ -42,7 +42,7 @@ from pathlib import Path
 import benchlib
 from beyond_memory_probe import Sampler, block_device, import_baseline_rss, meminfo
 from beyond_memory_report import measure, render, title
-from offload_floor import floor, measure_compute
+from offload_floor import floor, measure_compute, overlapped_bound
 from rich.console import Console
 
 from zoff.config import CONFIGS_DIR, Config, load_config
@@ -305,6 +305,10 @@ def measure_floor(
         out |= {"read_gbps": read, "write_gbps": write}
         med = result.get("step_time_median_s")
         out["step_to_floor"] = med / out["floor_s"] if med else None
+        phases, sp = compute.get("scaled_phases_s"), result.get("step_time_split") or {}
+        if phases and "walk_read_bytes" in sp and med:  # the overlapped step: what an exact step can do here
+            ob = overlapped_bound(phases, sp["walk_read_bytes"], sp["walk_written_bytes"], read, write)
+            out |= {"overlapped_bound": ob, "step_to_overlapped_bound": med / ob["bound_s"]}
         out["disk_busy_fraction"] = out["disk_s"] / med if med else None  # at raw bandwidth, over the step
     return out
 

@@ -74,8 +74,18 @@ def step_split(steps: list[dict], delayed: bool = False) -> dict:
         **{k: statistics.median(v) for k, v in parts.items()},
         "note": "medians over the steps listed, rank 0; compute is the step less the rest",
     }
+    for key in ("forward_s", "backward_s"):  # (the trainer's record has them since this session)
+        if all(key in x for x in steps):
+            out[key] = statistics.median(x[key] for x in steps)
     if overlapped:
         out["walk_s"] = statistics.median(x["last_walk_s"] for x in steps)
+        # the walk's bytes: the streamed states each way, the gradient shard read, the parameter shards written
+        out["walk_read_bytes"] = statistics.median(
+            x.get("disk_optimizer_read_bytes", 0) + x.get("disk_grads_read_bytes", 0) for x in steps
+        )
+        out["walk_written_bytes"] = statistics.median(
+            x.get("disk_optimizer_written_bytes", 0) + x.get("disk_params_written_bytes", 0) for x in steps
+        )
         out["note"] = ("medians over the steps listed, rank 0; the optimizer's walk runs beside the next "
                        "forward: compute is the step less the parameter reads (the forward's waits for the "
                        "walk included), and the walk's parts are within the walk")  # fmt: skip
@@ -249,6 +259,15 @@ def render(r: dict) -> str:
         rows.append(
             ["disk busy: its bytes at that bandwidth / the step", f"{fl['disk_busy_fraction']:.0%}", "", ""]
         )
+        ob = fl.get("overlapped_bound")
+        if ob:  # what an exact step can do under this budget (offload_floor.overlapped_bound)
+            rows.append([
+                "the overlapped step's bound: backward with every state in RAM, then the longer of the forward + "
+                "CPU Adam (in RAM) and the walk's bytes at that bandwidth, s",
+                f"{ob['bound_s']:.1f} = {ob['backward_s']:.1f} + max({ob['forward_adam_s']:.1f}, "
+                f"{ob['walk_disk_s']:.1f}); step / bound **{fl['step_to_overlapped_bound']:.2f}x**, bound / floor "
+                f"{ob['bound_s'] / fl['floor_s']:.2f}x", "", "",
+            ])  # fmt: skip
     pr = r.get("prediction")
     if pr and med is not None:
         first, second = (

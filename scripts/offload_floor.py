@@ -49,18 +49,41 @@ def measure_compute(
     for r in range(first_round, first_round + rounds):
         for depth in depths if r % 2 == 0 else depths[::-1]:
             run = [*keep, *IN_RAM, f"model.n_layer={depth}", f"train.max_steps={steps}"]
-            times = [r["step_time_s"] for r in train_records(config, run, "offload_floor")]
-            if not times:
+            records = train_records(config, run, "offload_floor")
+            if not records:
                 raise RuntimeError(f"offload_floor: no step times from {config} at {depth} layers")
-            samples.setdefault(depth, []).extend(times[1:] or times)  # (the first step warms up)
+            for key in PHASES:  # the step, and its forward and backward (the trainer's record has each)
+                times = [x[key] for x in records if key in x]
+                samples.setdefault(depth if key == "step_time_s" else f"{key}:{depth}", []).extend(
+                    times[1:] or times  # (the first step warms up)
+                )
+    out = {"depths": list(depths), "steps": steps, "rounds": first_round + rounds,
+           "policy": "zero3-offload (every state in RAM)"}  # fmt: skip
     (d0, d1), (t0, t1) = depths, [statistics.median(samples[d]) for d in depths]
-    per_layer = (t1 - t0) / (d1 - d0)
-    fixed = t0 - d0 * per_layer
-    return {"depths": list(depths), "steps": steps, "rounds": first_round + rounds,
-            "policy": "zero3-offload (every state in RAM)",
-            "step_s": {str(d0): t0, str(d1): t1}, "samples_s": {str(d): samples[d] for d in depths},
+    per_layer, fixed = _fit(depths, (t0, t1))
+    out |= {"step_s": {str(d0): t0, str(d1): t1}, "samples_s": {str(d): samples[d] for d in depths},
             "per_layer_s": per_layer, "fixed_s": fixed, "layers": layers,
             "scaled_s": fixed + layers * per_layer}  # fmt: skip
+    phases = {}
+    for key in PHASES[1:]:
+        got = [samples.get(f"{key}:{d}") for d in depths]
+        if all(got):
+            slope, base = _fit(depths, [statistics.median(x) for x in got])
+            phases[key] = base + layers * slope
+    if len(phases) == 2:  # the rest of a step: the optimizer's (the CPU Adam) and the trainer's own
+        phases["optimizer_s"] = max(0.0, out["scaled_s"] - phases["forward_s"] - phases["backward_s"])
+        out["scaled_phases_s"] = phases
+    return out
+
+
+PHASES = ("step_time_s", "forward_s", "backward_s")
+
+
+def _fit(depths: tuple[int, int], times: tuple[float, float] | list[float]) -> tuple[float, float]:
+    """(per-layer seconds, fixed seconds) through two depths' times."""
+    (d0, d1), (t0, t1) = depths, times
+    per_layer = (t1 - t0) / (d1 - d0)
+    return per_layer, t0 - d0 * per_layer
 
 
 def floor(
@@ -71,3 +94,20 @@ def floor(
     disk_s = read_bytes / (read_gbps * 1e9) + written_bytes / (write_gbps * 1e9)
     return {"compute_adam_s": compute_s, "disk_s": disk_s, "floor_s": max(compute_s, disk_s),
             "bound": "compute + CPU Adam" if compute_s >= disk_s else "disk"}  # fmt: skip
+
+
+def overlapped_bound(phases: dict, walk_read: float, walk_written: float, read_gbps: float, write_gbps: float,
+                     shared_cores: bool = True) -> dict:  # fmt: skip
+    """What the overlapped step (zero.offload_optimizer.overlap_step) can do at best: backward at its speed
+    with every state in RAM, then the next forward beside the optimizer's walk, whose bytes (`walk_read`,
+    `walk_written`: the states streamed, the gradient shard read, the parameter shards written back) move at
+    raw bandwidth. Why a bound of any exact step under a RAM budget: clipping's coefficient needs every
+    gradient, so no update starts before backward ends, and the next forward needs each block updated before
+    it computes it; what the walk reads and writes therefore moves between the two, unless RAM holds it
+    (the budget spent on resident states saves those bytes already). On a CPU-only host the forward and the
+    CPU Adam share the cores (`shared_cores`)."""
+    fwd, bwd, adam = phases["forward_s"], phases["backward_s"], phases["optimizer_s"]
+    walk_disk = walk_read / (read_gbps * 1e9) + walk_written / (write_gbps * 1e9)
+    cores = fwd + adam if shared_cores else max(fwd, adam)
+    return {"backward_s": bwd, "forward_adam_s": cores, "walk_disk_s": walk_disk,
+            "bound_s": bwd + max(cores, walk_disk)}  # fmt: skip

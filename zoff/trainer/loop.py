@@ -39,10 +39,14 @@ def train_loop(
         engine.zero_grad()
         # Summed on the device, read once per step: a .item() per micro-batch would wait for the GPU each time.
         local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
+        forward_s = backward_s = 0.0  # host seconds (on a GPU, launches and the waits they meet)
         for micro in range(accum):
             batch = batches.micro_batch_at(step, micro)
+            t1 = time.perf_counter()
             loss = forward_loss(engine.model, batch, accum, engine.device, train.loss_tile)
+            t2 = time.perf_counter()
             engine.backward(loss, sync=micro == accum - 1)
+            forward_s, backward_s = forward_s + t2 - t1, backward_s + time.perf_counter() - t2
             local_loss += loss.detach()
         result = engine.step(lr)
         # One all-reduce carries the loss and whether any rank was asked to stop (preemption).
@@ -61,6 +65,8 @@ def train_loop(
                 "tokens_per_s": tokens_per_step / dt,
                 "step_time_s": dt,
                 "skipped": not result.stepped,
+                "forward_s": forward_s,  # the overlapped step's walk is inside the forward (it waits per block)
+                "backward_s": backward_s,
                 **engine.last_step_times,  # optimizer and publish seconds; on the disk tier its I/O and waits
             }
             if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too

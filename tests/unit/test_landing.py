@@ -63,9 +63,10 @@ def test_a_failed_landing_stops_the_rest_and_raises_every_time() -> None:
     with pytest.raises(OSError, match="No space left"):
         q.join()
     assert seen == [0]
-    with pytest.raises(OSError, match="No space left"):  # sticky: the store misses a landing
+    with pytest.raises(RuntimeError, match="landing failed earlier.*No space left") as err:  # sticky
         q.submit(lambda: seen.append(3))
-    with pytest.raises(OSError, match="No space left"):
+    assert isinstance(err.value.__cause__, OSError)
+    with pytest.raises(RuntimeError, match="incomplete"):
         q.join()
     time.sleep(0.05)
     assert seen == [0]
@@ -87,7 +88,7 @@ def _train(
         if nvme
         else OffloadOptimizerConfig(device="cpu", staging_mb=1)
     )
-    zero = ZeroConfig(stage=3, overlap_comm=overlap, offload_optimizer=oo)
+    zero = ZeroConfig(stage=3, overlap_comm=overlap, offload_optimizer=oo, param_persistence_threshold=64)
     eng = build_engine(
         model,
         zero,
@@ -118,6 +119,7 @@ def test_worker_landings_equal_inline_ones(tier, monkeypatch, tmp_path) -> None:
     assert inline.reducer.landings is None
     nvme = None if tier == "staged" else str(tmp_path / "b")
     norms, got, eng = _train(monkeypatch, overlap=True, nvme=nvme)
+    assert len(eng.plan.units) > 2  # (blocks and the root: landings of several units interleave)
     assert eng.reducer.landings is not None and eng.reducer.landings.landed >= 2 * 3 * len(eng.plan.units)
     assert norms == want_norms
     assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
@@ -126,9 +128,9 @@ def test_worker_landings_equal_inline_ones(tier, monkeypatch, tmp_path) -> None:
     assert red.direct and red._pool.peak_bytes <= (MAX_IN_FLIGHT + 1) * red._max_shard * 2
 
 
-def test_a_landing_error_fails_backward_and_the_next_one(monkeypatch, tmp_path) -> None:
-    """A landing that fails (the disk full) raises from backward on the caller's thread, and the engine
-    refuses to land or step on the window it missed."""
+def test_a_landing_error_fails_backward_the_step_and_the_next_backward(monkeypatch, tmp_path) -> None:
+    """A landing that fails (the disk full) raises from backward on the caller's thread; a caller that goes
+    on anyway gets no step and no backward on the window it missed; close() still stops the thread."""
     _, _, eng = _train(monkeypatch, overlap=True, nvme=str(tmp_path / "c"), accum=1)
     store = eng.reducer.grads
 
@@ -140,6 +142,39 @@ def test_a_landing_error_fails_backward_and_the_next_one(monkeypatch, tmp_path) 
     eng.zero_grad()
     with pytest.raises(OSError, match="No space left"):
         eng.backward(eng.model(x).float().logsumexp(-1).mean())
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RuntimeError, match="landing failed earlier"):
+        eng.step(1e-2)
+    with pytest.raises(RuntimeError, match="landing failed earlier"):
         eng.zero_grad()
         eng.backward(eng.model(x).float().logsumexp(-1).mean())
+    eng.close()
+    assert eng.reducer.landings._pool is None  # the worker is stopped
+
+
+def test_a_backward_that_raises_leaves_no_landing_running(monkeypatch, tmp_path) -> None:
+    """An error inside backward (here a hook's, half-way) returns only after the landings already queued
+    are done: nothing changes the gradient store behind the caller's back."""
+    _, _, eng = _train(monkeypatch, overlap=True, nvme=str(tmp_path / "d"), accum=1)
+    store, landing = eng.reducer.grads, threading.Event()
+    land = store.land
+
+    def slow(*args, **kwargs) -> None:
+        time.sleep(0.2)
+        land(*args, **kwargs)
+        landing.set()
+
+    monkeypatch.setattr(store, "land", slow)
+    calls = []
+    real = eng.reducer._track
+
+    def track(*args, **kwargs) -> None:
+        real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("a hook failed")
+
+    monkeypatch.setattr(eng.reducer, "_track", track)
+    eng.zero_grad()
+    with pytest.raises(KeyError, match="a hook failed"):
+        eng.backward(eng.model(torch.randint(0, 64, (2, 16))).float().logsumexp(-1).mean())
+    assert landing.is_set() and eng.reducer.landings.pending == 0

@@ -10,11 +10,12 @@ the wait for a free gradient buffer sat on backward's thread the same way.
 
 Bounded: the worker takes one landing at a time; `pending` counts those queued or running, and the reducer
 keeps reductions in flight plus pending landings within its pooled buffers (reduce.MAX_IN_FLIGHT + 1, what
-planning.buffers counts), so a slow landing stalls backward only once that many are waiting. Ordered: one
+planning.buffers counts): backward waits only when that many buffers are taken (by reductions the network
+has not finished, or by landings). Ordered: one
 worker, first in first out, so the micro-batches of an accumulation window add into a unit in the order they
 were reduced. Exact: the same operations on the same values, only on another thread. A landing's error is
-raised on the caller's thread at the next submit, wait or join, and at every one after: nothing lands once
-one has failed, so no step can read a window with a landing missing.
+raised on the caller's thread at the next submit, wait or join, and at every one after (the engine joins
+before each step): nothing lands once one has failed, so no step reads a window with a landing missing.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Landings:
         self._queue: deque[Future] = deque()
         self._lock = threading.Lock()  # submit and wait may come from autograd's thread and the main one
         self._failed: BaseException | None = None
+        self._raised = False  # the first raise is the error itself; later ones name it as their cause
         self.landed = 0  # landings completed (tests: the worker really ran them)
 
     @property
@@ -78,13 +80,30 @@ class Landings:
             f.exception()
         self._raise()
 
+    def drain(self) -> None:
+        """Block until every landing submitted so far is done, raising nothing (a backward that raised: its
+        own error is the one to report, and nothing may change the store once it has left)."""
+        with self._lock:
+            queued, self._queue = list(self._queue), deque()
+        for f in queued:
+            f.exception()
+
     def _raise(self) -> None:
-        if self._failed is not None:  # sticky: a store that missed a landing must not be stepped or landed in
+        if self._failed is None:
+            return
+        if not self._raised:
+            self._raised = True
             raise self._failed
+        # sticky: a store that missed a landing must not be stepped or landed in
+        raise RuntimeError(
+            f"zoff: a gradient landing failed earlier ({type(self._failed).__name__}: {self._failed}); "
+            "this window's gradients are incomplete"
+        ) from self._failed
 
     def close(self) -> None:
         """Wait for what is queued and stop the worker (errors are dropped: the run is ending)."""
+        self.drain()
         with self._lock:
-            pool, self._pool, self._queue = self._pool, None, deque()
+            pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)

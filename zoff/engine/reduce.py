@@ -327,6 +327,21 @@ class GradReducer:
             else:
                 self._handles.pop(0).wait()
 
+    def settle(self) -> None:
+        """After a backward that raised: let the landings already submitted finish (their own errors dropped),
+        so nothing changes the store once the error has left backward."""
+        if self.landings is not None:
+            self.landings.drain()
+
+    def check(self) -> None:
+        """Before the step reads the store: every landing done, and a failed one raised (sticky)."""
+        if self.landings is not None:
+            self.landings.join()
+
+    def close(self) -> None:
+        if self.landings is not None:
+            self.landings.close()
+
     def _pending_landings(self) -> int:
         return self.landings.pending if self.landings is not None else 0
 

@@ -6,11 +6,12 @@ cannot be swapped, and a 70B model at N=8 would lock ~105 GB per rank. Here only
 (two halves, so one chunk's DMA overlaps the host copy of the other); the optimizer states stay pageable.
 Cost: one host-side copy per chunk (pinned <-> pageable, and the dtype conversion, at memory bandwidth).
 
-Downloads land on one worker thread (landing.py) where the engine overlaps its reductions: the thread that
-runs backward only marks the compute stream (ready) and goes on. Uploads run on a side stream: the host goes on to the next unit's CPU Adam while the previous unit's
-parameters cross the bus; `uploads_done()` orders the compute stream after them (no host wait). A host-only
-machine has nothing to stage and never builds one; the tests run the same chunking through unpinned host
-buffers with null streams (`Staging(..., device=cpu)`), so no arithmetic here is CUDA-only.
+Downloads land on one worker thread (landing.py) where the engine overlaps its reductions: the thread
+that runs backward only marks the compute stream (ready) and goes on. Uploads run on a side stream: the
+host goes on to the next unit's CPU Adam while the previous unit's parameters cross the bus;
+`uploads_done()` orders the compute stream after them (no host wait). A host-only machine has nothing to
+stage and never builds one; the tests run the same chunking through unpinned host buffers with null streams
+(`Staging(..., device=cpu)`), so no arithmetic here is CUDA-only.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ class Staging:
         return [(a, min(a + step, t.numel())) for a in range(0, t.numel(), step)]
 
     def ready(self) -> object | None:
-        """(On the thread that queued the reduction) an event after what the compute stream has queued so far,
+        """(On the thread that finished the reduction) an event after what the compute stream has queued so far,
         for a download run later on another thread (landing.py): ordered after it, not after whatever that
-        stream holds by then. None on a host-only machine."""
+        stream holds when the download starts (kernels queued since the reduction finished and before this
+        call are included: a later start, never a wrong one). None on a host-only machine."""
         if not self.cuda:
             return None
         event = torch.cuda.Event()

@@ -227,6 +227,9 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
             prefetch()  # the disk tier reads the step's first streamed pieces while backward computes
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        except BaseException:
+            self.reducer.settle()  # landings already queued finish before the error leaves backward
+            raise
         finally:
             if self.gatherer is not None:
                 self.gatherer.release_all()  # no gathered copy outlives backward: the step changes the shards
@@ -242,6 +245,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         Under DPU the update of this step runs in the background and the previous one is published first, so
         the next forward sees parameters one step stale (ZeRO-Offload's delayed parameter update).
         """
+        self.reducer.check()  # a failed gradient landing (landing.py): never a step on a window missing one
         t_wait = time.perf_counter()
         self.optimizer.finish()  # (an overlapped step's walk is joined already, by backward)
         self.flush()
@@ -382,6 +386,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         try:
             self.optimizer.close()  # (re-raises a background step's error: the other files close all the same)
         finally:
+            self.reducer.close()  # the landing thread, before the gradient file it writes closes
             self.grads.close()
             for f in (self.param_disk, self.next_params):
                 if f is not None:

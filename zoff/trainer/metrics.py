@@ -178,7 +178,8 @@ class MetricsWriter:
                 train[0]["tokens_per_s"] if train else 0  # a one-step run: its only step
             ),
             "train_time_s": time.perf_counter() - self.start,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # rank 0's process
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            / 1024,  # this process (training passes the largest rank's)
             **(extra or {}),
         }
         (self.path.parent / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

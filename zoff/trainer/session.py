@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,7 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
         train_loop(
             s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, writer, s.comm, ckpt, start, stop
         )
+        peaks = ranks_peak_rss_mib(s.comm)  # (a collective: every rank, before the engine closes)
     except BaseException:
         if writer is not None and writer.trackers is not None:
             writer.trackers.close()  # the tracker runs end marked failed, not left running
@@ -161,10 +163,19 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     log.info("memory report %s", json.dumps(s.engine.memory_report()))
     held, ddp = model_state_bytes(s.engine)
     mib = {"model_state_mib_per_rank": held / 2**20, "ddp_model_state_mib_per_rank": ddp / 2**20}
+    # the summary's peak RSS is the largest rank's (rank 0's alone hid a rank that held more: the per-step
+    # records still carry rank 0's), each rank's beside it
+    mib |= {"peak_rss_mib": max(peaks), "peak_rss_mib_per_rank": peaks}
     if s.compiled is not None:  # rank 0's compile time (every rank compiles its own, at about the same time)
         mib["compile_s"] = compile_seconds()
         log.info("train.compile: %.1f s compiling (forward and backward graphs)", mib["compile_s"])
     return writer.close(mib) if writer is not None else None
+
+
+def ranks_peak_rss_mib(comm: Comm) -> list[float]:
+    """Every rank's peak RSS so far, MiB, in rank order (one all-reduce of a vector, each rank's own slot)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return comm.sum_scalars([own if r == comm.rank else 0.0 for r in range(comm.world)])
 
 
 def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, threads: int) -> list[str]:

@@ -7,8 +7,6 @@ call it.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from zoff.engine.collectives import Handle
@@ -18,9 +16,7 @@ class ShardPublishing:
     def flush(self) -> None:
         """Finish a delayed (DPU) optimizer step in flight and publish its parameters; otherwise a no-op."""
         if self.optimizer.step_count > self._published:
-            t0 = time.perf_counter()
-            self.optimizer.finish()
-            self.last_flush_s = time.perf_counter() - t0  # DPU: waiting for the background CPU step
+            self.optimizer.finish()  # (step() times this wait with the publication: last_flush_s)
             if not self._slot_written:
                 self._publish_params()  # (each master read back where it is)
                 return

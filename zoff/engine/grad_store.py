@@ -98,13 +98,12 @@ class GradShards:
         return self
 
     def norms_sq(self) -> list[float]:
-        """Each unit's squared norm, as folded at its last landing (computed now where none was: a step with
-        no backward since zero_grad). inf or nan where the shard is not finite."""
-        out = []
-        for u, norm in enumerate(self._norms):
-            norm = unit_norm(self.get(u)) if norm is None else norm
-            out.append(float(norm) ** 2)
-        return out
+        """Each unit's squared norm, as folded at its last landing; 0 where nothing landed in this window (a
+        step with no backward since zero_grad: no gradient, as torch's optimizers see grad None; the shard
+        still holds an earlier window's, two windows back under DPU on disk, which were once summed here
+        and made a wrong grad_norm, and under fp16 a stale overflow). inf or nan where the shard is not
+        finite."""
+        return [0.0 if norm is None else float(norm) ** 2 for norm in self._norms]
 
     def _fold(self, u: int, g: torch.Tensor) -> None:
         self._norms[u] = unit_norm(g)

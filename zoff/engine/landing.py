@@ -25,12 +25,19 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 
 class Landings:
     """A first-in-first-out queue of landings run by one worker thread (started on first use)."""
 
     def __init__(self, name: str = "zoff-landing"):
         self._name = name
+        # The norm folded at landing is a parallel fp64 sum whose rounding follows the thread split, and a new
+        # thread need not get the count set on the thread that built the engine (in a spawned test rank at
+        # set_num_threads(1) it did not: its grad norms differed from inline landings in the last bit,
+        # tests/integration/test_grad_offload.py): the worker sets the builder's count itself.
+        self._threads = torch.get_num_threads()
         self._pool: ThreadPoolExecutor | None = None
         self._queue: deque[Future] = deque()
         self._lock = threading.Lock()  # submit and wait may come from autograd's thread and the main one
@@ -49,7 +56,10 @@ class Landings:
         self._raise()
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+                self._pool = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=self._name,
+                    initializer=torch.set_num_threads, initargs=(self._threads,),
+                )  # fmt: skip
             self._queue.append(self._pool.submit(self._run, fn))
 
     def _run(self, fn: Callable[[], None]) -> None:

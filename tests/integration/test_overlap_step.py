@@ -25,15 +25,19 @@ from zoff.errors import ConfigError
 from zoff.models.gpt import GPT
 
 
-def _run(overlap: bool, swap: Path, precision: str, budget: str, steps: int = 4, accum: int = 2):
+def _run(
+    overlap: bool, swap: Path, precision: str, budget: str, steps: int = 4, accum: int = 2,
+    tiers: tuple[str, str] = ("nvme", "nvme"),
+):  # fmt: skip
     torch.manual_seed(0)
+    opt, par = tiers
     zero = ZeroConfig(
         stage=3, reduce_bucket_size=1500, param_persistence_threshold=64,
         offload_optimizer=OffloadOptimizerConfig(
-            device="nvme", nvme_path=str(swap), io=OptimizerIoConfig(threads=2, request_mb=1),
-            host_budget=budget, overlap_step=overlap,
+            device=opt, nvme_path=str(swap) if opt == "nvme" else None,
+            io=OptimizerIoConfig(threads=2, request_mb=1), host_budget=budget, overlap_step=overlap,
         ),
-        offload_param=OffloadParamConfig(device="nvme", io=IoConfig(threads=2, request_mb=1)),
+        offload_param=OffloadParamConfig(device=par, io=IoConfig(threads=2, request_mb=1)),
     )  # fmt: skip
     eng = build_engine(
         GPT(4, 2, 32, 64, 16), zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision=precision,
@@ -52,7 +56,7 @@ def _run(overlap: bool, swap: Path, precision: str, budget: str, steps: int = 4,
         with torch.no_grad():  # an evaluation forward right after the step: it meets the walk in flight
             evals.append(eng.model(x).float().sum().item())
     walked = eng.last_step_times.get("last_walk_s")
-    from_memory = eng.param_disk.read_from_memory_bytes
+    from_memory = eng.param_disk.read_from_memory_bytes if eng.param_disk is not None else None
     params = eng.gathered_params()
     eng.close()
     return losses, evals, params, (walked, from_memory)
@@ -70,10 +74,26 @@ def test_the_overlapped_step_gives_the_same_bits(precision: str, budget: str, sw
     assert from_memory > 0 and plain_from_memory == 0
 
 
-def test_overlap_step_applies_to_zero3_nvme_only(swap: Path) -> None:
+@pytest.mark.parametrize("tiers", [("cpu", "cpu"), ("cpu", "none"), ("nvme", "none")], ids="-".join)
+def test_the_overlapped_step_with_parameters_in_memory_gives_the_same_bits(tiers, swap: Path) -> None:
+    """zero3-offload (parameters and states in host memory), stage 3 with only the optimizer offloaded, and
+    zero3-nvme-opt: the walk (the CPU Adam, and the disk tier's I/O) beside the next forward, which waits for
+    each unit's update before gathering it; the same bits, with an evaluation forward during the walk."""
+    want_losses, want_evals, want, _ = _run(False, swap / "plain", "bf16", "min", tiers=tiers)
+    losses, evals, got, (walked, _) = _run(True, swap / "overlap", "bf16", "min", tiers=tiers)
+    assert losses == want_losses and evals == want_evals
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+    assert walked is not None and walked > 0
+
+
+def test_overlap_step_applies_to_stage_3_with_optimizer_offload_only(swap: Path) -> None:
     nvme = {"device": "nvme", "nvme_path": str(swap), "overlap_step": True}
     with pytest.raises(ConfigError, match=r"^zero\.offload_optimizer\.overlap_step: needs zero\.stage 3"):
         config_from_dict({"zero": {"stage": 2, "offload_optimizer": nvme}})
+    with pytest.raises(ConfigError, match=r"^zero\.offload_optimizer\.overlap_step: needs zero\.stage 3"):
+        config_from_dict(
+            {"zero": {"stage": 3, "offload_optimizer": {"device": "none", "overlap_step": True}}}
+        )
     with pytest.raises(ConfigError, match=r"^zero\.offload_optimizer\.overlap_step: not with delay_update"):
         config_from_dict(
             {

@@ -69,11 +69,15 @@ DISK = "3-nvme"
 # ... and with the overlapped step (zero.offload_optimizer.overlap_step): the walk runs while the next forward
 # gathers, each gather waiting for its unit's update; the same numbers
 OVERLAP = "3-nvme-overlap"
+# ... and with everything in host memory (zero3-offload): the walk is the CPU Adam alone, writing the host shards
+OFFLOAD_OVERLAP = "3-offload-overlap"
 # by default a few patterns that stress the walk's order (checkpointed recompute, data-dependent experts, a
 # weight read outside its block, whole-model units); every pattern in -m grid
 OVERLAP_DEFAULT = ("ckpt_block", "moe", "functional_tie", "layer_drop")
-DISK_SLICE = [(p, DISK) for p in PATTERNS] + [(p, OVERLAP) for p in OVERLAP_DEFAULT]
-FULL = [(p, s) for p in PATTERNS for s in (*STAGES, DISK, OVERLAP)]
+DISK_SLICE = [(p, DISK) for p in PATTERNS] + [
+    (p, s) for s in (OVERLAP, OFFLOAD_OVERLAP) for p in OVERLAP_DEFAULT
+]
+FULL = [(p, s) for p in PATTERNS for s in (*STAGES, DISK, OVERLAP, OFFLOAD_OVERLAP)]
 GRID = [(w, a, p, s) for w in WORLDS for a in ACCUMS for p, s in FULL]
 
 # A collective waiting longer than this is an error (healthy cells take about a second); the parent gives a
@@ -95,8 +99,13 @@ def cell_cfg(pattern: str, stage: int | str, accum: int) -> dict:
     # persistence threshold 64 keeps norms and biases in persistent units and gathers the matrices at stage
     # 3; a 3000-element bucket splits the model into several units, so reduction overlaps backward.
     zero = {"stage": stage, "param_persistence_threshold": 64, "reduce_bucket_size": 3000}
-    if stage in (3, DISK, OVERLAP) and pattern in models.WHOLE_MODEL_UNIT:  # blocks some rank skips: one unit
+    if (
+        stage in (3, DISK, OVERLAP, OFFLOAD_OVERLAP) and pattern in models.WHOLE_MODEL_UNIT
+    ):  # blocks some rank skips: one unit
         zero["block_classes"] = [models.WHOLE_MODEL_UNIT[pattern]]
+    if stage == OFFLOAD_OVERLAP:
+        zero |= {"stage": 3, "offload_param": {"device": "cpu"},
+                 "offload_optimizer": {"device": "cpu", "overlap_step": True}}  # fmt: skip
     if stage in (DISK, OVERLAP):
         global SWAP_DIR
         SWAP_DIR = SWAP_DIR or _swap_dir()

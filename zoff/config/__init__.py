@@ -212,12 +212,11 @@ def check_grad_device(zero: ZeroConfig) -> None:
     oo = zero.offload_optimizer
     if oo.grad_device == "nvme" and oo.device != "nvme":
         raise ConfigError("zero.offload_optimizer.grad_device: nvme needs zero.offload_optimizer.device nvme")
-    if oo.overlap_step and not (
-        zero.stage == 3 and oo.device == "nvme" and zero.offload_param.device == "nvme"
-    ):
+    if oo.overlap_step and not (zero.stage == 3 and oo.device in ("cpu", "nvme")):
         raise ConfigError(
-            "zero.offload_optimizer.overlap_step: needs zero.stage 3 with zero.offload_optimizer.device and "
-            "zero.offload_param.device nvme (zero3-nvme); set it false for any other policy"
+            "zero.offload_optimizer.overlap_step: needs zero.stage 3 with zero.offload_optimizer.device cpu or "
+            "nvme (zero3-offload, zero3-nvme-opt, zero3-nvme: stage 3's gathers wait for each unit's update); "
+            "set it false for any other policy"
         )
     if oo.overlap_step and oo.delay_update:
         raise ConfigError("zero.offload_optimizer.overlap_step: not with delay_update (choose one)")

@@ -135,10 +135,12 @@ class OffloadOptimizerConfig:
     # split evenly over the node's ranks; min: only the ring and the gradient buffers (everything on disk); or
     # a size (e.g. 8GiB), which must hold at least that minimum. Placement only: the numbers are the same.
     host_budget: str = "auto"
-    # Stage 3 with parameters on disk: the optimizer walks its shard in a background thread while the next
-    # forward runs, which waits for each block's update before gathering it (the walk goes in the forward's
-    # order). The same update, in the same order per element: the numbers are unchanged; the step's disk I/O
-    # then overlaps compute instead of following it. Costs the forward cores that the CPU Adam shares.
+    # Stage 3 with the optimizer offloaded (zero3-offload, zero3-nvme-opt, zero3-nvme): the optimizer walks its
+    # shard in a background thread while the next forward runs, which waits for each block's update before
+    # gathering it (the walk goes in the forward's order). The same update, in the same order per element: the
+    # numbers are unchanged (DPU's are not); the step's disk I/O, and on a GPU host the CPU Adam, then overlap
+    # the forward instead of following backward. Costs the forward cores that the CPU Adam shares on a host
+    # without a GPU.
     overlap_step: bool = False
     delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
     delay_update_warmup: int = field(default=0, metadata=_rng(0, 1 << 40))  # delay_update: exact steps first

@@ -87,7 +87,7 @@ def predict(
         disk = pe.disk_read / rbw + pe.disk_written / wbw - reread
         which = "cores" if cpu >= disk else "disk"
         return StepTime(max(cpu, disk), reread, f"delayed update beside forward and backward: {which}")
-    if overlap and pe.policy.offload_param == "nvme" and pe.policy.stage == 3:
+    if overlap and pe.policy.stage == 3:  # (with the states in RAM the walk is the CPU Adam alone)
         forward = rates.compute_s / 3  # (a third of one micro-batch's forward + backward: the walk meets one)
         cpu = forward + adam if shared_cores else max(forward, adam)
         backward = max(compute - forward, fb_disk)  # (the forward's own reads: within the walk's disk time)

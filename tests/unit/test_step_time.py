@@ -76,11 +76,18 @@ def test_the_overlapped_step_is_backward_then_the_walk_beside_one_forward() -> N
     )
     # two micro-batches: only the next step's first forward meets the walk
     assert predict(pe, pieces, slow, 2, 10**9, overlap=True).forward_backward_s == pytest.approx(50.0)
-    # not zero3-nvme (parameters in RAM): the flag changes nothing
+    # stage 3 with the parameters in RAM (zero3-nvme-opt) overlaps the same way
     opt_only = _pe(Policy(3, "nvme", "cpu"), streamed + grads, streamed + grads, grads, split)
-    assert predict(opt_only, pieces, rates, 1, 10**9, overlap=True) == predict(
-        opt_only, pieces, rates, 1, 10**9
-    )
+    assert predict(opt_only, pieces, rates, 1, 10**9, overlap=True).bound.startswith("backward, then forward")
+    # every state in RAM (zero3-offload): the walk is the CPU Adam alone, beside the forward
+    in_ram = _pe(Policy(3, "cpu", "cpu"), 0, 0, 0, DiskSplit())
+    st = predict(in_ram, pieces, slow, 1, 10**9, overlap=True)
+    assert (st.forward_backward_s, st.optimizer_s) == pytest.approx((20.0, 14.0))  # forward + Adam, shared
+    gpu = predict(in_ram, pieces, slow, 1, 10**9, overlap=True, shared_cores=False)
+    assert gpu.optimizer_s == pytest.approx(10.0)  # a GPU host: the longer of the forward and the Adam
+    # stage 2 has no gathers to wait in: the flag changes nothing
+    stage2 = _pe(Policy(2, "nvme", "none"), streamed + grads, streamed + grads, grads, split)
+    assert predict(stage2, pieces, rates, 1, 10**9, overlap=True) == predict(stage2, pieces, rates, 1, 10**9)
 
 
 def test_the_delayed_update_is_the_longer_of_the_cores_and_the_whole_disk() -> None:

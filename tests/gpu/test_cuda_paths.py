@@ -172,6 +172,28 @@ def test_gradient_landings_on_their_thread_equal_inline_ones_on_cuda(tier: str, 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("params", ["none", "cpu"])
+def test_the_overlapped_step_with_states_in_host_memory_changes_no_bit_on_cuda(params: str) -> None:
+    """overlap_step at stage 3 with the CPU Adam: the walk thread uploads each unit's new shard on the staging's
+    side stream (params on the GPU) or writes the pinned host shard after the gathers' uploads landed (params
+    in host memory), and the forward's gather of a unit waits for it; the same bits as the step run first."""
+
+    def run(overlap: bool) -> tuple[list[float], object]:
+        zero = ZeroConfig(
+            stage=3, param_persistence_threshold=64,
+            offload_optimizer=OffloadOptimizerConfig(device="cpu", staging_mb=1, overlap_step=overlap),
+            offload_param=OffloadParamConfig(device=params),
+        )  # fmt: skip
+        return _engine_losses(zero, precision="bf16")
+
+    want, plain = run(False)
+    got, eng = run(True)
+    assert eng.overlap is not None and eng.last_step_times.get("last_walk_s", 0) > 0
+    assert got == want
+    for a, b in zip(eng.gathered_params().values(), plain.gathered_params().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_keeps_no_gradient_shard_on_the_device(stage: int, tmp_path) -> None:
     """Under offload the device holds no gradient partition: what the engine allocated on the GPU for its

@@ -176,15 +176,38 @@ def test_gradient_landings_on_their_thread_equal_inline_ones_on_cuda(tier: str, 
 def test_the_overlapped_step_with_states_in_host_memory_changes_no_bit_on_cuda(params: str) -> None:
     """overlap_step at stage 3 with the CPU Adam: the walk thread uploads each unit's new shard on the staging's
     side stream (params on the GPU) or writes the pinned host shard after the gathers' uploads landed (params
-    in host memory), and the forward's gather of a unit waits for it; the same bits as the step run first."""
+    in host memory), and the forward's gather of a unit waits for it; the same bits as the step run first,
+    with an evaluation forward right after each step meeting a walk slowed down on purpose. A broken engine
+    whose gathers do not wait must give other evaluations (the check can fail)."""
+    import time
 
-    def run(overlap: bool) -> tuple[list[float], object]:
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def run(overlap: bool, no_wait: bool = False) -> tuple[list[float], object]:
         zero = ZeroConfig(
             stage=3, param_persistence_threshold=64,
             offload_optimizer=OffloadOptimizerConfig(device="cpu", staging_mb=1, overlap_step=overlap),
             offload_param=OffloadParamConfig(device=params),
         )  # fmt: skip
-        return _engine_losses(zero, precision="bf16")
+        torch.manual_seed(0)
+        eng = build_engine(
+            GPT(2, 2, 32, 64, 16), zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision="bf16", device=dev
+        )
+        kernel = eng.optimizer.kernel
+        eng.optimizer.kernel = lambda *a, **k: (time.sleep(0.01), kernel(*a, **k))[1]
+        if no_wait:
+            eng.gatherer.wait_ready = None
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(4):
+            eng.zero_grad()
+            x = torch.randint(0, 64, (2, 16), generator=gen).to(dev)
+            eng.backward(eng.model(x).float().logsumexp(-1).mean())
+            eng.step(1e-2)
+            with torch.no_grad():  # right after the step: the walk is still in flight
+                out.append(eng.model(x).float().sum().item())
+        eng.flush()
+        return out, eng
 
     want, plain = run(False)
     got, eng = run(True)
@@ -192,6 +215,8 @@ def test_the_overlapped_step_with_states_in_host_memory_changes_no_bit_on_cuda(p
     assert got == want
     for a, b in zip(eng.gathered_params().values(), plain.gathered_params().values(), strict=True):
         assert torch.equal(a, b)
+    broken, _ = run(True, no_wait=True)
+    assert broken != want
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

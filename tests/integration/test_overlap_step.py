@@ -6,6 +6,7 @@ refuses it where it does not apply."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from zoff.models.gpt import GPT
 
 def _run(
     overlap: bool, swap: Path, precision: str, budget: str, steps: int = 4, accum: int = 2,
-    tiers: tuple[str, str] = ("nvme", "nvme"),
+    tiers: tuple[str, str] = ("nvme", "nvme"), slow: bool = False, no_wait: bool = False,
 ):  # fmt: skip
     torch.manual_seed(0)
     opt, par = tiers
@@ -43,6 +44,11 @@ def _run(
         GPT(4, 2, 32, 64, 16), zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision=precision,
         grad_clip=0.05, grad_accum=accum,
     )  # fmt: skip
+    if slow:  # each piece's Adam waits a little: the evaluation forward right after a step meets the walk
+        kernel = eng.optimizer.kernel
+        eng.optimizer.kernel = lambda *a, **k: (time.sleep(0.01), kernel(*a, **k))[1]
+    if no_wait:  # a broken engine whose gathers do not wait for the walk (the test must see it)
+        eng.gatherer.wait_ready = None
     gen = torch.Generator().manual_seed(1)
     losses, evals = [], []
     for _ in range(steps):
@@ -79,11 +85,14 @@ def test_the_overlapped_step_with_parameters_in_memory_gives_the_same_bits(tiers
     """zero3-offload (parameters and states in host memory), stage 3 with only the optimizer offloaded, and
     zero3-nvme-opt: the walk (the CPU Adam, and the disk tier's I/O) beside the next forward, which waits for
     each unit's update before gathering it; the same bits, with an evaluation forward during the walk."""
-    want_losses, want_evals, want, _ = _run(False, swap / "plain", "bf16", "min", tiers=tiers)
-    losses, evals, got, (walked, _) = _run(True, swap / "overlap", "bf16", "min", tiers=tiers)
+    want_losses, want_evals, want, _ = _run(False, swap / "plain", "bf16", "min", tiers=tiers, slow=True)
+    losses, evals, got, (walked, _) = _run(True, swap / "overlap", "bf16", "min", tiers=tiers, slow=True)
     assert losses == want_losses and evals == want_evals
     assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
     assert walked is not None and walked > 0
+    # the check can fail: gathers that do not wait read parameters the walk has not updated yet
+    _, broken_evals, _, _ = _run(True, swap / "broken", "bf16", "min", tiers=tiers, slow=True, no_wait=True)
+    assert broken_evals != want_evals
 
 
 def test_overlap_step_applies_to_stage_3_with_optimizer_offload_only(swap: Path) -> None:

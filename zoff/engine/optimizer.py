@@ -12,6 +12,7 @@ publishes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -123,8 +124,10 @@ class ShardOptimizer:
         delay_update: bool = False,
         delay_warmup: int = 0,
         threads: int = 1,
+        device: torch.device | None = None,
     ):
         self.cfg, self.runs, self.tier, self.kernel, self.threads = cfg, runs, tier, kernel, threads
+        self.device = device  # the rank's GPU: a background update's uploads and events run on it
         self.delay, self.warmup = delay_update, delay_warmup
         self.shards = shards
         self.states = tier.make_states(shards)
@@ -219,8 +222,12 @@ class ShardOptimizer:
     def _run(self, *update_args) -> None:
         """_update(*update_args) in the background thread, its error kept for finish()."""
         t0 = time.perf_counter()
+        # A new thread's current CUDA device is 0: on rank k of a node its uploads' stream context and event
+        # waits would make a context on GPU 0 (hundreds of MB) unless the thread works on the rank's device.
+        cuda = self.device is not None and self.device.type == "cuda"
         try:
-            self._update(*update_args)
+            with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
+                self._update(*update_args)
         except BaseException as e:  # surfaced by finish() on the main thread
             self._error = e
         finally:

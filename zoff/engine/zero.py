@@ -133,7 +133,8 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         )  # fmt: skip
         self.blocks.listeners.append(self.reducer.block_done)
         self.overlap = None  # the overlapped step (overlap.py): the walk runs while the next forward does
-        if zero.offload_optimizer.overlap_step and self.gatherer is not None:
+        # (the config allows it with an offloaded optimizer only; `zero: auto` may choose the policy later)
+        if zero.offload_optimizer.overlap_step and self.gatherer is not None and self.offload:
             self.overlap = UnitReadiness(len(self.plan.units))
             self.gatherer.wait_ready = self._wait_unit
             self.optimizer.on_background_end = self.overlap.end
@@ -206,7 +207,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
             )  # fmt: skip
         return ShardOptimizer(
             shards, runs, optim, tier, cpu_fused_kernel, delay_update=oz.delay_update,
-            delay_warmup=oz.delay_update_warmup, threads=self.cpu_threads,
+            delay_warmup=oz.delay_update_warmup, threads=self.cpu_threads, device=self.device,
         )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------- backward
@@ -366,7 +367,9 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
 
     @property
     def masters(self) -> list[torch.Tensor] | None:
-        """The resident fp32 masters (None on the disk tier: read them with optimizer.read)."""
+        """The resident fp32 masters (None on the disk tier: read them with optimizer.read); a background
+        update in flight (DPU's, the overlapped walk) is joined first."""
+        self.optimizer.finish()
         return self.optimizer.masters
 
     def zero_grad(self) -> None:

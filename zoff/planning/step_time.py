@@ -57,7 +57,7 @@ def predict(
 ) -> StepTime:  # fmt: skip
     """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), those
     in `pe.split.resident` stay in RAM; `shard`: the rank's trainable parameters. `overlap`: the overlapped
-    step (zero3-nvme, overlap_step), whose walk runs beside the next forward (a third of the compute): backward,
+    step (overlap_step, stage 3 with the optimizer offloaded), whose walk runs beside the next forward (a third of the compute): backward,
     then the longer of the walk's disk and the cores' work beside it, the forward and the CPU Adam one after
     the other on a CPU-only host (`shared_cores`), the longer of the two where the Adam has cores of its own
     (a GPU host). Measured on the 3.4B demo (scripts/bench_overlap.py, af92201): 30.2 s a step, the walk

@@ -130,12 +130,17 @@ def provenance() -> dict:
 
 
 def command_line(ap: argparse.ArgumentParser, a: argparse.Namespace, script: str) -> str:
-    """The command that reproduces a run: the script with every option that differs from its default (the
-    output path left out: it does not change what is measured)."""
+    """The command that reproduces a run: the script with every option that differs from its default. An
+    output path other than the script's own default is kept (a wrapper such as bench_overlap_offload.py
+    writes its own JSON: the bare command would overwrite the base script's, whose page renders from it)."""
     words = ["python", f"scripts/{script}.py"]
     for act in ap._actions:
         value = getattr(a, act.dest, None)
-        if act.dest in ("help", "out", "render") or value == act.default:
+        if act.dest in ("help", "render") or value == act.default:
+            continue
+        if act.dest == "out":
+            path = Path(value).resolve()
+            words += ["--json", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)]
             continue
         if not act.option_strings:
             words += [str(v) for v in value] if isinstance(value, list) else [str(value)]

@@ -72,3 +72,26 @@ def test_render_without_a_json_says_so(tmp_path: Path, capsys) -> None:
     benchlib = _script("benchlib")
     assert benchlib.print_rendered(tmp_path / "missing.json", lambda d: "table") == 2
     assert "missing.json" in capsys.readouterr().out
+
+
+def test_a_wrappers_command_line_names_its_own_json(tmp_path) -> None:
+    """The recorded command reproduces a run into the same JSON: a wrapper's (bench_overlap_offload.py's)
+    output path is kept, the base script's default left out."""
+    import argparse
+
+    benchlib = _script("benchlib")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    benchlib.output_args(ap, benchlib.RESULTS / "bench_overlap.json")
+    ap.add_argument("overrides", nargs="*")
+    own = ap.parse_args(["--steps", "5", "model.n_layer=6"])
+    assert (
+        benchlib.command_line(ap, own, "bench_overlap")
+        == "python scripts/bench_overlap.py --steps 5 model.n_layer=6"
+    )
+    other = ap.parse_args(["--json", str(benchlib.RESULTS / "bench_overlap_offload.json"), "model.n_layer=6"])
+    assert benchlib.command_line(ap, other, "bench_overlap") == (
+        "python scripts/bench_overlap.py --json docs/results/bench_overlap_offload.json model.n_layer=6"
+    )
+    elsewhere = ap.parse_args(["--json", str(tmp_path / "x.json")])
+    assert benchlib.command_line(ap, elsewhere, "bench_overlap").endswith(f"--json {tmp_path / 'x.json'}")

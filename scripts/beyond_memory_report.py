@@ -160,7 +160,8 @@ def measure(s: Sampler, run_dir: Path, r: dict, baseline: int) -> dict:
 
 
 MISSING = [
-    "every rank's peak RSS per step (metrics.jsonl carries rank 0's only; this script samples /proc instead)",
+    "every rank's peak RSS per step (metrics.jsonl carries the largest rank's and which rank; this script "
+    "samples every process's /proc instead)",
 ]
 
 

@@ -167,6 +167,11 @@ def test_plan_and_summary_compare_model_states_with_plain_data_parallelism(run2)
     # every rank's peak RSS, and the summary's is the largest (it was rank 0's alone)
     peaks = summary["peak_rss_mib_per_rank"]
     assert len(peaks) == 2 and all(x > 50 for x in peaks) and summary["peak_rss_mib"] == max(peaks)
+    # each step's record: the largest rank's peak so far, and which rank that was
+    records = [json.loads(line) for line in (run2 / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step_time_s" in r]
+    assert steps and all(r["peak_rss_rank"] in (0, 1) for r in steps)
+    assert all(50 < r["peak_rss_mib"] <= summary["peak_rss_mib"] for r in steps)
 
 
 def test_a_torch_older_than_the_launcher_needs_is_one_line(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from zoff.config import ScheduleConfig, TrainConfig
 from zoff.data import GlobalBatches
 from zoff.engine import Comm, ZeroEngine
 from zoff.trainer.loss import forward_loss
-from zoff.trainer.metrics import MetricsWriter
+from zoff.trainer.metrics import MetricsWriter, peak_rss_mib
 from zoff.trainer.preempt import StopRequest
 from zoff.trainer.schedule import lr_at
 
@@ -49,9 +49,11 @@ def train_loop(
             forward_s, backward_s = forward_s + t2 - t1, backward_s + time.perf_counter() - t2
             local_loss += loss.detach()
         result = engine.step(lr)
-        # One all-reduce carries the loss and whether any rank was asked to stop (preemption).
-        mean_loss, stopping = comm.sum_scalars(
-            [float(local_loss) / comm.world, float(stop is not None and stop.requested)]
+        # One all-reduce carries the loss, whether any rank was asked to stop (preemption), and each rank's peak
+        # RSS in its own slot (the record's is the largest rank's, not rank 0's).
+        rss = [peak_rss_mib() if r == comm.rank else 0.0 for r in range(comm.world)]
+        mean_loss, stopping, *peaks = comm.sum_scalars(
+            [float(local_loss) / comm.world, float(stop is not None and stop.requested), *rss]
         )
         dt = time.perf_counter() - t0
         done = step + 1
@@ -67,6 +69,8 @@ def train_loop(
                 "skipped": not result.stepped,
                 "forward_s": forward_s,  # the overlapped step's walk is inside the forward (it waits per block)
                 "backward_s": backward_s,
+                "peak_rss_mib": max(peaks),
+                "peak_rss_rank": peaks.index(max(peaks)),
                 **engine.last_step_times,  # optimizer and publish seconds; on the disk tier its I/O and waits
             }
             if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too

@@ -131,8 +131,9 @@ class MetricsWriter:
         print(f"zoff: {kind} at step {step}" + "".join(f", {k} {v}" for k, v in info.items()), flush=True)
 
     def _resources(self, record: dict) -> dict:
-        """Memory high-water marks of this process, and MFU where the device's peak is known."""
-        out = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+        """Memory high-water marks (the largest rank's RSS where the loop gathered it, else this process's), and
+        MFU where the device's peak is known."""
+        out = {"peak_rss_mib": record.get("peak_rss_mib", peak_rss_mib())}
         if self.device.type == "cuda":
             out["peak_alloc_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         if self.peak_flops and self.flops_per_token:
@@ -178,8 +179,7 @@ class MetricsWriter:
                 train[0]["tokens_per_s"] if train else 0  # a one-step run: its only step
             ),
             "train_time_s": time.perf_counter() - self.start,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            / 1024,  # this process (training passes the largest rank's)
+            "peak_rss_mib": peak_rss_mib(),  # this process's (training passes the largest rank's)
             **(extra or {}),
         }
         (self.path.parent / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -191,6 +191,11 @@ class MetricsWriter:
         self.console.print(table)
         sys.stdout.flush()
         return summary
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS so far, MiB (Linux's ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ------------------------------------------------------------------------------------- MFU and plumbing

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from zoff.models.tiling import tile_mlps
 from zoff.models.twin import base_of
 from zoff.trainer.compile import CompiledBlocks, compile_blocks, compile_seconds
 from zoff.trainer.loop import train_loop
-from zoff.trainer.metrics import MetricsWriter, rank_logger
+from zoff.trainer.metrics import MetricsWriter, peak_rss_mib, rank_logger
 from zoff.trainer.preempt import STOP
 from zoff.trainer.trackers import Trackers
 
@@ -174,7 +173,7 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
 
 def ranks_peak_rss_mib(comm: Comm) -> list[float]:
     """Every rank's peak RSS so far, MiB, in rank order (one all-reduce of a vector, each rank's own slot)."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    own = peak_rss_mib()
     return comm.sum_scalars([own if r == comm.rank else 0.0 for r in range(comm.world)])
 
 

@@ -47,8 +47,11 @@ class Landings:
 
     @property
     def pending(self) -> int:
-        """Landings queued or running (not yet waited for)."""
+        """Landings queued or running. (Those done are dropped from the front here: a failure is kept in
+        _failed, so the queue stays as short as what is in flight rather than a backward's every unit.)"""
         with self._lock:
+            while self._queue and self._queue[0].done():
+                self._queue.popleft()
             return sum(not f.done() for f in self._queue)
 
     def submit(self, fn: Callable[[], None]) -> None:
@@ -82,12 +85,7 @@ class Landings:
 
     def join(self) -> None:
         """Block until every landing submitted so far is done; raise the first error among them."""
-        while True:
-            with self._lock:
-                if not self._queue:
-                    break
-                f = self._queue.popleft()
-            f.exception()
+        self.drain()
         self._raise()
 
     def drain(self) -> None:

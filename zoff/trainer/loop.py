@@ -11,7 +11,7 @@ from zoff.config import ScheduleConfig, TrainConfig
 from zoff.data import GlobalBatches
 from zoff.engine import Comm, ZeroEngine
 from zoff.trainer.loss import forward_loss
-from zoff.trainer.metrics import MetricsWriter, peak_rss_mib
+from zoff.trainer.metrics import MetricsWriter, peak_rss_slots
 from zoff.trainer.preempt import StopRequest
 from zoff.trainer.schedule import lr_at
 
@@ -51,9 +51,12 @@ def train_loop(
         result = engine.step(lr)
         # One all-reduce carries the loss, whether any rank was asked to stop (preemption), and each rank's peak
         # RSS in its own slot (the record's is the largest rank's, not rank 0's).
-        rss = [peak_rss_mib() if r == comm.rank else 0.0 for r in range(comm.world)]
         mean_loss, stopping, *peaks = comm.sum_scalars(
-            [float(local_loss) / comm.world, float(stop is not None and stop.requested), *rss]
+            [
+                float(local_loss) / comm.world,
+                float(stop is not None and stop.requested),
+                *peak_rss_slots(comm.rank, comm.world),
+            ]
         )
         dt = time.perf_counter() - t0
         done = step + 1

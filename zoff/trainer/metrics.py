@@ -198,6 +198,12 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def peak_rss_slots(rank: int, world: int) -> list[float]:
+    """This rank's peak RSS in its own slot of a world-long vector, zeros elsewhere: summed over the ranks
+    (Comm.sum_scalars) it lists every rank's."""
+    return [peak_rss_mib() if r == rank else 0.0 for r in range(world)]
+
+
 # ------------------------------------------------------------------------------------- MFU and plumbing
 
 # Dense tensor-core peaks per GPU from the vendors' datasheets, TFLOP/s: (bf16/fp16, fp32 via TF32 or plain).

@@ -31,7 +31,7 @@ from zoff.models.tiling import tile_mlps
 from zoff.models.twin import base_of
 from zoff.trainer.compile import CompiledBlocks, compile_blocks, compile_seconds
 from zoff.trainer.loop import train_loop
-from zoff.trainer.metrics import MetricsWriter, peak_rss_mib, rank_logger
+from zoff.trainer.metrics import MetricsWriter, peak_rss_slots, rank_logger
 from zoff.trainer.preempt import STOP
 from zoff.trainer.trackers import Trackers
 
@@ -173,8 +173,7 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
 
 def ranks_peak_rss_mib(comm: Comm) -> list[float]:
     """Every rank's peak RSS so far, MiB, in rank order (one all-reduce of a vector, each rank's own slot)."""
-    own = peak_rss_mib()
-    return comm.sum_scalars([own if r == comm.rank else 0.0 for r in range(comm.world)])
+    return comm.sum_scalars(peak_rss_slots(comm.rank, comm.world))
 
 
 def _plan_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, threads: int) -> list[str]:

@@ -24,7 +24,7 @@ For each VERSION, in /var/tmp/zoff-torch-VERSION (a real disk: never tmpfs, neve
      during a test is pytest-captured and not seen).
 The venv is deleted afterwards (--keep keeps it); a version that failed keeps its logs in
 /var/tmp/zoff-torch-VERSION-logs. Each version's entry in docs/results/torch_range.json is replaced as soon as it finishes; the others stay.
-zoff/versions.py states the checked range the docs and `zoff doctor` show: update it after a new version.
+zoff/host/versions.py states the checked range the docs and `zoff doctor` show: update it after a new version.
 One run at a time (a lock under /var/tmp): the installs are multi-GB and the suites want both cores.
 """
 
@@ -162,7 +162,7 @@ def common_failures(data: dict) -> set[str]:
 
 def passed(data: dict) -> list[str]:
     """The releases checked: installed, the quickstart near the README's loss, and no failing test that the
-    other versions pass (zoff/versions.py's TORCH_CHECKED_CPU holds these)."""
+    other versions pass (zoff/host/versions.py's TORCH_CHECKED_CPU holds these)."""
     common, out = common_failures(data), []
     for e in data.get("versions", {}).values():
         fails = _failures(e)

@@ -254,15 +254,16 @@ def convert(
 
 @app.command(epilog=_examples("zoff doctor"))
 def doctor() -> None:
-    """Report this machine as zoff sees it: torch against the checked range, devices, cores, and which CPU Adam
-    path is active and why."""
+    """Report this machine as zoff sees it: torch against the checked range, devices, cores, which CPU Adam
+    path is active and why, and each dtype's CPU matmul path with its measured time against fp32's."""
     import json
 
     import torch
 
+    from zoff.host.versions import checked_range, torch_status
+    from zoff.host.kernels import matmul_path
     from zoff.launch import cores_available
     from zoff.optim import backend_info
-    from zoff.versions import checked_range, torch_status
 
     report = {
         "torch": torch.__version__,
@@ -273,6 +274,11 @@ def doctor() -> None:
         "cores": cores_available(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_adam": backend_info(),
+        # the CPU's matmul path per dtype: a 16-bit one without a kernel is ~100x fp32 (train.cpu_precision)
+        "cpu_matmul": {
+            p.dtype: {"kernel": p.kernel, "x_fp32_time": round(p.factor, 1), "slow": p.slow, "source": p.source}
+            for p in (matmul_path(d) for d in (torch.float32, torch.bfloat16, torch.float16))
+        },
     }
     print(json.dumps(report, indent=2, default=str))
 

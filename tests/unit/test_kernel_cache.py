@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zoff.cache import private_dir
+from zoff.host.cache import private_dir
 from zoff.optim import cpu_adam
 
 REASON = "from zoff.optim import backend_info; print(backend_info()['reason'])"

@@ -10,8 +10,9 @@ ZOFF = Path(__file__).resolve().parents[2] / "zoff"
 
 # Lowest first. The CLI only parses and calls; planning (the estimate) never imports the trainer.
 LAYERS = [
-    ["zoff.errors", "zoff.cache", "zoff.versions"],
-    ["zoff.units", "zoff.tensorfile", "zoff.hub"],
+    ["zoff.errors"],
+    ["zoff.units"],
+    ["zoff.host", "zoff.tensorfile", "zoff.hub"],
     ["zoff.config"],
     ["zoff.models", "zoff.data", "zoff.optim"],
     ["zoff.engine"],

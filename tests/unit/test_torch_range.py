@@ -1,4 +1,4 @@
-"""The torch range is one fact: zoff/versions.py states it, docs/results/torch_range.json (what
+"""The torch range is one fact: zoff/host/versions.py states it, docs/results/torch_range.json (what
 scripts/torch_range.py ran) backs it, pyproject.toml requires its lower bound, and `zoff doctor` shows it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoff import versions
+from zoff.host import versions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_bad_cli_input_is_one_line_and_exit_2() -> None:
 def test_the_checked_releases_are_those_that_passed_in_the_json() -> None:
     data = json.loads(TR.JSON.read_text())
     assert list(versions.TORCH_CHECKED_CPU) == TR.passed(data), (
-        "zoff/versions.py's TORCH_CHECKED_CPU and docs/results/torch_range.json differ"
+        "zoff/host/versions.py's TORCH_CHECKED_CPU and docs/results/torch_range.json differ"
     )
     newest = max(versions._minor(v) for v in versions.TORCH_CHECKED_CPU)
     assert versions._minor(versions.TORCH_CHECKED_BELOW) == (newest[0], newest[1] + 1)

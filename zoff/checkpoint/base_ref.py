@@ -12,9 +12,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from zoff.cache import cache_dir as zoff_cache_dir
 from zoff.config import ModelConfig
 from zoff.errors import UserError
+from zoff.host.cache import cache_dir as zoff_cache_dir
 from zoff.hub import model_folder
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zoff.cache import cache_dir as zoff_cache_dir
 from zoff.data.jsonl import Bad
 from zoff.errors import UserError
+from zoff.host.cache import cache_dir as zoff_cache_dir
 
 BYTES_EOS = 0  # the NUL byte never occurs in text, so byte-level corpora keep a 256-token vocabulary
 CACHE_VERSION = 2
@@ -161,7 +161,7 @@ class TokenizedCorpus:
 
 
 def cache_root(cache_dir: str | None) -> Path:
-    """data.cache_dir when set, else zoff's cache folder (zoff.cache)."""
+    """data.cache_dir when set, else zoff's cache folder (zoff.host.cache)."""
     return Path(cache_dir).expanduser() if cache_dir else zoff_cache_dir()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zoff.cache import cache_dir
+from zoff.host.cache import cache_dir
 
 PROBE_VERSION = 1  # bump when a try changes what it checks: older verdicts are then not reused
 

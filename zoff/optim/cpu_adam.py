@@ -1,7 +1,7 @@
 """Build/load of the fused C++ CPU Adam kernel, its functional entry point and the CPUAdam optimizer.
 
 The extension is compiled on first use with torch.utils.cpp_extension into a directory keyed by torch version,
-source, CPU flags and compiler settings (zoff.cache: $ZOFF_CACHE_DIR/ext or ~/.cache/zoff/ext). Ranks of one node share it: the
+source, CPU flags and compiler settings (zoff.host.cache: $ZOFF_CACHE_DIR/ext or ~/.cache/zoff/ext). Ranks of one node share it: the
 first builds while the others wait on an fcntl lock, so a node compiles once (~40 s) rather than once per rank.
 If the build fails, the compiler's output is printed once and zoff falls back to the PyTorch path
 (adam_reference) with one warning line. Environment:
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.optim.optimizer as torch_optimizer
 
-from zoff.cache import cache_dir, private_dir
+from zoff.host.cache import cache_dir, private_dir
 from zoff.optim.adam_reference import adam_step_reference
 
 __all__ = ["CPUAdam", "backend_info", "cpu_adam_step"]

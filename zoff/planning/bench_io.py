@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from zoff.cache import cache_dir
-from zoff.engine.disk_io import AlignedBuffer, SwapFile, aligned, filesystem_type, wait
-from zoff.engine.state_swap import SwappedStates
+from zoff.engine.disk.files import AlignedBuffer, SwapFile, aligned, filesystem_type, wait
+from zoff.engine.disk.state_swap import SwappedStates
 from zoff.errors import UserError
+from zoff.host.cache import cache_dir
 
 SETTINGS = ((1, 1), (4, 1), (4, 8), (8, 8), (8, 32))  # (threads, request MiB)
 

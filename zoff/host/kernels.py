@@ -1,0 +1,104 @@
+"""Whether this host has fast CPU matmul kernels for a 16-bit dtype, and how much slower it is when not.
+
+Without AVX512 (AVX512-BF16/AMX, or AVX512-FP16), torch computes bf16 and fp16 matmuls on the CPU with a
+reference kernel: on an AMD EPYC showing only AVX2 (torch 2.13), a 256x3072 by 3072x3072 bf16 matmul took
+11.3 s against 0.08 s in fp32, 137x. A bf16 run on such a host is not broken, only that much slower, and
+nothing else in the run says why: the start-up plan, `zoff doctor`, `zoff estimate --time` and the benchmarks
+all read `matmul_path` to say so, and `train.cpu_precision` (config) chooses what to do about it.
+
+Two signals, both cheap: torch's capability check (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`, and fp16's)
+and a probe that times one small matmul in the dtype against fp32 (about 0.1 s on the slow path, well under that on a fast one:
+64x256 by 256x256). The factor is the probe's; the capability says whether the oneDNN kernel exists.
+
+`ZOFF_MATMUL_FACTOR` (e.g. `bf16:137,fp16:90`) sets the factor instead of measuring it, and with it the
+verdict: tests force a slow host this way on a fast one, and a user can override a probe that misjudges
+(a host whose cores are busy with other work).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+SLOW_FACTOR = 4.0  # a 16-bit matmul this many times slower than fp32 is "no fast kernel": with one it is ~0.5-2x
+FACTOR_ENV = "ZOFF_MATMUL_FACTOR"
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class MatmulPath:
+    dtype: str  # bf16 | fp16 | fp32
+    kernel: bool  # torch's oneDNN kernel for the dtype exists on this CPU (always True for fp32)
+    factor: float  # the dtype's matmul time over fp32's, on this host's CPU
+    source: str  # "probe" or the environment variable that set the factor
+
+    @property
+    def slow(self) -> bool:
+        return self.factor >= SLOW_FACTOR
+
+    def describe(self) -> str:
+        """One line: the path, its factor against fp32 and where the factor came from."""
+        kind = "oneDNN kernel" if self.kernel else "reference kernel (no oneDNN kernel on this CPU)"
+        return f"{self.dtype} matmul on the CPU: {kind}, {self.factor:.1f}x fp32's time ({self.source})"
+
+
+def _capability(dtype: torch.dtype) -> bool:
+    checks = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }
+    check = getattr(torch.ops.mkldnn, checks.get(dtype, ""), None) if dtype in checks else None
+    try:
+        return bool(check()) if check is not None else dtype == torch.float32
+    except RuntimeError:  # a build without oneDNN: no kernel
+        return False
+
+
+def _forced(name: str) -> float | None:
+    """The factor ZOFF_MATMUL_FACTOR gives this dtype, or None (unset, or names other dtypes)."""
+    for item in filter(None, os.environ.get(FACTOR_ENV, "").split(",")):
+        key, _, value = item.partition(":")
+        if key.strip() == name:
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{FACTOR_ENV}: {item!r} is not DTYPE:FACTOR (e.g. bf16:137)") from None
+    return None
+
+
+def _time_matmul(dtype: torch.dtype, n: int = 64, k: int = 256, reps: int = 3) -> float:
+    """Best of `reps` of one n x k by k x k matmul on this thread's cores, after one warm-up call."""
+    a, b = torch.randn(n, k).to(dtype), torch.randn(k, k).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_path(dtype: torch.dtype) -> MatmulPath:
+    """How this host's CPU computes matmuls in `dtype`, measured once per process (~0.1 s where slow)."""
+    name = _NAMES.get(dtype, str(dtype))
+    forced = _forced(name)
+    if forced is not None:
+        return MatmulPath(name, kernel=_capability(dtype) and forced < SLOW_FACTOR, factor=forced, source=FACTOR_ENV)
+    if dtype == torch.float32:
+        return MatmulPath(name, kernel=True, factor=1.0, source="probe")
+    factor = _time_matmul(dtype) / max(_time_matmul(torch.float32), 1e-7)
+    return MatmulPath(name, kernel=_capability(dtype), factor=factor, source="probe")
+
+
+def slow_dtype(precision: str) -> MatmulPath | None:
+    """The matmul path of a run's precision ("bf16"/"fp16"/"fp32") when it is slow on this CPU, else None."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return None
+    path = matmul_path(dtype)
+    return path if path.slow else None

@@ -7,8 +7,8 @@ nothing else in the run says why: the start-up plan, `zoff doctor`, `zoff estima
 all read `matmul_path` to say so, and `train.cpu_precision` (config) chooses what to do about it.
 
 Two signals, both cheap: torch's capability check (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`, and fp16's)
-and a probe that times one small matmul in the dtype against fp32 (about 0.1 s on the slow path, well under that on a fast one:
-64x256 by 256x256). The factor is the probe's; the capability says whether the oneDNN kernel exists.
+and a probe that times one small matmul in the dtype against fp32 (about 0.2 s on the slow path, ~10 ms on a fast one:
+128x512 by 512x512). The factor is the probe's; the capability says whether the oneDNN kernel exists.
 
 `ZOFF_MATMUL_FACTOR` (e.g. `bf16:137,fp16:90`) sets the factor instead of measuring it, and with it the
 verdict: tests force a slow host this way on a fast one, and a user can override a probe that misjudges
@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-SLOW_FACTOR = 4.0  # a 16-bit matmul this many times slower than fp32 is "no fast kernel": with one it is ~0.5-2x
+SLOW_FACTOR = (
+    4.0  # a 16-bit matmul this many times slower than fp32 is "no fast kernel": with one it is ~0.5-2x
+)
 FACTOR_ENV = "ZOFF_MATMUL_FACTOR"
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -43,7 +45,7 @@ class MatmulPath:
     def describe(self) -> str:
         """One line: the path, its factor against fp32 and where the factor came from."""
         kind = "oneDNN kernel" if self.kernel else "reference kernel (no oneDNN kernel on this CPU)"
-        return f"{self.dtype} matmul on the CPU: {kind}, {self.factor:.1f}x fp32's time ({self.source})"
+        return f"{self.dtype} matmul on the CPU: {kind}, {self.factor:.0f}x fp32's time on one core ({self.source})"
 
 
 def _capability(dtype: torch.dtype) -> bool:
@@ -70,28 +72,41 @@ def _forced(name: str) -> float | None:
     return None
 
 
-def _time_matmul(dtype: torch.dtype, n: int = 64, k: int = 256, reps: int = 3) -> float:
-    """Best of `reps` of one n x k by k x k matmul on this thread's cores, after one warm-up call."""
-    a, b = torch.randn(n, k).to(dtype), torch.randn(k, k).to(dtype)
-    torch.mm(a, b)
+def _time_matmul(dtype: torch.dtype, reps: int, give_up_after: float = float("inf")) -> float:
+    """Best of `reps` timings of one 128x512 by 512x512 matmul (67 MFLOP: ~1 ms in fp32 on one core, ~0.16 s
+    on a reference 16-bit kernel). The first call is timed too and ends the probe when it takes longer than
+    `give_up_after` (a path that slow needs no second look). The size is what makes it robust: a smaller
+    matmul's time is noise under load; one thread, since a parallel region waits for its slowest thread."""
+    a, b = torch.randn(128, 512).to(dtype), torch.randn(512, 512).to(dtype)
     best = float("inf")
-    for _ in range(reps):
+    for i in range(reps + 1):
         t = time.perf_counter()
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
+        elapsed = time.perf_counter() - t
+        if i == 0 and elapsed > give_up_after:
+            return elapsed
+        best = min(best, elapsed) if i else best
     return best
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def matmul_path(dtype: torch.dtype) -> MatmulPath:
-    """How this host's CPU computes matmuls in `dtype`, measured once per process (~0.1 s where slow)."""
+    """How this host's CPU computes matmuls in `dtype`, measured once per process (~0.2 s where slow)."""
     name = _NAMES.get(dtype, str(dtype))
     forced = _forced(name)
     if forced is not None:
-        return MatmulPath(name, kernel=_capability(dtype) and forced < SLOW_FACTOR, factor=forced, source=FACTOR_ENV)
+        return MatmulPath(
+            name, kernel=_capability(dtype) and forced < SLOW_FACTOR, factor=forced, source=FACTOR_ENV
+        )
     if dtype == torch.float32:
         return MatmulPath(name, kernel=True, factor=1.0, source="probe")
-    factor = _time_matmul(dtype) / max(_time_matmul(torch.float32), 1e-7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a parallel region waits for its slowest thread: on a busy host, a timeslice
+    try:
+        fp32 = max(_time_matmul(torch.float32, reps=5), 1e-7)
+        factor = _time_matmul(dtype, reps=3, give_up_after=20 * fp32) / fp32
+    finally:
+        torch.set_num_threads(threads)
     return MatmulPath(name, kernel=_capability(dtype), factor=factor, source="probe")
 
 

@@ -97,7 +97,7 @@ def _entry(
 # is forked; each rank still gets its own process, process group and memory.
 # (and zoff's command line, which tests.forked_zoff runs from here)
 PRELOAD = ["torch", "torch.distributed", "zoff.engine", "zoff.trainer.session", "tests.harness"]
-PRELOAD += ["zoff.cli", "zoff.launch", "zoff.checkpoint.convert", "zoff.planning.disk_room"]
+PRELOAD += ["zoff.cli", "zoff.launch.elastic", "zoff.checkpoint.convert", "zoff.planning.disk_room"]
 _context = None
 
 

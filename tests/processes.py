@@ -32,7 +32,7 @@ def free_port() -> int:
 
 # torch >= 2.5 shares the rendezvous TCPStore with the workers and keeps it across elastic restarts, without
 # a per-attempt key prefix (pytorch/pytorch#135712): a restarted rank can read its peer's previous gloo
-# address and fail or hang in init_process_group. zoff's launch.py does not opt out yet (reported); the
+# address and fail or hang in init_process_group. zoff's launch/elastic.py does not opt out yet (reported); the
 # restart tests opt out the way the README tells users to, so that they test zoff and not that race.
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 

@@ -70,9 +70,9 @@ def train(
         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
     )  # fmt: skip
     cfg = load_config(config, list(overrides or []) + extra)
-    from zoff.hub import pin as pin_hub_ids
-    from zoff.launch import check_torch
-    from zoff.network import node_address
+    from zoff.files.hub import pin as pin_hub_ids
+    from zoff.launch.elastic import check_torch
+    from zoff.launch.network import node_address
 
     check_torch()
     node_address(cfg.launch)  # the interface and the endpoint resolve, before anything starts
@@ -98,7 +98,7 @@ def train(
     (out / "config.yaml").write_text(dump_yaml(cfg))
     print(f"zoff: run directory {out}", flush=True)
     from zoff.checkpoint.status import latest_on_disk
-    from zoff.launch import Preempted, WorkerFailed, launch
+    from zoff.launch.elastic import Preempted, WorkerFailed, launch
 
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
     before = latest_on_disk(ckpt_dir)  # what a stop or failure is compared with: saved by this run or not
@@ -151,7 +151,7 @@ def validate(
         return
     if config is None:
         raise UserError("zoff validate: a CONFIG file is needed (or --explain KEY)")
-    from zoff.hub import pin as pin_hub_ids
+    from zoff.files.hub import pin as pin_hub_ids
 
     # Hub ids resolved to their commit (config files only: a 70B's weights are not fetched to print a config)
     cfg = pin_hub_ids(load_config(config, overrides or []), weights=False)
@@ -260,9 +260,9 @@ def doctor() -> None:
 
     import torch
 
-    from zoff.host.versions import checked_range, torch_status
     from zoff.host.kernels import matmul_path
-    from zoff.launch import cores_available
+    from zoff.host.versions import checked_range, torch_status
+    from zoff.launch.elastic import cores_available
     from zoff.optim import backend_info
 
     report = {

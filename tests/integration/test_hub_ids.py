@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.datafiles import DOCS, make_tokenizer
-from zoff.hub import is_hub_id
+from zoff.files.hub import is_hub_id
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("huggingface_hub")

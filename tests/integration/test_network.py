@@ -15,7 +15,7 @@ import pytest
 
 from zoff.config import config_from_dict
 from zoff.errors import ConfigError, UserError
-from zoff.network import interface_address, network_env
+from zoff.launch.network import interface_address, network_env
 
 REPO = Path(__file__).resolve().parents[2]
 LISTEN = "0A"

@@ -106,7 +106,7 @@ def test_a_signal_landing_inside_a_log_call_is_delivered_again_outside_it(monkey
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    import zoff.launch as launch
+    import zoff.launch.elastic as launch
 
     sent, killed = [], []
     monkeypatch.setattr(launch, "_redeliver", lambda signum, after_s=0.05: sent.append(signum))

@@ -179,7 +179,7 @@ def test_a_torch_older_than_the_launcher_needs_is_one_line(tmp_path, monkeypatch
     import dataclasses
 
     import zoff.cli
-    import zoff.launch
+    import zoff.launch.elastic
     from zoff.errors import UserError
 
     @dataclasses.dataclass
@@ -188,9 +188,9 @@ def test_a_torch_older_than_the_launcher_needs_is_one_line(tmp_path, monkeypatch
         max_nodes: int
         nproc_per_node: int
 
-    monkeypatch.setattr(zoff.launch, "ElasticConfig", OldLaunchConfig)
+    monkeypatch.setattr(zoff.launch.elastic, "ElasticConfig", OldLaunchConfig)
     with pytest.raises(UserError, match=r"zoff needs torch 2\.11 or later \(this is "):
-        zoff.launch.launch(config_from_dict({}), tmp_path)
+        zoff.launch.elastic.launch(config_from_dict({}), tmp_path)
     # zoff train checks it before the run directory is made
     monkeypatch.setattr(
         sys,
@@ -206,7 +206,7 @@ def test_torch_2_11_stop_grace_is_said_at_start(monkeypatch):
     """torch 2.11's launcher has no shutdown_timeout: a stop gets its fixed 30 s, and the start-up says so."""
     import dataclasses
 
-    import zoff.launch
+    import zoff.launch.elastic
 
     @dataclasses.dataclass
     class LaunchConfig211:  # torch 2.11: signals_to_handle, no shutdown_timeout
@@ -214,11 +214,12 @@ def test_torch_2_11_stop_grace_is_said_at_start(monkeypatch):
         signals_to_handle: str = ""
 
     lc = config_from_dict({"launch": {"shutdown_timeout_s": 300}}).launch
-    assert zoff.launch.stop_grace_note(lc) is None  # this torch honours the setting
-    monkeypatch.setattr(zoff.launch, "ElasticConfig", LaunchConfig211)
-    zoff.launch.check_torch()  # accepted
-    note = zoff.launch.stop_grace_note(lc)
+    assert zoff.launch.elastic.stop_grace_note(lc) is None  # this torch honours the setting
+    monkeypatch.setattr(zoff.launch.elastic, "ElasticConfig", LaunchConfig211)
+    zoff.launch.elastic.check_torch()  # accepted
+    note = zoff.launch.elastic.stop_grace_note(lc)
     assert note and "30 s to checkpoint before SIGKILL, not launch.shutdown_timeout_s=300" in note
     assert (
-        zoff.launch.stop_grace_note(config_from_dict({"launch": {"shutdown_timeout_s": 20}}).launch) is None
+        zoff.launch.elastic.stop_grace_note(config_from_dict({"launch": {"shutdown_timeout_s": 20}}).launch)
+        is None
     )

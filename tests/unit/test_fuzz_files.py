@@ -1,5 +1,5 @@
 """Fuzzing of the files zoff reads from other people (issue 33): safetensors headers (checkpoint shards and
-Hugging Face weights share zoff.tensorfile's reader) and data files (JSON Lines for pretraining and for
+Hugging Face weights share zoff.files.tensorfile's reader) and data files (JSON Lines for pretraining and for
 fine-tuning, in both data.bad_records modes).
 
 Deterministic (random.Random(SEED)). Every case either reads — and then every tensor reads whole at the shape
@@ -20,7 +20,7 @@ from tests.datafiles import DOCS
 from zoff.config import config_from_dict
 from zoff.data import load_corpus, preflight
 from zoff.errors import UserError
-from zoff.tensorfile import SafetensorsReader, write_streaming
+from zoff.files.tensorfile import SafetensorsReader, write_streaming
 
 SEED = 20261126
 N_HEADER_CASES = 300

@@ -15,7 +15,7 @@ from zoff.checkpoint.format import rng_states, set_rng_states
 from zoff.config import OffloadOptimizerConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine.staging import Staging, chunk_bytes
-from zoff.launch import pg_timeout_s
+from zoff.launch.elastic import pg_timeout_s
 from zoff.models.gpt import GPT
 
 CPU = torch.device("cpu")

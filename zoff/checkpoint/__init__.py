@@ -42,11 +42,11 @@ from zoff.checkpoint.format import (
 )
 from zoff.config import CheckpointConfig
 from zoff.engine import ZeroEngine
-from zoff.engine.disk_io import ALIGN
+from zoff.engine.disk.files import ALIGN
+from zoff.engine.disk.state_swap import partition_entries
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.state_swap import partition_entries
 from zoff.errors import UserError
-from zoff.tensorfile import write_streaming
+from zoff.files.tensorfile import write_streaming
 
 # ------------------------------------------------------------------------------------------------ save
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from zoff.config import ModelConfig
 from zoff.errors import UserError
+from zoff.files.hub import model_folder
 from zoff.host.cache import cache_dir as zoff_cache_dir
-from zoff.hub import model_folder
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _CHUNK = 16 << 20

@@ -33,8 +33,8 @@ from zoff.checkpoint.format import Readers, find_checkpoint, read_manifest, read
 from zoff.config import Config, ModelConfig
 from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
-from zoff.hub import is_hub_id
-from zoff.tensorfile import write_streaming
+from zoff.files.hub import is_hub_id
+from zoff.files.tensorfile import write_streaming
 from zoff.units import parse_size
 
 if TYPE_CHECKING:

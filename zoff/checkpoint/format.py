@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from zoff.engine.disk.state_swap import KINDS  # noqa: F401  (re-exported: the states a shard file holds)
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.state_swap import KINDS  # noqa: F401  (re-exported: the states a shard file holds)
 from zoff.errors import UserError
-from zoff.tensorfile import SafetensorsReader
+from zoff.files.tensorfile import SafetensorsReader
 
 # 2: per-parameter skipped_steps (its Adam step count) and stage 3's frozen parameters in the shard files;
 # version 1 checkpoints load as they are.

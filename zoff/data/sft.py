@@ -38,7 +38,7 @@ from zoff.data.batch import IGNORE, MicroBatch
 from zoff.data.records import BadRecord, optional_module, read_records, record_fields
 from zoff.data.tokenize import Tokenizer, cache_key, cache_root, load_tokenizer
 from zoff.errors import UserError
-from zoff.hub import tokenizer_folder
+from zoff.files.hub import tokenizer_folder
 
 SFT_CACHE_VERSION = 1
 

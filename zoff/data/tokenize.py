@@ -135,7 +135,7 @@ def load_tokenizer(spec: str, revision: str | None = None) -> Tokenizer:
     """'bytes', a tokenizer folder, or a Hub id (data.tokenizer, at data.tokenizer_revision)."""
     if spec == "bytes":
         return ByteTokenizer()
-    from zoff.hub import TOKENIZER_FILES, folder
+    from zoff.files.hub import TOKENIZER_FILES, folder
 
     path = folder(spec, revision, "data.tokenizer", TOKENIZER_FILES)
     if not path.is_dir():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-# pyproject.toml's lower bound: 2.11's elastic launcher is the first with signals_to_handle (launch.check_torch)
+# pyproject.toml's lower bound: 2.11's elastic launcher is the first with signals_to_handle (launch.elastic.check_torch)
 TORCH_REQUIRED = "2.11"
 # Releases whose quickstart and whole default suite passed on the CPU (scripts/torch_range.py).
 TORCH_CHECKED_CPU = ("2.12.0", "2.13.0", "2.14.1", "2.15.0")

@@ -20,7 +20,7 @@ from torch import nn
 from zoff.config import ModelConfig
 from zoff.config.schema import suggest
 from zoff.errors import UserError
-from zoff.hub import model_folder
+from zoff.files.hub import model_folder
 
 PREFIX = "hf:"
 DROPOUT_KEYS = (

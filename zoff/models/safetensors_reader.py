@@ -8,7 +8,7 @@ buffer, a rank's shard), converting dtype in bounded chunks when the file's dtyp
 Why not `safetensors.safe_open`: it memory-maps whole files, and every page a read touches stays resident
 and counted in the process's RSS until the file is closed, so loading a rank's shard would still grow RSS
 towards the whole model. pread copies only what is asked for (the page cache holds the rest, reclaimably).
-Headers are parsed by zoff.tensorfile, which checkpoints read their shard files with too.
+Headers are parsed by zoff.files.tensorfile, which checkpoints read their shard files with too.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from zoff.errors import UserError
-from zoff.tensorfile import ST_DTYPES, SafetensorsReader
+from zoff.files.tensorfile import ST_DTYPES, SafetensorsReader
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

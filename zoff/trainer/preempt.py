@@ -1,7 +1,7 @@
 """Graceful preemption in a rank: the first SIGTERM/SIGINT asks it to finish the step, checkpoint and exit.
 
 Later signals are ignored here. Stopping at once is the launcher's job: its second SIGTERM/SIGINT kills the
-ranks with SIGKILL (zoff/launch.py), which also reaches a rank that is stopped or blocked in a collective,
+ranks with SIGKILL (zoff/launch/elastic.py), which also reaches a rank that is stopped or blocked in a collective,
 where no Python handler runs. A rank cannot tell a second request from a copy of the first anyway: one
 Ctrl-C reaches it from the terminal (the whole foreground process group gets SIGINT) and again from the
 agent, which forwards what the launcher got; Slurm's scancel signals every process of the step, the launcher

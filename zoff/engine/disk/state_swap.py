@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.disk_io import ALIGN, HUGE_PAGE, AlignedBuffer, SwapFile, aligned, copy_file
-from zoff.tensorfile import FileLayout, file_layout
+from zoff.engine.disk.files import ALIGN, HUGE_PAGE, AlignedBuffer, SwapFile, aligned, copy_file
+from zoff.files.tensorfile import FileLayout, file_layout
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 

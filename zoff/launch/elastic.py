@@ -21,7 +21,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from zoff.config import Config, LaunchConfig, config_from_dict
 from zoff.errors import UserError
-from zoff.network import (
+from zoff.launch.network import (
     BOUND_STORE_ENV,
     LOOPBACK,
     RDZV_BACKEND,

@@ -17,12 +17,26 @@ and writes it all to JSON.
     python scripts/bench_beyond_memory.py --size tiny --steps 3 --io-size 64MiB
     python scripts/bench_beyond_memory.py --config my-hf.yaml --size tiny [KEY.PATH=VALUE ...]
     python scripts/bench_beyond_memory.py --render   # the markdown table from the JSON (what the docs embed)
+    python scripts/bench_beyond_memory.py --preset 2g --steps 6      # a preset: its overrides, its own JSON
+
+--preset picks one of PRESETS below: its overrides go after the command line's, and it writes its own JSON
+(docs/results/bench_beyond_memory{,_2g,_dpu,_dpu_2g}.json), which the docs render in the region
+`<!-- render: bench_beyond_memory --preset NAME -->` (the default's: `render: bench_beyond_memory`):
+  default   the config as it is
+  2g        the rank's host budget forced to 2 GiB: on this CPU host the model's working memory (gathered
+            blocks, activations) takes most of it, so every optimizer state of the 3.4B demo streams from disk
+            (issue 32's "budget forced small" figures)
+  dpu       the opt-in delayed update (zero.offload_optimizer.delay_update, ZeRO-Offload's DPU on the disk
+            tier: parameters one step stale, so NOT the exact numbers of the other tables): each step's
+            optimizer walk runs beside the next step's forward and backward (issue 32's "a mode that changes
+            the math", off in every shipped recipe)
+  dpu-2g    dpu with the host budget forced to 2 GiB
 
 --size sets model.n_layer / n_head / d_model (an hf: model maps them onto its config); without it the config's
 own model is used. Trailing KEY.PATH=VALUE overrides go to `zoff estimate` and `zoff train` alike.
 
-The JSON goes to docs/results/bench_beyond_memory.json (--json), the RSS time series beside it
-(bench_beyond_memory.series.json): the table needs only the peaks, which the JSON holds.
+The JSON goes to the preset's file under docs/results/ (--json), the RSS time series beside it
+(its .series.json): the table needs only the peaks, which the JSON holds.
 
 The /proc readings and the sampler are beyond_memory_probe.py's; the measured fields, set against the estimate,
 and the table are beyond_memory_report.py's.
@@ -59,7 +73,15 @@ SIZES: dict[str, dict[str, int]] = {
     "3b": {"n_layer": 30, "n_head": 24, "d_model": 3072},  # 3.4B
 }
 DEFAULT_CONFIG = CONFIGS_DIR / "gpt-3b-nvme.yaml"
-JSON = benchlib.RESULTS / "bench_beyond_memory.json"
+BUDGET_2G = "zero.offload_optimizer.host_budget=2GiB"
+DPU = ("zero.offload_optimizer.overlap_step=false", "zero.offload_optimizer.delay_update=true")
+PRESETS = {  # (the docstring says what each is for)
+    "default": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory.json"),
+    "2g": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_2g.json", (BUDGET_2G,)),
+    "dpu": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_dpu.json", DPU),
+    "dpu-2g": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_dpu_2g.json", (*DPU, BUDGET_2G)),
+}
+JSON = PRESETS["default"].json
 
 
 # -------------------------------------------------------------------------------------------- planning
@@ -117,16 +139,16 @@ def io_bandwidth(path: Path, nbytes: int, threads: int, request_mb: int) -> dict
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    benchlib.preset_args(ap, PRESETS)  # first: the recorded command reads `--preset 2g --steps 6`
     ap.add_argument(
         "--config", type=Path, default=DEFAULT_CONFIG, help="any zoff config (builtin GPT or hf:)"
     )
-    ap.add_argument("--size", choices=sorted(SIZES), help="model.n_layer/n_head/d_model preset")
+    ap.add_argument("--size", choices=sorted(SIZES), help="model.n_layer/n_head/d_model of a named size")
     ap.add_argument("--steps", type=int, help="train.max_steps (default: the config's)")
     ap.add_argument(
         "--path", type=Path, help="the swap folder (default: the config's nvme_path); made if missing"
     )
     ap.add_argument("--nproc", type=int, help="ranks (launch.nproc_per_node)")
-    ap.add_argument("--json", type=Path, default=JSON, dest="out")
     ap.add_argument(
         "--run-dir", type=Path, help="zoff train's run directory (default runs/bench/beyond-memory-<time>)"
     )
@@ -141,7 +163,6 @@ def parser() -> argparse.ArgumentParser:
         "--floor-steps", type=int, default=5, help="steps of each floor run (the first is dropped)"
     )
     ap.add_argument("--floor-rounds", type=int, default=2, help="rounds of the floor's depths, alternating")
-    ap.add_argument("--render", action="store_true", help="only print the markdown table from --json's JSON")
     ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides for estimate and train")
     return ap
 
@@ -153,7 +174,7 @@ def build_overrides(a: argparse.Namespace) -> list[str]:
     if a.nproc is not None:
         out.append(f"launch.nproc_per_node={a.nproc}")
     out.append("train.log_every=1")  # a record per step: its loss and its time
-    out += a.overrides
+    out += [*a.overrides, *PRESETS[a.preset].overrides]  # the preset's last: they win over the line's
     if a.path is not None:  # both sections (offload_param falls back to the optimizer's path anyway)
         out += [f"zero.{sec}.nvme_path={a.path}" for sec in ("offload_optimizer", "offload_param")]
     return out
@@ -162,6 +183,7 @@ def build_overrides(a: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
+    benchlib.resolve_output(a, PRESETS)
     if a.render:
         return benchlib.print_rendered(a.out, render)
     con = Console(width=max(Console().width, 150))

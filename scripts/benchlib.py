@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -130,17 +131,13 @@ def provenance() -> dict:
 
 
 def command_line(ap: argparse.ArgumentParser, a: argparse.Namespace, script: str) -> str:
-    """The command that reproduces a run: the script with every option that differs from its default. An
-    output path other than the script's own default is kept (a wrapper such as bench_overlap_offload.py
-    writes its own JSON: the bare command would overwrite the base script's, whose page renders from it)."""
+    """The command that reproduces a run: the script with every option that differs from its default (the
+    output path left out: it does not change what is measured, and a preset's own JSON follows from its
+    --preset, which is recorded)."""
     words = ["python", f"scripts/{script}.py"]
     for act in ap._actions:
         value = getattr(a, act.dest, None)
-        if act.dest in ("help", "render") or value == act.default:
-            continue
-        if act.dest == "out":
-            path = Path(value).resolve()
-            words += ["--json", str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)]
+        if act.dest in ("help", "out", "render") or value == act.default:
             continue
         if not act.option_strings:
             words += [str(v) for v in value] if isinstance(value, list) else [str(value)]
@@ -155,6 +152,32 @@ def output_args(ap: argparse.ArgumentParser, json_path: Path) -> None:
     """--json (where the results go; the docs render from the default) and --render (only print the table)."""
     ap.add_argument("--json", type=Path, default=json_path, dest="out")
     ap.add_argument("--render", action="store_true", help="only print the table from --json")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One setup of a benchmark script, run on its own (not one of the variants a benchmark compares within a
+    job): the overrides it adds after the command line's, and the JSON it writes, which a page renders in the
+    region `<!-- render: SCRIPT --preset NAME -->` (scripts/render_docs.py)."""
+
+    json: Path
+    overrides: tuple[str, ...] = ()
+
+
+def preset_args(ap: argparse.ArgumentParser, presets: dict[str, Preset]) -> None:
+    """--preset (one of `presets`, "default" first), --json (default: the preset's own JSON) and --render;
+    after parse_args, resolve_output(a, presets) fills in the preset's JSON."""
+    what = "which setup: its overrides and its own JSON under docs/results/"
+    ap.add_argument("--preset", choices=list(presets), default="default", help=what)
+    ap.add_argument("--json", type=Path, default=None, dest="out", help="default: the preset's JSON")
+    ap.add_argument("--render", action="store_true", help="only print the table from the JSON")
+
+
+def resolve_output(a: argparse.Namespace, presets: dict[str, Preset]) -> Preset:
+    """The chosen preset; a.out becomes its JSON unless --json named another."""
+    preset = presets[a.preset]
+    a.out = a.out or preset.json
+    return preset
 
 
 def step_records(run_dir: Path) -> list[dict]:

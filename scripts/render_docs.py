@@ -10,8 +10,10 @@ A page marks a table with two comments; what lies between them is generated, nev
     <!-- /render -->
 
 `render: NAME` is `scripts/NAME.py`'s `render(json.load(NAME.JSON))` (each script writes its JSON under
-docs/results/ and renders its own table); `render: headline` is the README's one-row-per-benchmark table
-(headline.py beside this script), built from the same JSON files.
+docs/results/ and renders its own table); `render: NAME --preset V` renders the JSON of the script's preset V
+(`NAME.PRESETS[V].json`, what `python scripts/NAME.py --preset V` writes) with the same render(); `render:
+headline` is the README's one-row-per-benchmark table (headline.py beside this script), built from the same JSON
+files.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-REGION = re.compile(r"(<!-- render: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /render -->)", re.S)
+# a region's name: the script, and the preset whose JSON it shows ("bench_beyond_memory --preset 2g")
+REGION = re.compile(
+    r"(<!-- render: (?P<name>[\w-]+(?: --preset [\w-]+)?) -->\n)(?P<body>.*?)(<!-- /render -->)", re.S
+)
 
 
 def script(name: str) -> ModuleType:
@@ -41,11 +46,21 @@ def script(name: str) -> ModuleType:
     return module
 
 
+def json_path(name: str) -> Path | None:
+    """The JSON region `name` renders ("SCRIPT" or "SCRIPT --preset V"); None for a script without one."""
+    base, _, preset = name.partition(" --preset ")
+    module = script(base)
+    if preset:
+        return Path(module.PRESETS[preset].json)
+    return Path(module.JSON) if hasattr(module, "JSON") else None
+
+
 def rendered(name: str, data: dict | None = None) -> str:
-    """The markdown of region `name`: from `data`, or from the script's JSON on disk."""
-    module = script(name)
+    """The markdown of region `name`: from `data`, or from the JSON on disk (a script without one: its load())."""
+    module = script(name.partition(" --preset ")[0])
     if data is None:
-        data = json.loads(Path(module.JSON).read_text()) if hasattr(module, "JSON") else module.load()
+        path = json_path(name)
+        data = json.loads(path.read_text()) if path else module.load()
     return module.render(data).rstrip("\n") + "\n"
 
 

@@ -74,24 +74,76 @@ def test_render_without_a_json_says_so(tmp_path: Path, capsys) -> None:
     assert "missing.json" in capsys.readouterr().out
 
 
-def test_a_wrappers_command_line_names_its_own_json(tmp_path) -> None:
-    """The recorded command reproduces a run into the same JSON: a wrapper's (bench_overlap_offload.py's)
-    output path is kept, the base script's default left out."""
+def test_the_recorded_command_names_the_preset_not_its_json(tmp_path) -> None:
+    """The recorded command reproduces a run into the same JSON: a preset's own JSON follows from its
+    --preset, which the command keeps; the output path is left out."""
     import argparse
 
     benchlib = _script("benchlib")
+    presets = {
+        "default": benchlib.Preset(benchlib.RESULTS / "bench_overlap.json"),
+        "offload": benchlib.Preset(benchlib.RESULTS / "bench_overlap_offload.json", ("model.n_layer=6",)),
+    }
     ap = argparse.ArgumentParser()
+    benchlib.preset_args(ap, presets)
     ap.add_argument("--steps", type=int, default=6)
-    benchlib.output_args(ap, benchlib.RESULTS / "bench_overlap.json")
     ap.add_argument("overrides", nargs="*")
-    own = ap.parse_args(["--steps", "5", "model.n_layer=6"])
+    own = ap.parse_args(["--steps", "5", "train.seed=1"])
+    assert benchlib.resolve_output(own, presets) is presets["default"]
+    assert own.out == benchlib.RESULTS / "bench_overlap.json"
     assert (
         benchlib.command_line(ap, own, "bench_overlap")
-        == "python scripts/bench_overlap.py --steps 5 model.n_layer=6"
+        == "python scripts/bench_overlap.py --steps 5 train.seed=1"
     )
-    other = ap.parse_args(["--json", str(benchlib.RESULTS / "bench_overlap_offload.json"), "model.n_layer=6"])
+    other = ap.parse_args(["--preset", "offload", "--steps", "5"])
+    assert benchlib.resolve_output(other, presets).overrides == ("model.n_layer=6",)
+    assert other.out == benchlib.RESULTS / "bench_overlap_offload.json"
     assert benchlib.command_line(ap, other, "bench_overlap") == (
-        "python scripts/bench_overlap.py --json docs/results/bench_overlap_offload.json model.n_layer=6"
+        "python scripts/bench_overlap.py --preset offload --steps 5"
     )
-    elsewhere = ap.parse_args(["--json", str(tmp_path / "x.json")])
-    assert benchlib.command_line(ap, elsewhere, "bench_overlap").endswith(f"--json {tmp_path / 'x.json'}")
+    elsewhere = ap.parse_args(["--preset", "offload", "--json", str(tmp_path / "x.json")])
+    benchlib.resolve_output(elsewhere, presets)
+    assert elsewhere.out == tmp_path / "x.json"
+    assert (
+        benchlib.command_line(ap, elsewhere, "bench_overlap")
+        == "python scripts/bench_overlap.py --preset offload"
+    )
+
+
+# script -> {preset: the JSON under docs/results/ it writes} (the names the docs' history was recorded under)
+PRESET_JSONS = {
+    "bench_beyond_memory": {
+        "default": "bench_beyond_memory", "2g": "bench_beyond_memory_2g",
+        "dpu": "bench_beyond_memory_dpu", "dpu-2g": "bench_beyond_memory_dpu_2g",
+    },
+    "bench_overlap": {"default": "bench_overlap", "offload": "bench_overlap_offload"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_JSONS))
+def test_each_preset_maps_to_its_own_json(name: str) -> None:
+    mod = _script(name)
+    want = {v: REPO / "docs" / "results" / f"{j}.json" for v, j in PRESET_JSONS[name].items()}
+    assert {v: x.json for v, x in mod.PRESETS.items()} == want
+    assert mod.JSON == mod.PRESETS["default"].json  # what the bare script writes
+    for v, x in mod.PRESETS.items():
+        data = json.loads(x.json.read_text())
+        flag = "" if v == "default" else f" --preset {v}"
+        assert data["command"].startswith(f"python scripts/{name}.py{flag}"), (v, data["command"])
+        assert all(o in data["overrides"] for o in x.overrides), v  # what the run was given
+
+
+def test_a_preset_of_bench_beyond_memory_adds_its_overrides_after_the_command_lines() -> None:
+    bbm = _script("bench_beyond_memory")
+    ap = bbm.parser()
+    a = ap.parse_args(["--preset", "dpu-2g", "--steps", "6", "zero.offload_optimizer.host_budget=8GiB"])
+    bbm.benchlib.resolve_output(a, bbm.PRESETS)
+    assert a.out == bbm.PRESETS["dpu-2g"].json
+    overrides = bbm.build_overrides(a)
+    assert overrides[-4:] == [
+        "zero.offload_optimizer.host_budget=8GiB", "zero.offload_optimizer.overlap_step=false",
+        "zero.offload_optimizer.delay_update=true", "zero.offload_optimizer.host_budget=2GiB",
+    ]  # fmt: skip
+    assert bbm.benchlib.command_line(ap, a, "bench_beyond_memory") == (
+        "python scripts/bench_beyond_memory.py --preset dpu-2g --steps 6 zero.offload_optimizer.host_budget=8GiB"
+    )

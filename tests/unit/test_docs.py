@@ -69,6 +69,22 @@ def test_the_page_shows_the_table_rendered_from_its_json(region) -> None:
     )
 
 
+def test_every_preset_of_a_script_has_its_region_rendered_from_its_json() -> None:
+    """A script with PRESETS (bench_beyond_memory --preset 2g, ...): each preset's JSON shows in a region
+    named after it (`render: SCRIPT --preset V`; the default's is `render: SCRIPT`), rendered by the script's
+    render() from that JSON."""
+    names = {name for _, name, _ in _regions()}
+    scripts = {name.partition(" --preset ")[0] for name in names}
+    with_presets = {s: R.script(s) for s in sorted(scripts) if hasattr(R.script(s), "PRESETS")}
+    assert {"bench_beyond_memory", "bench_overlap"} <= set(with_presets)
+    for base, module in with_presets.items():
+        for preset, setup in module.PRESETS.items():
+            name = base if preset == "default" else f"{base} --preset {preset}"
+            assert name in names, f"no page has the region `render: {name}`"
+            assert R.json_path(name) == setup.json
+            assert R.rendered(name) == module.render(json.loads(setup.json.read_text())).rstrip("\n") + "\n"
+
+
 def _numbers(obj, path=()):
     """(path, value) of every number in a JSON document."""
     if isinstance(obj, dict):
@@ -84,8 +100,7 @@ def _numbers(obj, path=()):
 @pytest.mark.parametrize("name", sorted({n for _, n, _ in _regions()} - {"headline", "config_reference"}))
 def test_a_changed_number_in_the_json_changes_the_table(name: str) -> None:  # (the reference has no JSON)
     """Some number the table shows, changed in its JSON, changes the rendered table (the page then fails)."""
-    module = R.script(name)
-    data = json.loads(Path(module.JSON).read_text())
+    data = json.loads(R.json_path(name).read_text())
     shown = R.rendered(name, data)
     for path, value in _numbers(data):
         changed = copy.deepcopy(data)

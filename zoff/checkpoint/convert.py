@@ -247,7 +247,8 @@ def convert(
     if merge:
         from zoff.checkpoint.peft_export import MergedSource
 
-        src = MergedSource(source, source.model())
+        model = source.model()
+        src = MergedSource(source, model, tied_names(model))
     elif fmt != "peft" and source.from_base:
         source.model()  # a missing or changed base folder is reported before anything is written
     # A private folder of its own (mkdtemp: a new name, 0700) beside OUT: a leftover or planted `.OUT.tmp`

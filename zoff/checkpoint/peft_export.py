@@ -86,18 +86,17 @@ def _task_type(model: nn.Module) -> str | None:
 class MergedSource:
     """`src` with the adapters merged into their base weights, under the unadapted model's names (no
     base_layer, no lora keys). `model`: the run's adapted model (its LoRA layers do the merging; parameters
-    may be on the meta device: each layer is filled with the checkpoint's values only while it merges)."""
+    may be on the meta device: each layer is filled with the checkpoint's values only while it merges).
+    `aliases`: the model's tied names (convert.tied_names; a checkpoint may hold a tied weight under each name),
+    passed in so that this module never imports convert, which imports it."""
 
-    def __init__(self, src: TensorSource, model: nn.Module):
+    def __init__(self, src: TensorSource, model: nn.Module, aliases: dict[str, list[str]]):
         from peft.tuners.lora import LoraLayer
-
-        from zoff.checkpoint.convert import tied_names
 
         self.src = src
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
         self.source = {base_name(k): k for k in src.keys if not is_adapter(k)}
         self.keys = list(self.source)
-        aliases = tied_names(model)  # the model's: a checkpoint may hold a tied weight under each name
         for name in self.layers:
             key = f"{name}{BASE_LAYER}weight"
             # merging would change the weight under its other names too (an lm_head tied to the embeddings)

@@ -19,10 +19,10 @@ from zoff.checkpoint.format import rng_states, set_rng_states
 from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine.collectives import CollectiveError, Comm
-from zoff.engine.optimizer import ShardOptimizer, torch_fused_kernel
 from zoff.engine.policy import Policy, pinned_host_bytes
 from zoff.engine.staging import Staging
-from zoff.engine.tiers import DeviceTier
+from zoff.engine.step.optimizer import ShardOptimizer, torch_fused_kernel
+from zoff.engine.step.tiers import DeviceTier
 from zoff.models.gpt import GPT
 from zoff.planning.memory import pending_gradients
 from zoff.trainer.metrics import GPU_PEAK_TFLOPS, MetricsWriter, peak_flops

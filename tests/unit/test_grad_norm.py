@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zoff.engine.grad_store import NORM_CHUNK, unit_norm
+from zoff.engine.step.grad_store import NORM_CHUNK, unit_norm
 
 
 def _exact(g: torch.Tensor) -> float:

@@ -12,8 +12,8 @@ import torch
 import zoff.engine.zero as zero_mod
 from zoff.config import OffloadOptimizerConfig, OptimConfig, OptimizerIoConfig, ZeroConfig
 from zoff.engine import build_engine
-from zoff.engine.landing import Landings
-from zoff.engine.reduce import MAX_IN_FLIGHT
+from zoff.engine.comm.landing import Landings
+from zoff.engine.comm.reduce import MAX_IN_FLIGHT
 from zoff.models.gpt import GPT
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.param_swap import SwappedShards
+from zoff.engine.disk.param_swap import SwappedShards
 
 PAGE = 4096  # a write starts on a page: pieces of whole 4096-element runs
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from zoff.engine.collectives import Comm
-from zoff.engine.param_swap import SwappedShards
+from zoff.engine.disk.param_swap import SwappedShards
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.tiers import host_buffer
+from zoff.engine.step.tiers import host_buffer
 
 
 def prepare_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, bool]:

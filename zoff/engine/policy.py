@@ -19,15 +19,21 @@ import torch
 from torch import nn
 
 from zoff.config import ZeroConfig
-from zoff.engine.disk_io import ALIGN, aligned
-from zoff.engine.grad_store import GRAD_BUFFERS
+from zoff.engine.disk.files import ALIGN, aligned
+from zoff.engine.disk.state_swap import (
+    partition_layout,
+    piece_ram_bytes,
+    piece_spans,
+    ring_size,
+    subgroup_numel,
+)
 from zoff.engine.partition import PartitionPlan, plan_partition
 from zoff.engine.precision import DTYPES
 from zoff.engine.staging import chunk_bytes, needs_staging
-from zoff.engine.state_swap import partition_layout, piece_ram_bytes, piece_spans, ring_size, subgroup_numel
+from zoff.engine.step.grad_store import GRAD_BUFFERS
 
 if TYPE_CHECKING:
-    from zoff.engine.host_budget import DiskSplit
+    from zoff.engine.disk.budget import DiskSplit
 
 
 @dataclass(frozen=True)

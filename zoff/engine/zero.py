@@ -18,17 +18,15 @@ import torch
 from torch import nn
 
 from zoff.config import OptimConfig, ZeroConfig
-from zoff.engine.blocks import BlockTracker
 from zoff.engine.collectives import Comm, Handle
-from zoff.engine.disk_traffic import master_served_units
+from zoff.engine.comm.blocks import BlockTracker
+from zoff.engine.comm.gather import UnitGatherer
+from zoff.engine.comm.reduce import GradReducer
+from zoff.engine.disk.budget import disk_split, host_budget_bytes, mem_total
+from zoff.engine.disk.param_swap import HELD_UNITS, SwappedShards
+from zoff.engine.disk.traffic import master_served_units
 from zoff.engine.engine_state import EngineState
-from zoff.engine.gather import UnitGatherer
-from zoff.engine.grad_store import ResidentGrads
-from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
 from zoff.engine.materialize import FlatBuffers, prepare_model
-from zoff.engine.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
-from zoff.engine.overlap import UnitReadiness
-from zoff.engine.param_swap import HELD_UNITS, SwappedShards
 from zoff.engine.policy import (
     Policy,
     engine_plan,
@@ -36,11 +34,13 @@ from zoff.engine.policy import (
     subgroup_of,
 )
 from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads
-from zoff.engine.publish import ShardPublishing
-from zoff.engine.reduce import GradReducer
 from zoff.engine.report import EngineReports
 from zoff.engine.staging import Staging, needs_staging
-from zoff.engine.tiers import DeviceTier, DiskTier, HostTier
+from zoff.engine.step.grad_store import ResidentGrads
+from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
+from zoff.engine.step.overlap import UnitReadiness
+from zoff.engine.step.publish import ShardPublishing
+from zoff.engine.step.tiers import DeviceTier, DiskTier, HostTier
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 from torch import nn
 
 from zoff.config import ZeroConfig
+from zoff.engine.comm.reduce import MAX_IN_FLIGHT
 from zoff.engine.partition import PartitionPlan, layer_lists
 from zoff.engine.policy import Policy
 from zoff.engine.precision import DTYPES
-from zoff.engine.reduce import MAX_IN_FLIGHT
 
 
 def device_buffers(

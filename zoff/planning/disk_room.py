@@ -15,8 +15,9 @@ from pathlib import Path
 from torch import nn
 
 from zoff.config import Config
-from zoff.engine.disk_io import folder_problem, shared_folder_problem
-from zoff.engine.host_budget import disk_split, host_budget_bytes, mem_total
+from zoff.engine.disk.budget import disk_split, host_budget_bytes, mem_total
+from zoff.engine.disk.files import folder_problem, shared_folder_problem
+from zoff.engine.disk.state_swap import partition_layout
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (
     Policy,
@@ -27,7 +28,6 @@ from zoff.engine.policy import (
     param_disk_bytes,
     param_swap_path,
 )
-from zoff.engine.state_swap import partition_layout
 from zoff.errors import UserError
 from zoff.units import human
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from zoff.config import Config, TrainConfig, ZeroConfig
-from zoff.engine.host_budget import mem_total
+from zoff.engine.disk.budget import mem_total
 from zoff.errors import UserError
 from zoff.planning.bench_io import disk_bandwidth
 from zoff.planning.choice import policy_label, resolve_auto, suggest_policy, swap_free_bytes

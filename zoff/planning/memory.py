@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from zoff.config import Config, DataConfig, ModelConfig, TrainConfig, ZeroConfig
-from zoff.engine.disk_traffic import disk_traffic, held_write_back_bytes
-from zoff.engine.host_budget import DiskSplit, disk_split, host_budget_bytes, mem_total
+from zoff.engine.disk.budget import DiskSplit, disk_split, host_budget_bytes, mem_total
+from zoff.engine.disk.traffic import disk_traffic, held_write_back_bytes
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import (  # the policy table and its memory terms, which the engine reads as well
     POLICIES,

@@ -32,11 +32,11 @@ from collections.abc import Callable
 import torch
 
 from zoff.engine.collectives import Comm, Handle
-from zoff.engine.grad_store import GradShards
-from zoff.engine.landing import Landings
+from zoff.engine.comm.landing import Landings
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import Policy
 from zoff.engine.pool import BufferPool
+from zoff.engine.step.grad_store import GradShards
 
 # Reductions in flight during backward; more overlap barely helps on 2 cores and each holds a unit's
 # gradients (a bucket, or the held per-parameter gradients).

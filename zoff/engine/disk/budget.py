@@ -11,10 +11,10 @@ from pathlib import Path
 
 from zoff.config import ZeroConfig
 from zoff.config.sections import OffloadOptimizerConfig
+from zoff.engine.disk.state_swap import ring_size
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import Policy, grad_buffer_bytes, piece_bytes, piece_ram, subgroup_of, unit_pieces
 from zoff.engine.precision import DTYPES
-from zoff.engine.state_swap import ring_size
 from zoff.errors import UserError
 from zoff.units import human, parse_size
 

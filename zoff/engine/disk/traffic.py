@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zoff.config import ZeroConfig
-from zoff.engine.disk_io import aligned
-from zoff.engine.param_swap import HELD_UNITS, MAX_WRITES, SPARES
+from zoff.engine.disk.files import aligned
+from zoff.engine.disk.param_swap import HELD_UNITS, MAX_WRITES, SPARES
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import Policy, next_params_bytes, piece_bytes, subgroup_of, unit_pieces
 from zoff.engine.precision import DTYPES
 
 if TYPE_CHECKING:
-    from zoff.engine.host_budget import DiskSplit
+    from zoff.engine.disk.budget import DiskSplit
 
 
 def disk_traffic(

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.disk_io import ALIGN, AlignedBuffer, SwapFile, aligned
+from zoff.engine.disk.files import ALIGN, AlignedBuffer, SwapFile, aligned
 from zoff.engine.staging import Staging
 
 GRAD_BUFFERS = 3  # disk: the unit being landed or stepped, the next one read ahead, one write in flight

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.grad_store import DelayedDiskGrads, DiskGrads, GradShards, ResidentGrads
-from zoff.engine.param_swap import SwappedShards
+from zoff.engine.disk.param_swap import SwappedShards
+from zoff.engine.disk.state_swap import KINDS, SwappedStates
 from zoff.engine.staging import Staging
-from zoff.engine.state_swap import KINDS, SwappedStates
+from zoff.engine.step.grad_store import DelayedDiskGrads, DiskGrads, GradShards, ResidentGrads
 
 
 def host_buffer(like: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -235,6 +235,7 @@ def _gib(n: object) -> str:
 def machine_summary(m: dict) -> str:
     """One line from machine(); a field the JSON does not know is left out ("an unrecorded machine": none known)."""
     parts = [
+        m.get("gpu", ""),  # (the GPU scripts' JSON names it)
         m.get("cpu", "unknown"),
         f"{m['cores']} cores" if isinstance(m.get("cores"), int) else "",
         f"{_gib(m['ram_bytes'])} RAM" if isinstance(m.get("ram_bytes"), (int, float)) else "",

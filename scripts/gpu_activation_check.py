@@ -7,7 +7,8 @@ parameter gradients allocated by one warm-up step (they are the plan's "grads" c
 one forward + backward is measured with the CUDA allocator: `saved` = bytes allocated after the forward above
 that baseline (what autograd keeps), `peak` = the allocator's peak during forward and backward above it. The
 estimate's figures (zoff.planning.activations.gpt_activations) are printed beside them with their ratio. Needs
-a CUDA device (the CPU has no allocator peak to read); writes JSON for docs/gpus.md.
+a CUDA device (the CPU has no allocator peak to read); writes JSON for docs/gpus.md, with the date, commit and
+machine (the GPU's name beside benchlib.machine()'s) every results JSON carries.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # zoff, without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, when a test loads this file by its path
+
+import benchlib  # noqa: E402
 
 from zoff.config import ModelConfig  # noqa: E402
 from zoff.data.batch import MicroBatch  # noqa: E402
@@ -65,8 +69,8 @@ def render(data: dict) -> str:
     """docs/gpus.md's table: each case measured on the GPU beside today's estimate."""
     mib = lambda b: f"{b / (1 << 20):,.0f}"  # noqa: E731
     md = [
-        f"Measured on {data['meta']['device']} (torch {data['meta']['torch']}), bf16, MiB above the parameters "
-        "and their gradients; the estimate is zoff.planning.activations as of this commit.",
+        "bf16 on the GPU, MiB above the parameters and their gradients; the estimate is today's "
+        "zoff.planning.activations (the measurement's date and commit are below).",
         "",
         "| model (layers x d, vocab) | seq x batch | checkpointing | loss tile | saved: measured | estimate "
         "| peak: measured | estimate | estimate / measured |",
@@ -82,7 +86,9 @@ def render(data: dict) -> str:
             f"{mib(est.saved)} | {mib(r['measured_peak'])} | {mib(est.peak)} | "
             f"{est.peak / r['measured_peak']:.3f} |"
         )
-    return "\n".join(md) + "\n"
+    if data.get("recorded_from"):  # a run from before the script recorded its date and commit
+        md += ["", f"The date and commit below are from {data['recorded_from']}."]
+    return "\n".join(md) + "\n\n" + benchlib.measured_line(data, "gpu_activation_check")
 
 
 def measure(case: tuple, dev: torch.device) -> dict:
@@ -153,9 +159,14 @@ def main() -> int:
             f"(forward peak {r['measured_forward_peak'] / gib:.2f})",
             flush=True,
         )
-    meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    data = {
+        **benchlib.provenance(),
+        "command": benchlib.command_line(ap, a, "gpu_activation_check"),
+        "results": rows,
+    }
+    data["machine"]["gpu"] = torch.cuda.get_device_name(dev)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+    Path(a.out).write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
 

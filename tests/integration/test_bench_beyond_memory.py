@@ -92,3 +92,19 @@ def test_bench_beyond_memory_tiny_hf_model(disk_dir):
     )  # fmt: skip
     check(r)
     assert r["config"].endswith("llama-tiny.yaml")
+
+
+@pytest.mark.grid  # the default suite's time budget: a benchmark script, not the product
+def test_bench_beyond_memory_tiny_preset(disk_dir):
+    """--preset dpu-2g: the preset's overrides go after the command line's, and the command it records names
+    the preset (the JSON it would write by default is its own, docs/results/bench_beyond_memory_dpu_2g.json)."""
+    r = run_bench(disk_dir, "--preset", "dpu-2g", "--floor-depths", "")
+    assert r["status"] == "ok"
+    preset = ["zero.offload_optimizer.overlap_step=false", "zero.offload_optimizer.delay_update=true",
+              "zero.offload_optimizer.host_budget=2GiB"]  # fmt: skip
+    assert r["overrides"][-5:-2] == preset  # (--path's two nvme_path overrides come last)
+    assert "--preset dpu-2g" in r["command"] and "--json" not in r["command"]
+    assert [s["step"] for s in r["steps"]] == [1, 2, 3]
+    assert all(math.isfinite(s["loss"]) for s in r["steps"])
+    assert "dpu_wait_s" in r["step_time_split"]  # the delayed update's split: the preset reached the run
+    assert r["vs_estimate"]["disk_bytes"]["measured"] == r["estimate"]["disk_bytes"] > 0

@@ -60,7 +60,7 @@ from offload_floor import floor, measure_compute, overlapped_bound
 from rich.console import Console
 
 from zoff.config import CONFIGS_DIR, Config, load_config
-from zoff.engine.policy import data_parallel_bytes
+from zoff.engine.footprint import data_parallel_bytes
 from zoff.planning.estimate import detect_budget, to_json
 from zoff.planning.memory import estimate
 from zoff.units import human, parse_size

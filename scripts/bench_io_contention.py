@@ -34,7 +34,7 @@ from pathlib import Path
 import benchlib
 import torch
 
-from zoff.engine.disk.files import AlignedBuffer, SwapFile, wait
+from zoff.engine.disk.swapfile import AlignedBuffer, SwapFile, wait
 
 JSON = benchlib.RESULTS / "bench_io_contention.json"
 MODES = ("alone", "reads", "writes", "reads+writes")
@@ -106,7 +106,7 @@ ADAM_LAYOUTS = ("plain pages", "huge pages, states at equal offsets", "huge page
 def adam_layouts(rounds: int, numel: int = 64 << 20) -> dict[str, float]:
     """The fused CPU Adam over one piece of `numel` parameters (master and moments in one buffer, a bf16
     gradient in another) in three layouts, interleaved: median milliseconds a step each."""
-    from zoff.engine.disk.state_swap import kind_offset
+    from zoff.engine.disk.placement import kind_offset
     from zoff.optim.cpu_adam import cpu_adam_step
 
     part, keep, sets = 4 * numel, [], {}

@@ -35,9 +35,9 @@ from rich.console import Console
 from rich.table import Table
 
 from zoff.config import OptimConfig
-from zoff.engine.disk.files import aligned
+from zoff.engine.disk.swapfile import aligned
+from zoff.engine.disk.tier import DiskTier
 from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel
-from zoff.engine.step.tiers import DiskTier
 from zoff.planning.bench_io import raw_bandwidth, swap_bandwidth
 from zoff.units import parse_size
 

@@ -19,7 +19,8 @@ from zoff.checkpoint.format import rng_states, set_rng_states
 from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
 from zoff.engine.collectives import CollectiveError, Comm
-from zoff.engine.policy import Policy, pinned_host_bytes
+from zoff.engine.footprint import pinned_host_bytes
+from zoff.engine.policy import Policy
 from zoff.engine.staging import Staging
 from zoff.engine.step.optimizer import ShardOptimizer, torch_fused_kernel
 from zoff.engine.step.tiers import DeviceTier
@@ -381,6 +382,7 @@ def _offload_run(base, x, y, off: bool, dev) -> tuple[float, torch.Tensor, int]:
     import copy
 
     from zoff.engine.activation_offload import ActivationOffload
+
     from zoff.models import enable_activation_checkpointing, lm_loss
 
     model = copy.deepcopy(base)

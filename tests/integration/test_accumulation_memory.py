@@ -8,7 +8,8 @@ import torch
 
 from tests.harness import spawn, tiny_cfg
 from zoff.config import config_from_dict
-from zoff.engine.policy import Policy, engine_plan, model_states
+from zoff.engine.footprint import model_states
+from zoff.engine.policy import Policy, engine_plan
 from zoff.models import meta_model
 from zoff.planning.memory import pending_gradients
 from zoff.trainer.loop import train_loop

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from zoff.config import CONFIGS_DIR
-from zoff.engine.disk_io import filesystem_type
+from zoff.engine.disk.swapfile import filesystem_type
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_beyond_memory.py"

@@ -14,7 +14,7 @@ from tests.harness import reference_run, run_zoff, tiny_cfg
 from tests.integration.test_nvme import _engine_run, _offload
 from zoff.config import config_from_dict
 from zoff.engine import build_engine
-from zoff.engine.step.grad_store import DelayedDiskGrads
+from zoff.engine.disk.grad_swap import DelayedDiskGrads
 
 STATE_KEYS = ("params", "grads", "optimizer_states", "cpu_params", "cpu_grads", "cpu_optimizer_states")
 

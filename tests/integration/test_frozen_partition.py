@@ -20,7 +20,8 @@ from tests.harness import (
 )
 from zoff.checkpoint.convert import convert
 from zoff.config import config_from_dict
-from zoff.engine.policy import engine_plan, frozen_param_bytes
+from zoff.engine.footprint import frozen_param_bytes
+from zoff.engine.policy import engine_plan
 from zoff.models import meta_model
 
 pytestmark = pytest.mark.slow

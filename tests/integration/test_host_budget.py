@@ -17,18 +17,21 @@ from tests.harness import run_zoff, tiny_cfg
 from tests.integration.test_nvme import _engine_run
 from zoff.config import config_from_dict
 from zoff.engine import build_engine
-from zoff.engine.disk.budget import DiskSplit, disk_split, host_budget_bytes, spread_units
-from zoff.engine.disk.files import aligned
-from zoff.engine.disk.state_swap import ring_size
-from zoff.engine.disk.traffic import disk_traffic, held_write_back_bytes, master_served_units
-from zoff.engine.policy import (
-    Policy,
+from zoff.engine.disk.budget import host_budget_bytes
+from zoff.engine.disk.placement import (
+    DiskSplit,
+    disk_split,
     grad_buffer_bytes,
     piece_bytes,
     piece_ram,
+    ring_size,
+    spread_units,
     subgroup_of,
     unit_pieces,
 )
+from zoff.engine.disk.swapfile import aligned
+from zoff.engine.disk.traffic import disk_traffic, held_write_back_bytes, master_served_units
+from zoff.engine.policy import Policy
 from zoff.errors import ConfigError, UserError
 from zoff.planning import memory
 

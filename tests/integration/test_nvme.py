@@ -29,8 +29,8 @@ from zoff.config import (
     config_from_dict,
 )
 from zoff.engine import build_engine
-from zoff.engine.disk.files import AlignedBuffer, SwapFile, filesystem_type
-from zoff.engine.disk.state_swap import RING
+from zoff.engine.disk.placement import RING
+from zoff.engine.disk.swapfile import AlignedBuffer, SwapFile, filesystem_type
 from zoff.errors import ConfigError, UserError
 from zoff.models.gpt import GPT
 
@@ -301,7 +301,7 @@ import resource, signal
 from pathlib import Path
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-from zoff.engine.disk.files import SwapFile
+from zoff.engine.disk.swapfile import SwapFile
 try:
     SwapFile(Path({str(swap)!r}) / "big.swap", 64 << 20)
 except OSError as e:

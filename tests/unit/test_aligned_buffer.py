@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoff.engine.disk.files import ALIGN, AlignedBuffer
+from zoff.engine.disk.swapfile import ALIGN, AlignedBuffer
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -50,7 +50,7 @@ def test_a_large_buffer_is_backed_by_huge_pages_a_small_one_is_not_asked() -> No
 def test_a_pieces_states_lie_apart_in_the_cache_and_inside_its_ram(part: int) -> None:
     """On huge pages an offset is a cache set: master, moments and the gradient (its buffer starts on a huge
     page, offset 0) must not share one, or the CPU Adam's four streams fight over it (state_swap.SKEW)."""
-    from zoff.engine.disk.state_swap import SKEW, WAY, kind_offset, piece_ram_bytes
+    from zoff.engine.disk.placement import SKEW, WAY, kind_offset, piece_ram_bytes
 
     at = [kind_offset(part, k) for k in range(3)]
     sets = sorted([0, *(a % WAY for a in at)])
@@ -66,7 +66,7 @@ def test_a_pieces_states_lie_apart_in_the_cache_and_inside_its_ram(part: int) ->
 
 
 def test_a_piece_smaller_than_a_huge_page_keeps_the_plain_layout() -> None:
-    from zoff.engine.disk.state_swap import kind_offset, piece_ram_bytes
+    from zoff.engine.disk.placement import kind_offset, piece_ram_bytes
 
     part = 64 << 10
     assert [kind_offset(part, k) for k in range(3)] == [0, part, 2 * part] and piece_ram_bytes(

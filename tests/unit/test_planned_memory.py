@@ -11,7 +11,7 @@ import torch
 import zoff.engine.report as zero_mod
 from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
-from zoff.engine import policy as policy_mod
+from zoff.engine import footprint as policy_mod
 from zoff.engine.policy import POLICIES, Policy
 from zoff.models.gpt import GPT
 from zoff.planning import memory
@@ -86,7 +86,8 @@ def test_the_disk_tier_allocates_what_the_table_plans(pol, precision: str, delay
 def test_pinned_host_bytes_count_stage_3s_frozen_shards_too() -> None:
     """Under parameter offload to CPU the engine pins every sharded unit's shard, frozen ones included (a LoRA
     base is most of the model): the prediction counts them as ZeroEngine.pinned_bytes() does on a GPU."""
-    from zoff.engine.policy import engine_plan, pinned_host_bytes
+    from zoff.engine.footprint import pinned_host_bytes
+    from zoff.engine.policy import engine_plan
 
     model = GPT(2, 2, 32, 64, 16)
     for p in model.blocks.parameters():

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from zoff.config import config_from_dict
-from zoff.engine.disk.budget import DiskSplit
+from zoff.engine.disk.placement import DiskSplit
 from zoff.engine.policy import Policy
 from zoff.planning.memory import PolicyEstimate
 from zoff.planning.step_time import Rates, predict

@@ -42,8 +42,8 @@ from zoff.checkpoint.format import (
 )
 from zoff.config import CheckpointConfig
 from zoff.engine import ZeroEngine
-from zoff.engine.disk.files import ALIGN
-from zoff.engine.disk.state_swap import partition_entries
+from zoff.engine.disk.placement import partition_entries
+from zoff.engine.disk.swapfile import ALIGN
 from zoff.engine.partition import PartitionPlan
 from zoff.errors import UserError
 from zoff.files.tensorfile import write_streaming

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from zoff.engine.disk.state_swap import KINDS  # noqa: F401  (re-exported: the states a shard file holds)
 from zoff.engine.partition import PartitionPlan
+from zoff.engine.step.states import KINDS  # noqa: F401  (re-exported: the states a shard file holds)
 from zoff.errors import UserError
 from zoff.files.tensorfile import SafetensorsReader
 

@@ -4,24 +4,24 @@ training path; every method reads only the engine's own attributes."""
 
 from __future__ import annotations
 
-from zoff.engine.policy import (
-    frozen_param_bytes,
+from zoff.engine.disk.placement import (
     grad_disk_bytes,
-    model_states,
     next_params_bytes,
     optimizer_disk_bytes,
     param_disk_bytes,
     subgroup_of,
 )
+from zoff.engine.footprint import frozen_param_bytes, model_states
 
 
 class EngineReports:
     def _disk_counters(self) -> dict[str, float]:
         """This rank's swap-file I/O so far, per file: bytes read and written, seconds blocked waiting."""
-        opt = getattr(self.optimizer.states, "file", None)
-        files = {"optimizer": [opt] if opt is not None else []}
-        files["params"] = [f.file for f in (self.param_disk, self.next_params) if f is not None]
-        files["grads"] = getattr(self.grads, "files", [])  # the gradient swap file(s) (grad_store.DiskGrads)
+        files = {
+            "optimizer": self.optimizer.states.files,
+            "params": [f.file for f in (self.param_disk, self.next_params) if f is not None],
+            "grads": self.grads.files,  # the gradient swap file(s) (disk/grad_swap.DiskGrads)
+        }
         out: dict[str, float] = {}
         for name, fs in files.items():
             if fs:

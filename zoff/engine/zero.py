@@ -22,17 +22,14 @@ from zoff.engine.collectives import Comm, Handle
 from zoff.engine.comm.blocks import BlockTracker
 from zoff.engine.comm.gather import UnitGatherer
 from zoff.engine.comm.reduce import GradReducer
-from zoff.engine.disk.budget import disk_split, host_budget_bytes, mem_total
+from zoff.engine.disk.budget import host_budget_bytes, mem_total
 from zoff.engine.disk.param_swap import HELD_UNITS, SwappedShards
+from zoff.engine.disk.placement import disk_split, param_swap_path, subgroup_of
+from zoff.engine.disk.tier import DiskTier
 from zoff.engine.disk.traffic import master_served_units
 from zoff.engine.engine_state import EngineState
 from zoff.engine.materialize import FlatBuffers, prepare_model
-from zoff.engine.policy import (
-    Policy,
-    engine_plan,
-    param_swap_path,
-    subgroup_of,
-)
+from zoff.engine.policy import Policy, engine_plan
 from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads
 from zoff.engine.report import EngineReports
 from zoff.engine.staging import Staging, needs_staging
@@ -40,7 +37,7 @@ from zoff.engine.step.grad_store import ResidentGrads
 from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.step.overlap import UnitReadiness
 from zoff.engine.step.publish import ShardPublishing
-from zoff.engine.step.tiers import DeviceTier, DiskTier, HostTier
+from zoff.engine.step.tiers import DeviceTier, HostTier
 
 
 @dataclass(frozen=True)
@@ -223,9 +220,8 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         if self.gatherer is not None:
             self.gatherer.check_same_gathers()  # the forward's gathers, before backward's could hang on them
         self.blocks.in_backward = True
-        prefetch = getattr(self.optimizer.states, "prefetch", None)
-        if prefetch is not None and sync and not self.optimizer.running:
-            prefetch()  # the disk tier reads the step's first streamed pieces while backward computes
+        if sync and not self.optimizer.running:
+            self.optimizer.states.prefetch()  # the disk tier reads the step's first pieces while backward computes
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         except BaseException:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.disk.files import AlignedBuffer, SwapFile, aligned, filesystem_type, wait
 from zoff.engine.disk.state_swap import SwappedStates
+from zoff.engine.disk.swapfile import AlignedBuffer, SwapFile, aligned, filesystem_type, wait
 from zoff.errors import UserError
 from zoff.host.cache import cache_dir
 

@@ -15,19 +15,19 @@ from pathlib import Path
 from torch import nn
 
 from zoff.config import Config
-from zoff.engine.disk.budget import disk_split, host_budget_bytes, mem_total
-from zoff.engine.disk.files import folder_problem, shared_folder_problem
-from zoff.engine.disk.state_swap import partition_layout
-from zoff.engine.partition import PartitionPlan
-from zoff.engine.policy import (
-    Policy,
-    engine_plan,
+from zoff.engine.disk.budget import host_budget_bytes, mem_total
+from zoff.engine.disk.placement import (
+    disk_split,
     grad_disk_bytes,
     next_params_bytes,
     optimizer_disk_bytes,
     param_disk_bytes,
     param_swap_path,
+    partition_layout,
 )
+from zoff.engine.disk.swapfile import folder_problem, shared_folder_problem
+from zoff.engine.partition import PartitionPlan
+from zoff.engine.policy import Policy, engine_plan
 from zoff.errors import UserError
 from zoff.units import human
 

@@ -17,22 +17,19 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from zoff.config import Config, DataConfig, ModelConfig, TrainConfig, ZeroConfig
-from zoff.engine.disk.budget import DiskSplit, disk_split, host_budget_bytes, mem_total
-from zoff.engine.disk.traffic import disk_traffic, held_write_back_bytes
-from zoff.engine.partition import PartitionPlan
-from zoff.engine.policy import (  # the policy table and its memory terms, which the engine reads as well
-    POLICIES,
-    Policy,
+from zoff.engine.disk.budget import host_budget_bytes, mem_total
+from zoff.engine.disk.placement import (
+    DiskSplit,
     disk_bytes,
-    engine_plan,
-    frozen_param_bytes,
+    disk_split,
     grad_disk_bytes,
-    host_staging,
-    model_states,
     next_params_bytes,
-    pinned_host_bytes,
     subgroup_of,
 )
+from zoff.engine.disk.traffic import disk_traffic, held_write_back_bytes
+from zoff.engine.footprint import frozen_param_bytes, host_staging, model_states, pinned_host_bytes
+from zoff.engine.partition import PartitionPlan
+from zoff.engine.policy import POLICIES, Policy, engine_plan
 from zoff.models import builds_sharded, meta_model
 from zoff.planning.activations import activations
 from zoff.planning.buffers import device_buffers, finer_gathering

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
-from zoff.engine.policy import Policy, piece_bytes, subgroup_of
+from zoff.engine.disk.placement import piece_bytes, subgroup_of
+from zoff.engine.policy import Policy
 from zoff.engine.precision import DTYPES
 from zoff.planning.memory import Estimate, PolicyEstimate
 

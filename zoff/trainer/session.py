@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from zoff.engine.activation_offload import ActivationOffload
 
 from zoff.checkpoint import Checkpointer
 from zoff.checkpoint.base_ref import base_reference
 from zoff.config import Config, derive_grad_accum, dump_yaml
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
-from zoff.engine.activation_offload import ActivationOffload
-from zoff.engine.disk_traffic import held_write_back_bytes
-from zoff.engine.policy import data_parallel_bytes
+from zoff.engine.disk.traffic import held_write_back_bytes
+from zoff.engine.footprint import data_parallel_bytes
 from zoff.errors import UserError
 from zoff.models import (
     build_for_engine,

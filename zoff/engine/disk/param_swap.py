@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.disk.files import ALIGN, AlignedBuffer, SwapFile, aligned
+from zoff.engine.disk.swapfile import ALIGN, AlignedBuffer, SwapFile, aligned
 
 # Write-backs in flight during the step: each holds one piece's 16-bit copy; more would only add RAM (the
 # disk serves them in order anyway) and fewer would make the step wait for each write.

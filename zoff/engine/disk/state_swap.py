@@ -24,73 +24,12 @@ from pathlib import Path
 
 import torch
 
-from zoff.engine.disk.files import ALIGN, HUGE_PAGE, AlignedBuffer, SwapFile, aligned, copy_file
-from zoff.files.tensorfile import FileLayout, file_layout
-
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def partition_entries(shard_numels: list[int]) -> list[tuple[str, list[int], torch.dtype]]:
-    """One rank's optimizer states as tensors of a file: per unit, its three fp32 states, in unit order."""
-    return [(f"u{u}.{kind}", [n], torch.float32) for u, n in enumerate(shard_numels) for kind in KINDS]
+from zoff.engine.disk.placement import kind_offset, partition_layout, piece_ram_bytes, ring_size, walk_pieces
+from zoff.engine.disk.swapfile import AlignedBuffer, SwapFile, aligned, copy_file
+from zoff.engine.step.states import KINDS, States
 
 
-def partition_layout(shard_numels: list[int]) -> FileLayout:
-    """Where partition_entries lie in the swap file and the checkpoint shard: each 4096-aligned."""
-    return file_layout(partition_entries(shard_numels), align=ALIGN)
-
-
-RING = 5  # buffers: the piece stepped, two read ahead, two being written back
-
-# A piece's three states in RAM are set apart by a quarter of a 128 KiB cache way more than their length, and
-# start a quarter way in: the I/O buffers are transparent huge pages (disk_io.AlignedBuffer), so an address's
-# cache set is its offset, and master, moments and the gradient (whose buffer starts on a huge page) at equal
-# offsets would share every set of the cache the CPU Adam streams them through. Measured on this project's
-# machines (scripts/bench_io_contention.py, one 64M-parameter piece stepped over and over, which the cache
-# favours): 48 ms a step aligned or on plain pages, 19-30 ms apart; in the 3.4B demo's walk, whose pieces come
-# fresh from disk, its CPU Adam went from 4.5 to 4.3 s. Cost: up to 128 KiB of RAM per piece (piece_ram_bytes), only for states of a huge page or more
-# (smaller pieces keep the plain layout: the skew would be a large share of them); the file is unchanged.
-SKEW, WAY = 32 << 10, 128 << 10
-
-
-def _skewed(part: int) -> bool:
-    return part >= HUGE_PAGE
-
-
-def kind_offset(part: int, kind: int) -> int:
-    """Byte offset of state `kind` (KINDS' index) of a piece of `part` bytes per state, in its RAM region."""
-    return (kind + 1) * SKEW + kind * part if _skewed(part) else kind * part
-
-
-def piece_ram_bytes(part: int) -> int:
-    """RAM of a piece's three states of `part` bytes each (kind_offset's layout): skewed ones in whole cache
-    ways, so that the next piece starts a way too."""
-    end = kind_offset(part, 2) + part
-    return -(-end // WAY) * WAY if _skewed(part) else end
-
-
-def ring_size(units: int) -> int:
-    """Piece buffers of the disk tier (fewer when there are fewer pieces: a single piece needs one). Five, not
-    three: with three, the buffer of the piece before last is still being written when the next read would
-    start, so the disk read only one piece ahead and the step waited on each read (454M params, 4 layers of
-    the 3.4B demo, everything on disk: optimizer phase 4.5-4.7 s with five against 4.9-5.0 s with three, one
-    run each; cost: two more sub-groups of RAM, 192 MiB at the default io.subgroup_mb)."""
-    return max(1, min(RING, units))
-
-
-def subgroup_numel(subgroup_mb: int) -> int:
-    """Parameters per disk-tier sub-group: its master and two moments (12 B each) fill subgroup_mb, in whole
-    pages (4096 elements, so every region stays aligned)."""
-    return max(4096, (subgroup_mb << 20) // 12 // 4096 * 4096)
-
-
-def piece_spans(numel: int, piece: int | None) -> list[tuple[int, int]]:
-    """A unit's [lo, hi) pieces of at most `piece` elements (None: the whole unit); at least one piece."""
-    step = max(1, piece or numel or 1)
-    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)] or [(0, 0)]
-
-
-class SwappedStates:
+class SwappedStates(States):
     """Every unit's states in one swap file laid out as its checkpoint shard, stepped piece by piece.
 
     The `resident` pieces (the host budget's, host_budget.disk_split: whole units spread over the walk) live
@@ -105,7 +44,9 @@ class SwappedStates:
         piece: int | None = None, source=None, resident: tuple[int, ...] = (),
     ):  # fmt: skip
         source = source or shards.__getitem__  # unit i's live shard, for its initial master
-        self.pieces = [(i, lo, hi) for i, s in enumerate(shards) for lo, hi in piece_spans(s.numel(), piece)]
+        self.pieces = walk_pieces(
+            [s.numel() for s in shards], piece
+        )  # piece k: (unit, lo, hi), in walk order
         self._spans: list[list[tuple[int, int, int]]] = [[] for _ in shards]
         for k, (i, lo, hi) in enumerate(self.pieces):
             self._spans[i].append((k, lo, hi))
@@ -260,10 +201,10 @@ class SwappedStates:
             self.pending[b] = []
 
     @contextlib.contextmanager
-    def open(self, i: int, following: int | None = None, write_back: bool = True):
+    def open(self, i: int, write_back: bool = True):
         """Piece i's states, resident while the block runs; written back after it (asynchronously) unless
-        `write_back=False` (only read: the buffer keeps the bytes). The pieces after it are read meanwhile
-        (`following` is accepted for callers that name the next piece; the walk's order is the pieces')."""
+        `write_back=False` (only read: the buffer keeps the bytes). The pieces after it in the walk's order
+        (placement.walk_pieces) are read meanwhile."""
         if i in self.resident:  # in RAM for good: no I/O; the disk reads the next streamed pieces meanwhile
             self._read_ahead(i, None)
             yield self._views(None, i)
@@ -311,7 +252,7 @@ class SwappedStates:
         n = len(self.pieces)
         for k in (k for k in range(n) if k not in self.resident):
             if read:
-                with self.open(k, k + 1 if k + 1 < n else None, write_back=write):
+                with self.open(k, write_back=write):
                     pass
             else:
                 self._write(self._free_buffer(exclude=()), k)
@@ -357,6 +298,10 @@ class SwappedStates:
 
     def resident_bytes(self, shards: list[torch.Tensor]) -> int:
         return sum(b.nbytes for b in self.buffers) + (self.kept.nbytes if self.kept is not None else 0)
+
+    @property
+    def files(self) -> list[SwapFile]:
+        return [self.file]
 
     def disk_bytes(self) -> int:
         return self.file.nbytes

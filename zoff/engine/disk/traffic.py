@@ -10,14 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zoff.config import ZeroConfig
-from zoff.engine.disk.files import aligned
 from zoff.engine.disk.param_swap import HELD_UNITS, MAX_WRITES, SPARES
+from zoff.engine.disk.placement import next_params_bytes, piece_bytes, subgroup_of, unit_pieces
+from zoff.engine.disk.swapfile import aligned
 from zoff.engine.partition import PartitionPlan
-from zoff.engine.policy import Policy, next_params_bytes, piece_bytes, subgroup_of, unit_pieces
+from zoff.engine.policy import Policy
 from zoff.engine.precision import DTYPES
 
 if TYPE_CHECKING:
-    from zoff.engine.disk.budget import DiskSplit
+    from zoff.engine.disk.placement import DiskSplit
 
 
 def disk_traffic(

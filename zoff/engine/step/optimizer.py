@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.optim.adam as torch_adam
@@ -25,6 +24,7 @@ import torch.optim.adamw as torch_adamw
 
 from zoff.config import OptimConfig
 from zoff.engine.partition import PartitionPlan
+from zoff.engine.step.tiers import Tier
 from zoff.optim import cpu_adam_step
 
 Run = tuple[int, int, bool]  # (start, end, weight-decayed) within a shard
@@ -64,18 +64,6 @@ def step_runs(
             runs.append(run)
         out.append(runs)
     return out
-
-
-class Tier(Protocol):
-    """What the optimizer asks of a storage tier (tiers.py)."""
-
-    kind: str
-    direct: bool
-
-    def make_states(self, shards: list[torch.Tensor]): ...  # tiers.ResidentStates or state_swap.SwappedStates
-    def to_kernel(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
-    def publish(self, master: torch.Tensor, shard: torch.Tensor) -> None: ...
-    def buffer_bytes(self) -> int: ...
 
 
 def torch_fused_kernel(
@@ -131,10 +119,8 @@ class ShardOptimizer:
         self.delay, self.warmup = delay_update, delay_warmup
         self.shards = shards
         self.states = tier.make_states(shards)
-        resident = getattr(self.states, "masters", None)  # None: the states live on disk
-        self.masters = resident
-        self.exp_avg = getattr(self.states, "exp_avg", None)
-        self.exp_avg_sq = getattr(self.states, "exp_avg_sq", None)
+        resident = self.states.masters  # None: the states live on disk
+        self.masters, self.exp_avg, self.exp_avg_sq = resident, self.states.exp_avg, self.states.exp_avg_sq
         # 16-bit training with host-resident shards and no DPU: the CPU kernel writes the new 16-bit parameters
         # straight into the live shards in the same pass (saves the separate fp32 -> 16-bit copy, ~30-50%).
         sixteen = bool(shards) and shards[0].dtype in (torch.bfloat16, torch.float16)
@@ -246,10 +232,9 @@ class ShardOptimizer:
         c = self.cfg
         for i, unit_runs in enumerate(runs):
             out = self.out16[i] if self.out16 is not None else None
-            spans = self.states.spans(i)
-            for j, (k, lo, hi) in enumerate(spans):  # pieces: the unit, or its sub-groups on the disk tier
-                following = spans[j + 1][0] if j + 1 < len(spans) else self._first_piece(i + 1, len(runs))
-                with self.states.open(k, following) as (master, m, v):
+            # pieces: the unit, or its sub-groups on the disk tier, in the walk's order (placement.walk_pieces)
+            for k, lo, hi in self.states.spans(i):
+                with self.states.open(k) as (master, m, v):
                     for a, b, decay, step in unit_runs:
                         a, b = max(a, lo), min(b, hi)
                         if b <= a:
@@ -264,9 +249,6 @@ class ShardOptimizer:
                         on_unit(i, lo, master)  # this piece's parameters, while its master is resident
             if on_unit is not None:
                 on_unit(i, None, None)  # the whole unit is stepped
-
-    def _first_piece(self, i: int, n: int) -> int | None:
-        return self.states.spans(i)[0][0] if i < n else None
 
     def read(self, i: int, kind: str) -> torch.Tensor:
         """Unit i's master, exp_avg or exp_avg_sq (resident, or a unit-sized copy read from disk)."""

@@ -75,8 +75,7 @@ class ShardPublishing:
         states, n = self.optimizer.states, len(self.plan.units)
         pieces = [(u, k, lo) for u in range(n) for k, lo, _ in states.spans(u)]
         for j, (u, k, lo) in enumerate(pieces):
-            following = pieces[j + 1][1] if j + 1 < len(pieces) else None
-            with states.open(k, following, write_back=False) as (master, _, _):  # read only
+            with states.open(k, write_back=False) as (master, _, _):  # read only
                 self._publish(u, lo, master, True, handles)
             if j + 1 == len(pieces) or pieces[j + 1][0] != u:
                 self._publish(u, None, None, True, handles)

@@ -1,9 +1,10 @@
 """Storage tiers: where a rank's optimizer states live, and how gradients reach them and parameters leave them.
 
-A tier answers for the one optimizer class (optimizer.py): make the states (each unit's fp32 master from its
-live shard, zero moments: ResidentStates, or state_swap.SwappedStates on disk), hand the step's gradient
-shards to the kernel, and publish an updated master into its live (compute-dtype) shard; plus the bytes of
-its own transfer buffers. The engine never looks inside one.
+A tier (the Tier interface) answers for the one optimizer class (optimizer.py): make the states (each unit's
+fp32 master from its live shard, zero moments: states.ResidentStates, or disk/state_swap.SwappedStates on
+disk; both speak the States interface, states.py), hand the step's gradient shards to the kernel, and publish
+an updated master into its live (compute-dtype) shard; plus the bytes of its own transfer buffers. The engine
+never looks inside one.
 
 Each tier also holds the rank's reduced gradient shard (grad_store.py): the device's on the device, the host
 tier's in host memory, the disk tier's in a swap file of its own (or in host memory: offload_optimizer.grad_device).
@@ -14,21 +15,33 @@ tier's in host memory, the disk tier's in a swap file of its own (or in host mem
   the device<->host traffic is the minimum the ZeRO-Offload paper gives: the reduced gradient shard down and
   the updated 16-bit shard up, through a few pinned staging buffers (staging.py) on a GPU. On a host-only
   machine the "device" is the host: the copies vanish (buffers alias the shards) and the same code runs.
-- DiskTier: the host tier with its states in a swap file on local disk, laid out as the rank's checkpoint
-  shard and streamed piece by piece (a unit or a sub-group of one; state_swap.py).
+- DiskTier (disk/tier.py): the host tier with its states in a swap file on local disk, laid out as the rank's
+  checkpoint shard and streamed piece by piece (a unit or a sub-group of one; disk/state_swap.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from zoff.engine.disk.param_swap import SwappedShards
-from zoff.engine.disk.state_swap import KINDS, SwappedStates
 from zoff.engine.staging import Staging
-from zoff.engine.step.grad_store import DelayedDiskGrads, DiskGrads, GradShards, ResidentGrads
+from zoff.engine.step.grad_store import GradShards, ResidentGrads
+from zoff.engine.step.states import ResidentStates, States
+
+
+class Tier(Protocol):
+    """What the optimizer and the engine ask of a storage tier."""
+
+    kind: str  # device | host | disk
+    direct: bool  # the CPU kernel may write the live 16-bit shards itself
+    staging: Staging | None  # where the device is not the host: the bounded pinned transfer buffers
+
+    def make_states(self, shards: list[torch.Tensor]) -> States: ...
+    def to_kernel(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    def publish(self, master: torch.Tensor, shard: torch.Tensor) -> None: ...
+    def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards: ...
+    def buffer_bytes(self) -> int: ...
 
 
 def host_buffer(like: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -132,102 +145,3 @@ class HostTier:
             self.staging.download(src, dst)
         else:
             dst.copy_(src)
-
-
-class DiskTier(HostTier):
-    """Optimizer states in a swap file on local disk (ZeRO-Infinity's NVMe offload); host memory holds only a
-    ring of piece buffers and the pieces the host budget keeps. Gradients and parameters move as for the host
-    tier; the other pieces stream: the next ones are read while one is stepped and the previous ones are
-    written back (SwappedStates)."""
-
-    kind = "disk"
-
-    def __init__(
-        self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
-        request_mb: int, piece: int | None = None, params: SwappedShards | None = None, grads_on_disk: bool = True,
-        resident: tuple[int, ...] = (), delayed: bool = False,
-    ):  # fmt: skip
-        super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
-        self.delayed = delayed  # DPU (delay_update): gradients on disk alternate between two files
-        self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece
-        self.params = params  # parameter offload to nvme: where the shards that are not in memory are
-        self.grads_on_disk = (
-            grads_on_disk  # grad_device and host_budget (host_budget.disk_split): its own swap file
-        )
-        self.resident = resident  # the host budget's pieces of the states, held in RAM (host_budget.py)
-
-    def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
-        if not self.grads_on_disk:
-            return super().grad_store(numels, dtype, device)
-
-        def make(name: str) -> DiskGrads:
-            return DiskGrads(
-                numels, dtype, self.swap_dir, threads=self.threads, request_bytes=self.request_mb << 20,
-                staging=self.staging, name=name,
-            )  # fmt: skip
-
-        # DPU: the delayed step reads one gradient file while the next backward writes the other
-        return DelayedDiskGrads(make) if self.delayed else make("grads.swap")
-
-    def make_states(self, shards: list[torch.Tensor]) -> SwappedStates:
-        if self.copy_grads:  # as the host tier: DPU's snapshot of the gradient shard
-            self.host_grads += [host_buffer(s, self.grad_dtype, pin=False) for s in shards]
-        return SwappedStates(
-            shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20,
-            piece=self.piece, source=self._live_shard(shards), resident=self.resident,
-        )  # fmt: skip
-
-    def _live_shard(self, shards: list[torch.Tensor]):
-        """Unit i's live shard for its initial master: in memory, or read from the parameter swap file (one
-        unit's copy held at a time: the pieces of a unit come one after the other)."""
-        last: dict[int, torch.Tensor] = {}
-
-        def source(i: int) -> torch.Tensor:
-            if not shards[i].is_meta:
-                return shards[i]
-            if i not in last:
-                last.clear()
-                last[i] = self.params.load(i)
-            return last[i]
-
-        return source
-
-
-class ResidentStates:
-    """Master, exp_avg and exp_avg_sq of every unit held in memory (device or host tier)."""
-
-    def __init__(self, masters: list[torch.Tensor], zeros):
-        self.masters = masters
-        self.exp_avg = [zeros(m) for m in masters]
-        self.exp_avg_sq = [zeros(m) for m in masters]
-
-    def spans(self, i: int) -> list[tuple[int, int, int]]:
-        """Unit i is one piece, resident whole."""
-        return [(i, 0, self.masters[i].numel())]
-
-    @contextlib.contextmanager
-    def open(self, i: int, following: int | None = None, write_back: bool = True):
-        yield self.masters[i], self.exp_avg[i], self.exp_avg_sq[i]
-
-    def read(self, i: int, kind: str) -> torch.Tensor:
-        return (self.masters, self.exp_avg, self.exp_avg_sq)[KINDS.index(kind)][i]
-
-    def write(self, i: int, kind: str, src: torch.Tensor) -> None:
-        self.read(i, kind).copy_(src)
-
-    def resident_bytes(self, shards: list[torch.Tensor]) -> int:
-        masters = [m for m, s in zip(self.masters, shards) if m is not s]  # fp32 steps the shard in place
-        return sum(t.numel() * t.element_size() for t in masters + self.exp_avg + self.exp_avg_sq)
-
-    def disk_bytes(self) -> int:
-        return 0
-
-    def save_file(self, path: Path) -> None:
-        """Not a file: the checkpoint streams these units (state_swap.SwappedStates copies its file)."""
-        return None
-
-    def load_file(self, path: Path) -> None:
-        return None
-
-    def close(self) -> None:
-        pass

@@ -1,0 +1,101 @@
+"""The states interface: what the optimizer and the engine ask of a rank's optimizer states (each unit's fp32
+master, exp_avg and exp_avg_sq), wherever its tier keeps them.
+
+Beside the tier interface (tiers.py): a tier makes its States (Tier.make_states), and the optimizer and the
+engine use them only through these methods, never asking which kind they have. The defaults are those of
+states held in memory: nothing to read ahead, no swap file, no disk bytes, no file to copy for a checkpoint.
+The disk tier's SwappedStates (disk/state_swap.py) overrides them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+Span = tuple[int, int, int]  # (piece, lo, hi): a piece of a unit, its shard's elements [lo, hi)
+
+
+class States:
+    """A rank's optimizer states, unit by unit, each unit in one or more pieces."""
+
+    # every unit's states as tensors in memory; None where they are not all there (read() and write() them)
+    masters: list[torch.Tensor] | None = None
+    exp_avg: list[torch.Tensor] | None = None
+    exp_avg_sq: list[torch.Tensor] | None = None
+
+    def spans(self, i: int) -> list[Span]:
+        """Unit i's pieces, in the walk's order."""
+        raise NotImplementedError
+
+    def open(self, k: int, write_back: bool = True) -> contextlib.AbstractContextManager:
+        """Piece k's (master, exp_avg, exp_avg_sq), in memory while the block runs; `write_back=False`: only
+        read."""
+        raise NotImplementedError
+
+    def read(self, i: int, kind: str) -> torch.Tensor:
+        """One kind of unit i's states (KINDS)."""
+        raise NotImplementedError
+
+    def write(self, i: int, kind: str, src: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def resident_bytes(self, shards: list[torch.Tensor]) -> int:
+        """Bytes of memory the states hold (`shards`: the live shards, which fp32 may step in place)."""
+        raise NotImplementedError
+
+    def prefetch(self) -> None:
+        """Start reading the next walk's first pieces (the engine calls it as a step's backward starts)."""
+
+    @property
+    def files(self) -> list:
+        """The swap files the states live in (their I/O counters are the step's disk report)."""
+        return []
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def save_file(self, path: Path) -> str | None:
+        """The states copied file to file into a checkpoint shard (its sha256), or None: the checkpoint
+        streams them unit by unit."""
+        return None
+
+    def load_file(self, path: Path) -> str | None:
+        """The states copied from a checkpoint shard laid out as their file (its sha256), or None: not loaded."""
+        return None
+
+    def close(self) -> None:
+        """Release what outlives the process's memory (a swap file)."""
+
+
+class ResidentStates(States):
+    """Master, exp_avg and exp_avg_sq of every unit held in memory (device or host tier)."""
+
+    def __init__(self, masters: list[torch.Tensor], zeros):
+        self.masters = masters
+        self.exp_avg = [zeros(m) for m in masters]
+        self.exp_avg_sq = [zeros(m) for m in masters]
+
+    def spans(self, i: int) -> list[Span]:
+        """Unit i is one piece, resident whole."""
+        return [(i, 0, self.masters[i].numel())]
+
+    @contextlib.contextmanager
+    def open(
+        self, k: int, write_back: bool = True
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        yield self.masters[k], self.exp_avg[k], self.exp_avg_sq[k]
+
+    def read(self, i: int, kind: str) -> torch.Tensor:
+        return (self.masters, self.exp_avg, self.exp_avg_sq)[KINDS.index(kind)][i]
+
+    def write(self, i: int, kind: str, src: torch.Tensor) -> None:
+        self.read(i, kind).copy_(src)
+
+    def resident_bytes(self, shards: list[torch.Tensor]) -> int:
+        masters = [m for m, s in zip(self.masters, shards) if m is not s]  # fp32 steps the shard in place
+        return sum(t.numel() * t.element_size() for t in masters + self.exp_avg + self.exp_avg_sq)

@@ -31,7 +31,7 @@ from zoff.engine.footprint import frozen_param_bytes, host_staging, model_states
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import POLICIES, Policy, engine_plan
 from zoff.models import builds_sharded, meta_model
-from zoff.planning.activations import activations
+from zoff.planning.activations import Activations, activations
 from zoff.planning.buffers import device_buffers, finer_gathering
 from zoff.planning.buffers import pending_gradients as pending_gradients  # (re-exported: tests read it here)
 from zoff.planning.buffers import stage3_working_set as stage3_working_set
@@ -141,7 +141,6 @@ def estimate(
     world, precision = gpus_per_node * nodes, train_cfg.precision
     gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
     micro_batches = train_cfg.grad_accum if gbs is None else max(1, gbs // (data_cfg.batch_size * world))
-    accumulating = micro_batches > 1
     model = _shapes(model_cfg)
     total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
@@ -160,67 +159,10 @@ def estimate(
     }
     host = mem_total() if host_bytes is None else host_bytes
     budget = host_budget_bytes(zero_cfg.offload_optimizer, host, gpus_per_node)
-    out = []
-    frozen: dict[tuple[int, bool], int] = {}  # (plan's stage, params offloaded): one walk of the model each
-
-    def frozen_bytes(plan: PartitionPlan, pol: Policy) -> int:
-        key = (id(plan), pol.offload_param != "none")
-        if key not in frozen:
-            frozen[key] = frozen_param_bytes(model, plan, precision, pol)
-        return frozen[key]
-
-    for pol in (only,) if only is not None else POLICIES:
-        plan = plans[{2: 1}.get(pol.stage, pol.stage)]  # stages 1 and 2 share one plan
-
-        def states(split: DiskSplit, plan=plan, pol=pol) -> tuple[dict[str, int], dict[str, int]]:
-            gpu, cpu = model_states(
-                plan, pol, precision, frozen_bytes=frozen_bytes(plan, pol), device_type=device_type,
-                fp32_grad_staging=train_cfg.grad_clip > 0 or precision == "fp16",
-                delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
-                subgroup=subgroup_of(zero_cfg), split=split,
-            )  # fmt: skip
-            # (the overlapped step's held parameter write-backs are host buffers of the same kind)
-            cpu["staging"] = host_staging(pol, zero_cfg, device_type) + held_write_back_bytes(
-                plan, pol, zero_cfg, precision, split
-            )
-            gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
-            gpu["activations"] = acts[pol.activation_checkpointing].peak
-            if acts[pol.activation_checkpointing].host:  # train.activation_offload's host copies
-                cpu["activations"] = acts[pol.activation_checkpointing].host
-            return gpu, cpu
-
-        gpu, cpu = states(DiskSplit())
-        split = disk_split(
-            plan, pol, zero_cfg, precision, accumulating, budget, host_reserved(gpu, cpu, device_type),
-            clipping=train_cfg.grad_clip > 0,
-        )  # fmt: skip
-        if split != DiskSplit():
-            gpu, cpu = states(split)
-        pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, device_type)
-        per_node = {k: v * gpus_per_node for k, v in cpu.items()}
-        delayed = zero_cfg.offload_optimizer.delay_update  # DPU: two gradient files, one used a step
-        grad_file = grad_disk_bytes(plan, pol, split, accumulating, precision)
-        files = 2 if delayed else 1
-        disk = disk_bytes(plan, pol, precision, grad_file * files, delayed)
-        traffic = disk_traffic(
-            plan, pol, subgroup_of(zero_cfg), precision, micro_batches, grad_file, split,
-            overlap=zero_cfg.offload_optimizer.overlap_step, delay_update=delayed,
-        )  # fmt: skip
-        out.append(
-            PolicyEstimate(
-                pol,
-                gpu,
-                per_node,
-                gpus_per_node,
-                pinned,
-                disk,
-                *traffic,
-                grad_file * files,
-                split,
-                grad_files=files,
-                disk_publish=next_params_bytes(plan, pol, precision, delayed),
-            )  # fmt: skip
-        )
+    rows = _Rows(model, train_cfg, zero_cfg, device_type, gpus_per_node, micro_batches, acts, budget)
+    policies = (only,) if only is not None else POLICIES
+    # stages 1 and 2 share one plan
+    out = [rows.row(plans[{2: 1}.get(p.stage, p.stage)], p) for p in policies]
     # The builtin GPT is materialised unit by unit into the engine's buffers (counted above); other models
     # are built whole, in fp32, on every rank before the engine shards them.
     fp32_model = (
@@ -234,6 +176,76 @@ def estimate(
         total, trainable, world, gpus_per_node, nodes, precision, acts[False].method, tuple(out),
         {"cpu_bytes_per_node": gpus_per_node * fp32_model, "gpu_bytes": on_device}, tuple(notes),
     )  # fmt: skip
+
+
+@dataclass
+class _Rows:
+    """What every policy's row of one estimate reads (the config's sections, the model's shapes, its
+    activations without and with checkpointing, the disk tier's host budget per rank), and the rows."""
+
+    model: nn.Module
+    train_cfg: TrainConfig
+    zero_cfg: ZeroConfig
+    device_type: str
+    gpus_per_node: int
+    micro_batches: int
+    acts: dict[bool, Activations]
+    budget: int
+    # (plan's stage, params offloaded) -> the frozen weights' bytes: one walk of the model each
+    frozen: dict[tuple[int, bool], int] = field(default_factory=dict)
+
+    def frozen_bytes(self, plan: PartitionPlan, pol: Policy) -> int:
+        key = (id(plan), pol.offload_param != "none")
+        if key not in self.frozen:
+            self.frozen[key] = frozen_param_bytes(self.model, plan, self.train_cfg.precision, pol)
+        return self.frozen[key]
+
+    def states(
+        self, plan: PartitionPlan, pol: Policy, split: DiskSplit
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """A rank's device and host bytes by category under `pol`, the disk tier keeping `split` in RAM."""
+        zero_cfg, precision, device_type = self.zero_cfg, self.train_cfg.precision, self.device_type
+        accumulating = self.micro_batches > 1
+        gpu, cpu = model_states(
+            plan, pol, precision, frozen_bytes=self.frozen_bytes(plan, pol), device_type=device_type,
+            fp32_grad_staging=self.train_cfg.grad_clip > 0 or precision == "fp16",
+            delay_update=zero_cfg.offload_optimizer.delay_update, accumulating=accumulating,
+            subgroup=subgroup_of(zero_cfg), split=split,
+        )  # fmt: skip
+        # (the overlapped step's held parameter write-backs are host buffers of the same kind)
+        cpu["staging"] = host_staging(pol, zero_cfg, device_type) + held_write_back_bytes(
+            plan, pol, zero_cfg, precision, split
+        )
+        gpu["buffers"] = device_buffers(plan, pol, zero_cfg, precision, device_type, accumulating)
+        gpu["activations"] = self.acts[pol.activation_checkpointing].peak
+        if self.acts[pol.activation_checkpointing].host:  # train.activation_offload's host copies
+            cpu["activations"] = self.acts[pol.activation_checkpointing].host
+        return gpu, cpu
+
+    def row(self, plan: PartitionPlan, pol: Policy) -> PolicyEstimate:
+        """`pol`'s row: its bytes with the disk tier's split of the host budget, its swap files and traffic."""
+        zero_cfg, precision, accumulating = self.zero_cfg, self.train_cfg.precision, self.micro_batches > 1
+        gpu, cpu = self.states(plan, pol, DiskSplit())
+        split = disk_split(
+            plan, pol, zero_cfg, precision, accumulating, self.budget,
+            host_reserved(gpu, cpu, self.device_type), clipping=self.train_cfg.grad_clip > 0,
+        )  # fmt: skip
+        if split != DiskSplit():
+            gpu, cpu = self.states(plan, pol, split)
+        pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, self.device_type)
+        per_node = {k: v * self.gpus_per_node for k, v in cpu.items()}
+        delayed = zero_cfg.offload_optimizer.delay_update  # DPU: two gradient files, one used a step
+        grad_file = grad_disk_bytes(plan, pol, split, accumulating, precision)
+        files = 2 if delayed else 1
+        disk = disk_bytes(plan, pol, precision, grad_file * files, delayed)
+        traffic = disk_traffic(
+            plan, pol, subgroup_of(zero_cfg), precision, self.micro_batches, grad_file, split,
+            overlap=zero_cfg.offload_optimizer.overlap_step, delay_update=delayed,
+        )  # fmt: skip
+        return PolicyEstimate(
+            pol, gpu, per_node, self.gpus_per_node, pinned, disk, *traffic, grad_file * files, split,
+            grad_files=files, disk_publish=next_params_bytes(plan, pol, precision, delayed),
+        )  # fmt: skip
 
 
 def stage3_fallbacks(model: nn.Module, mlp_tiles: int = 1) -> list[dict]:

@@ -137,7 +137,7 @@ def import_baseline_rss() -> int:
     """VmRSS of a fresh interpreter that imported what a rank imports: the part of a rank's RSS the estimate
     does not count (interpreter, torch, zoff)."""
     code = (
-        "import torch, torch.distributed, zoff.trainer.session, zoff.launch.elastic, pathlib;"
+        "import torch, torch.distributed, zoff.trainer.run, zoff.launch.elastic, pathlib;"
         "print([l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmRSS:')][0])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -96,7 +96,7 @@ def _entry(
 # default suite starts hundreds of ranks). The server never runs a torch op, so no thread pool or device state
 # is forked; each rank still gets its own process, process group and memory.
 # (and zoff's command line, which tests.forked_zoff runs from here)
-PRELOAD = ["torch", "torch.distributed", "zoff.engine", "zoff.trainer.session", "tests.harness"]
+PRELOAD = ["torch", "torch.distributed", "zoff.engine", "zoff.trainer.run", "tests.harness"]
 PRELOAD += ["zoff.cli", "zoff.launch.elastic", "zoff.checkpoint.convert", "zoff.planning.disk_room"]
 _context = None
 
@@ -217,7 +217,8 @@ def zoff_rank(
         return result
 
     s.engine.step = step
-    losses = train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm, ckpt, start)
+    s.ckpt, s.start_step = ckpt, start
+    losses = train_loop(s)
     out = {
         "start": start,
         "losses": losses,

@@ -381,9 +381,8 @@ def _offload_run(base, x, y, off: bool, dev) -> tuple[float, torch.Tensor, int]:
     of another run (a model, a loss whose graph still holds its parameters) is freed during this one."""
     import copy
 
-    from zoff.engine.activation_offload import ActivationOffload
-
     from zoff.models import enable_activation_checkpointing, lm_loss
+    from zoff.trainer.activation_offload import ActivationOffload
 
     model = copy.deepcopy(base)
     offload = ActivationOffload(dev) if off else None

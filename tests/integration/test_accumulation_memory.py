@@ -41,7 +41,7 @@ def _measure(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
     for cfg_dict in cfgs:
         cfg = config_from_dict(cfg_dict)
         s = build_session(cfg, torch.device("cpu"))
-        train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+        train_loop(s)
         held = [p.grad for p in s.engine.model.parameters() if p.grad is not None]
         out.append({"memory": s.engine.memory_report(), "stats": s.engine.stats(), "grads_left": len(held)})
     return out

@@ -59,7 +59,7 @@ def _run(cfg_dict: dict) -> dict:
         return result
 
     e.step = step
-    losses = train_loop(e, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+    losses = train_loop(s)
     return {
         "losses": losses,
         "grad_norms": norms,

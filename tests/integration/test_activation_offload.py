@@ -18,10 +18,10 @@ import torch
 from tests.datafiles import chat_llama_files
 from tests.harness import run_zoff_many, tiny_cfg
 from zoff.config import ConfigError, ModelConfig, config_from_dict
-from zoff.engine.activation_offload import ActivationOffload, HostSaved
 from zoff.models import enable_activation_checkpointing, lm_loss
 from zoff.models.gpt import GPT
 from zoff.planning.activations import gpt_activations
+from zoff.trainer.activation_offload import ActivationOffload, HostSaved
 
 pytestmark = pytest.mark.slow
 

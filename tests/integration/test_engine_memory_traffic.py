@@ -18,7 +18,7 @@ def _measure_rank(rank: int, world: int, cfg_dict: dict) -> dict:
     for stage in range(4):
         cfg = config_from_dict({**cfg_dict, "zero": {**cfg_dict["zero"], "stage": stage}})
         s = build_session(cfg, torch.device("cpu"))
-        train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+        train_loop(s)
         out[stage] = {"memory": s.engine.memory_report(), "stats": s.engine.stats()}
     return out
 

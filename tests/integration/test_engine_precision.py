@@ -48,7 +48,7 @@ def _overflow_rank(rank: int, world: int, cfg_dict: dict) -> dict:
     cfg = config_from_dict(cfg_dict)
     s = build_session(cfg, torch.device("cpu"))
     e = s.engine
-    before = train_loop(e, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm, start_step=0)[:5]
+    before = train_loop(s)[:5]
     params_before = e.gathered_params()
     scale_before = e.scaler.scale
     e.zero_grad()
@@ -60,7 +60,8 @@ def _overflow_rank(rank: int, world: int, cfg_dict: dict) -> dict:
     skipped = {"stepped": result.stepped, "scale_before": scale_before, "scale_after": e.scaler.scale}
     same = all(torch.equal(a, params_before[n]) for n, a in e.gathered_params().items())
     cfg2 = config_from_dict({**cfg_dict, "train": {**cfg_dict["train"], "max_steps": 12}})
-    after = train_loop(e, s.batches, cfg2.train, cfg2.schedule, cfg.optim.lr, None, s.comm, start_step=6)
+    s.cfg, s.start_step = cfg2, 6
+    after = train_loop(s)
     return {"before": before, "skip": skipped, "unchanged": same, "after": after}
 
 

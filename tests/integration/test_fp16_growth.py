@@ -53,7 +53,7 @@ def _run(cfg_dict: dict, growth_interval: int) -> dict:
         return result
 
     s.engine.step = step
-    losses = train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+    losses = train_loop(s)
     return {
         "losses": losses,
         "grad_norms": norms,

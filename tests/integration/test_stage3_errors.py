@@ -84,7 +84,7 @@ def _train(rank: int, world: int, cfg_dict: dict, side_checks: bool = False) -> 
     cfg = config_from_dict(cfg_dict)
     s = build_session(cfg, rank_device(rank))  # a GPU per rank under ZOFF_TEST_DEVICE=cuda (tests/gpu)
     try:
-        train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+        train_loop(s)
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return f"{type(e).__name__}: {e}"
     return "trained"
@@ -153,7 +153,7 @@ def _train_llama_dropping_its_last_layer_on_rank_0(rank: int, world: int, cfg_di
     if rank == 0:  # a dropped layer (LayerDrop-style) on one rank: LlamaModel runs config.num_hidden_layers
         s.engine.model.config.num_hidden_layers -= 1
     try:
-        train_loop(s.engine, s.batches, cfg.train, cfg.schedule, cfg.optim.lr, None, s.comm)
+        train_loop(s)
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return f"{type(e).__name__}: {e}"
     return "trained"

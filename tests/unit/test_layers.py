@@ -12,8 +12,7 @@ ZOFF = Path(__file__).resolve().parents[2] / "zoff"
 # Lowest first. The CLI only parses and calls; planning (the estimate) never imports the trainer.
 LAYERS = [
     ["zoff.errors"],
-    ["zoff.units"],
-    ["zoff.host", "zoff.files"],
+    ["zoff.units", "zoff.host", "zoff.files"],
     ["zoff.config"],
     ["zoff.models", "zoff.data", "zoff.optim"],
     ["zoff.engine"],

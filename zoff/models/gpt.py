@@ -87,7 +87,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         self.activation_checkpointing = False
         # what runs a checkpointed block: torch's non-reentrant checkpoint, or train.activation_offload's
-        # (engine/activation_offload.py), which keeps the block's input in host memory
+        # (trainer/activation_offload.py), which keeps the block's input in host memory
         self.checkpoint_fn: Callable | None = None
         for name, p in self.named_parameters():
             if not p.is_meta:

@@ -6,35 +6,23 @@ import time
 
 import torch
 
-from zoff.checkpoint import Checkpointer
-from zoff.config import ScheduleConfig, TrainConfig
 from zoff.data import GlobalBatches
 from zoff.engine import Comm, ZeroEngine
 from zoff.trainer.loss import forward_loss
-from zoff.trainer.metrics import MetricsWriter, peak_rss_slots
-from zoff.trainer.preempt import StopRequest
+from zoff.trainer.metrics import peak_rss_slots
 from zoff.trainer.schedule import lr_at
+from zoff.trainer.session import Session
 
 
-def train_loop(
-    engine: ZeroEngine,
-    batches: GlobalBatches,
-    train: TrainConfig,
-    schedule: ScheduleConfig,
-    base_lr: float,
-    writer: MetricsWriter | None,
-    comm: Comm,
-    ckpt: Checkpointer | None = None,
-    start_step: int = 0,
-    stop: StopRequest | None = None,
-) -> list[float]:
+def train_loop(s: Session) -> list[float]:
     """lr -> micro-batches -> step -> log -> eval -> save -> stop. Steps are 1-based in logs (step k = k updates done)."""
+    engine, batches, comm, train = s.engine, s.batches, s.comm, s.cfg.train
     accum = batches.grad_accum
     losses = []
     tokens_per_step = batches.global_batch * batches.seq_len
-    for step in range(start_step, train.max_steps):
+    for step in range(s.start_step, train.max_steps):
         t0 = time.perf_counter()
-        lr = lr_at(step, base_lr, train.max_steps, schedule)
+        lr = lr_at(step, s.cfg.optim.lr, train.max_steps, s.cfg.schedule)
         engine.model.train()
         engine.zero_grad()
         # Summed on the device, read once per step: a .item() per micro-batch would wait for the GPU each time.
@@ -54,14 +42,14 @@ def train_loop(
         mean_loss, stopping, *peaks = comm.sum_scalars(
             [
                 float(local_loss) / comm.world,
-                float(stop is not None and stop.requested),
+                float(s.stop is not None and s.stop.requested),
                 *peak_rss_slots(comm.rank, comm.world),
             ]
         )
         dt = time.perf_counter() - t0
         done = step + 1
         losses.append(mean_loss)
-        if writer is not None:
+        if s.writer is not None:
             record = {
                 "step": done,
                 "loss": mean_loss,
@@ -79,23 +67,23 @@ def train_loop(
             if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too
                 trained = round(batch.loss_divisor * comm.world)  # the global batch's trained tokens
                 record |= {"trained_tokens": trained, "trained_tokens_per_s": trained / dt}
-            writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
+            s.writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
         if done == train.max_steps:
             # a delayed (DPU) update still in flight lands before the final eval and save; after the step's
             # record, which (as every step's) holds the step alone, not the wait for its background update
             engine.flush()
         if (train.eval_every and done % train.eval_every == 0) or done == train.max_steps:
             val = evaluate(engine, batches, train.eval_batches, comm, train.loss_tile)
-            if writer is not None:
-                writer.eval(done, val)
-        if ckpt is not None and ckpt.due(done, stopping):
+            if s.writer is not None:
+                s.writer.eval(done, val)
+        if s.ckpt is not None and s.ckpt.due(done, stopping):
             # "stop" marks the save a stop asked for: the launcher reads it back to say whether the stop's
             # checkpoint exists, rather than assuming it does.
-            ckpt.save(done, {"step": done, "data": batches.state_dict(), "stop": bool(stopping)})
+            s.ckpt.save(done, {"step": done, "data": batches.state_dict(), "stop": bool(stopping)})
         if stopping:
             engine.flush()
-            if writer is not None:
-                writer.event("preempted", done)
+            if s.writer is not None:
+                s.writer.event("preempted", done)
             break
     return losses
 

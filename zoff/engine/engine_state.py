@@ -1,6 +1,7 @@
 """What a ZeroEngine saves and restores: its state_dict (the optimizer's states and step counts, the masters,
 the loss scaler, the steps each parameter was skipped), the full fp32 parameters gathered from the masters,
-stage 3's frozen shards and a unit's live shard. A mixin: it reads only the engine's own attributes.
+stage 3's frozen shards and a unit's live shard. The checkpoint half of ZeroEngine, a mixin: it reads the
+engine's parts, and a load publishes through its Publication.
 """
 
 from __future__ import annotations
@@ -57,4 +58,4 @@ class EngineState:
         for u, src in enumerate(state["masters"] or ()):  # None: already in place (optimizer.load_file)
             self.optimizer.write(u, "master", src)
         self.scaler.load_state_dict(state["scaler"])
-        self._publish_params()
+        self.publication.publish_all()

@@ -12,6 +12,7 @@ from zoff.engine.disk.placement import (
     subgroup_of,
 )
 from zoff.engine.footprint import frozen_param_bytes, model_states
+from zoff.engine.step.publish import on_host
 
 
 class EngineReports:
@@ -98,7 +99,7 @@ class EngineReports:
 
     def pinned_bytes(self) -> int:
         """Page-locked host memory this rank holds: the staging buffers and pinned offloaded parameter shards."""
-        shards = [t for u, t in enumerate(self.shard_params) if self._host_shard(u) and t.is_pinned()]
+        shards = [t for t in self.shard_params if on_host(t, self.device) and t.is_pinned()]
         staged = self.staging.pinned_bytes if self.staging is not None else 0
         return staged + sum(t.numel() * t.element_size() for t in shards)
 

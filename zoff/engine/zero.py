@@ -23,8 +23,8 @@ from zoff.engine.comm.blocks import BlockTracker
 from zoff.engine.comm.gather import UnitGatherer
 from zoff.engine.comm.reduce import GradReducer
 from zoff.engine.disk.budget import host_budget_bytes, mem_total
-from zoff.engine.disk.param_swap import HELD_UNITS, SwappedShards
-from zoff.engine.disk.placement import disk_split, param_swap_path, subgroup_of
+from zoff.engine.disk.param_swap import next_params_file, param_file
+from zoff.engine.disk.placement import DiskSplit, disk_split, subgroup_of
 from zoff.engine.disk.tier import DiskTier
 from zoff.engine.disk.traffic import master_served_units
 from zoff.engine.engine_state import EngineState
@@ -33,10 +33,10 @@ from zoff.engine.policy import Policy, engine_plan
 from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads
 from zoff.engine.report import EngineReports
 from zoff.engine.staging import Staging, needs_staging
-from zoff.engine.step.grad_store import ResidentGrads
+from zoff.engine.step.grad_store import GradShards, ResidentGrads
 from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.step.overlap import UnitReadiness
-from zoff.engine.step.publish import ShardPublishing
+from zoff.engine.step.publish import Publication
 from zoff.engine.step.tiers import DeviceTier, HostTier
 
 
@@ -46,7 +46,11 @@ class StepResult:
     stepped: bool  # False when fp16 overflowed and the step was skipped
 
 
-class ZeroEngine(EngineReports, ShardPublishing, EngineState):
+class ZeroEngine(EngineReports, EngineState):
+    """Stages 0-3 on one code path. Composed of parts that each own one concern (the reducer, the gatherer,
+    the optimizer on its tier, the publication); EngineReports and EngineState are the reading and the
+    checkpoint halves of the same class, kept in their own modules."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -61,29 +65,20 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         host_reserved: int = 0,
     ):
         self.comm = comm or Comm()
-        self.stage = zero.stage
-        self.zero, self.grad_clip = zero, grad_clip
-        self.dtype = DTYPES[precision]
-        self.device = device or torch.device("cpu")
+        self.stage, self.zero, self.grad_clip = zero.stage, zero, grad_clip
+        self.dtype, self.device = DTYPES[precision], device or torch.device("cpu")
         policy = self.policy = Policy.of(zero)
         self.precision, self.grad_accum = precision, grad_accum
         self.keep_full_grads = policy.keeps_full_grads  # full gradients accumulate in persistent flat buffers
         self.accum_dtype = torch.float32 if policy.shard_accum_fp32(grad_accum > 1) else self.dtype
         self.rank = policy.rank_in_partition(self.comm.rank)  # stage 0: one partition that every rank owns
         self.plan = engine_plan(model, self.stage, self.comm.world, zero)
-        # the disk tier's host budget: what of its states (and gradients) stays in RAM (a pure value);
-        # host_reserved is the rest of the rank's host memory, which the budget holds too (the trainer passes
-        # what `zoff estimate` computes: planning.memory.rank_split)
-        self.split = disk_split(
-            self.plan, policy, zero, precision, grad_accum > 1,
-            host_budget_bytes(zero.offload_optimizer, mem_total(), _local_ranks(self.comm.world)), host_reserved,
-            clipping=grad_clip > 0,
-        )  # fmt: skip
+        self.split = self._disk_split(host_reserved)
         self.model, self.deferred = prepare_model(model, self.device, self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
-        self.param_disk = self._param_swap() if policy.params_on_disk else None
-        self.next_params = self._next_params_file()  # DPU on disk with the parameters in memory
+        self.param_disk = param_file(zero, policy, self.plan, self.dtype)  # stage 3 parameters on disk
+        self.next_params = next_params_file(zero, policy, self.plan, self.dtype)  # DPU, the parameters in RAM
         flat = FlatBuffers.build(
             model, self.plan, self.comm, stage=self.stage, rank=self.rank, dtype=self.dtype, device=self.device,
             deferred=self.deferred, keep_full_grads=self.keep_full_grads, host_shards=self.offload_params, pin_host_shards=zero.offload_param.pin_memory, disk=self.param_disk,
@@ -98,46 +93,27 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         self.optimizer = self._build_optimizer(optim, grad_clip > 0 or precision == "fp16")
         self.staging = self.optimizer.tier.staging  # offload on a GPU: bounded pinned buffers (staging.py)
         if self.param_disk is not None:  # units the budget keeps in RAM gather from their masters: no disk
-            oz = zero.offload_optimizer
-            units = master_served_units(self.plan, policy, subgroup_of(zero), self.split, oz.delay_update)
-            self.param_disk.from_master = {u: self.optimizer.states.master_cast(u) for u in units}
-        # The reduced gradient shards, in the tier that holds the optimizer's states (grad_store.py); stages 0-1
-        # without offload keep them as views of the full gradient buffers.
-        self.grads = (
-            ResidentGrads(flat.gshard, on_device=True)
-            if self.keep_full_grads
-            else self.optimizer.tier.grad_store(
-                [u.shard for u in self.plan.units], self.accum_dtype, self.device
-            )
-        )
+            self.param_disk.from_master = self._master_casts()
+        self.grads = self._grad_shards(flat.gshard)
         self.blocks = BlockTracker(model, tuple(zero.block_classes))
         self.gatherer = None
         if policy.shards_params:
             self.gatherer = UnitGatherer(
-                model,
-                self.plan,
-                self.comm,
-                self.full,
-                self.shard_params,
-                zero.prefetch_bucket_size,
-                self.blocks,
+                model, self.plan, self.comm, self.full, self.shard_params, zero.prefetch_bucket_size, self.blocks,
                 disk=self.param_disk,
-            )
+            )  # fmt: skip
         self.reducer = GradReducer(
             self.plan, self.comm, policy, self.gfull, self.grads, dtype=self.dtype, device=self.device,
             overlap=zero.overlap_comm, on_slot_done=self.gatherer.slot_done if self.gatherer else None,
             slot_blocks=self.blocks.slot_blocks(self.plan),
         )  # fmt: skip
         self.blocks.listeners.append(self.reducer.block_done)
-        self.overlap = None  # the overlapped step (overlap.py): the walk runs while the next forward does
-        # (the config allows it with an offloaded optimizer only; `zero: auto` may choose the policy later)
-        if zero.offload_optimizer.overlap_step and self.gatherer is not None and self.offload:
-            self.overlap = UnitReadiness(len(self.plan.units))
-            self.gatherer.wait_ready = self._wait_unit
-            self.optimizer.on_background_end = self.overlap.end
-        self._published = 0
-        self._pending: list[tuple[int, int, torch.Tensor]] = []  # DPU's kept pieces (_publish_next)
-        self._slot_written = False  # a delayed step wrote the parameter file's other slot: flush() flips it
+        self.publication = Publication(
+            self.plan, policy, self.comm, self.shard_params, self.full, self.optimizer, self.device,
+            param_disk=self.param_disk, next_params=self.next_params,
+            wait_host_reads=self.gatherer.wait_host_reads if self.gatherer else None,
+        )  # fmt: skip
+        self.overlap = self._overlapped_step_readiness()
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
@@ -147,40 +123,54 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         self.zero_grad()
 
     # --------------------------------------------------------------------------------------- set-up
-    def _param_swap(self) -> SwappedShards:
-        """Parameter offload to nvme: every non-persistent unit's shard (frozen ones too) in a swap file."""
-        op = self.zero.offload_param
-        numels = {u.index: u.shard for u in self.plan.all_units if not u.persistent}
-        delayed = self.zero.offload_optimizer.delay_update  # DPU: the trainable shards in two slots
-        return SwappedShards(
-            numels, self.dtype, Path(param_swap_path(self.zero)), threads=op.io.threads,
-            request_bytes=op.io.request_mb << 20,
-            hold_units=HELD_UNITS if self.zero.offload_optimizer.overlap_step else 0,
-            slotted=frozenset(u.index for u in self.plan.units if not u.persistent) if delayed else frozenset(),
+    def _disk_split(self, host_reserved: int) -> DiskSplit:
+        """The disk tier's host budget: what of its states (and gradients) stays in RAM (a pure value);
+        host_reserved is the rest of the rank's host memory, which the budget holds too (the trainer passes
+        what `zoff estimate` computes: planning.memory.rank_split)."""
+        budget = host_budget_bytes(self.zero.offload_optimizer, mem_total(), _local_ranks(self.comm.world))
+        return disk_split(
+            self.plan, self.policy, self.zero, self.precision, self.grad_accum > 1, budget, host_reserved,
+            clipping=self.grad_clip > 0,
         )  # fmt: skip
 
-    def _next_params_file(self) -> SwappedShards | None:
-        """DPU on the disk tier with the parameters in memory: the delayed step writes the new 16-bit shards to
-        a file of their own (the live shards are what the next forward reads), which flush() reads back: 2
-        B/param each way rather than every streamed state read back (12 B/param of them)."""
-        oz = self.zero.offload_optimizer
-        if not (oz.delay_update and self.policy.offload_optimizer == "nvme" and self.param_disk is None):
+    def _master_casts(self) -> dict:
+        """Under parameter offload to nvme, the units whose states the host budget keeps in RAM, each with
+        the cast of its master that its gathers read instead of the parameter file (traffic.master_served_units)."""
+        oo = self.zero.offload_optimizer
+        units = master_served_units(
+            self.plan, self.policy, subgroup_of(self.zero), self.split, oo.delay_update
+        )
+        return {u: self.optimizer.states.master_cast(u) for u in units}
+
+    def _grad_shards(self, views: list[torch.Tensor]) -> GradShards:
+        """The reduced gradient shards, in the tier that holds the optimizer's states (grad_store.py); stages 0-1
+        without offload keep them as `views` of the full gradient buffers."""
+        if self.keep_full_grads:
+            return ResidentGrads(views, on_device=True)
+        return self.optimizer.tier.grad_store(
+            [u.shard for u in self.plan.units], self.accum_dtype, self.device
+        )
+
+    def _overlapped_step_readiness(self) -> UnitReadiness | None:
+        """The overlapped step (overlap.py): the walk runs while the next forward does, which waits per unit
+        (the config allows it with an offloaded optimizer only; `zero: auto` may choose the policy later)."""
+        if not (self.zero.offload_optimizer.overlap_step and self.gatherer is not None and self.offload):
             return None
-        return SwappedShards(
-            {u.index: u.shard for u in self.plan.units}, self.dtype, Path(oz.nvme_path), threads=oz.io.threads,
-            request_bytes=oz.io.request_mb << 20, name="params.next.swap",
-        )  # fmt: skip
+        overlap = UnitReadiness(len(self.plan.units))
+        self.gatherer.wait_ready = self._wait_unit
+        self.optimizer.on_background_end = overlap.end
+        return overlap
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
         """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or under
         optimizer offload host memory or the disk tier's swap file (zoff's fused CPU Adam, DPU optional)."""
         shards = self.shard_params[: len(self.plan.units)]  # trainable units: frozen ones have no state
         runs = [self.plan.decay_runs(u.index, self.rank) for u in self.plan.units]
-        oz = self.zero.offload_optimizer
+        oo = self.zero.offload_optimizer
         if not self.offload:
             return ShardOptimizer(shards, runs, optim, DeviceTier(), torch_fused_kernel)
         staging = (
-            Staging(oz.staging_mb << 20, self.device, pin=oz.pin_memory)
+            Staging(oo.staging_mb << 20, self.device, pin=oo.pin_memory)
             if needs_staging(self.device)
             else None
         )
@@ -188,23 +178,23 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         # what step() hands the optimizer: rescaled (clipped, unscaled) gradients are fp32, others as reduced
         grad_dtype = torch.float32 if rescales or self.accum_dtype == torch.float32 else self.dtype
         # DPU's step reads a snapshot: the next backward rewrites the shards (on disk: the other gradient file)
-        copy_grads = oz.delay_update and not (oz.device == "nvme" and self.split.grads_on_disk)
-        if oz.device == "nvme":
+        copy_grads = oo.delay_update and not (oo.device == "nvme" and self.split.grads_on_disk)
+        if oo.device == "nvme":
             tier = DiskTier(
-                staging, grad_dtype, copy_grads, Path(oz.nvme_path), oz.io.threads, oz.io.request_mb,
+                staging, grad_dtype, copy_grads, Path(oo.nvme_path), oo.io.threads, oo.io.request_mb,
                 piece=subgroup_of(self.zero), params=self.param_disk, grads_on_disk=self.split.grads_on_disk,
-                resident=self.split.resident, delayed=oz.delay_update,
+                resident=self.split.resident, delayed=oo.delay_update,
             )  # fmt: skip
         else:
             tier = HostTier(
                 staging, grad_dtype,
                 # fp32 on a host-only machine needs no master copy, unless DPU must keep the live params apart
-                alias_masters=self.dtype == torch.float32 and on_host and not oz.delay_update,
+                alias_masters=self.dtype == torch.float32 and on_host and not oo.delay_update,
                 copy_grads=copy_grads,
             )  # fmt: skip
         return ShardOptimizer(
-            shards, runs, optim, tier, cpu_fused_kernel, delay_update=oz.delay_update,
-            delay_warmup=oz.delay_update_warmup, threads=self.cpu_threads, device=self.device,
+            shards, runs, optim, tier, cpu_fused_kernel, delay_update=oo.delay_update,
+            delay_warmup=oo.delay_update_warmup, threads=self.cpu_threads, device=self.device,
         )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------- backward
@@ -239,9 +229,13 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
     def step(self, lr: float) -> StepResult:
         """Unscale, check overflow, clip by the global norm, update this rank's shard, share the new params.
 
-        Under DPU the update of this step runs in the background and the previous one is published first, so
-        the next forward sees parameters one step stale (ZeRO-Offload's delayed parameter update).
+        The update runs one of two ways, chosen first: the overlapped step's walk in the background, the next
+        forward waiting per unit (_overlapped_update); or here, each unit published as it is stepped
+        (_update), where under DPU the update of this step runs in the background and the previous one is
+        published first, so the next forward sees parameters one step stale (ZeRO-Offload's delayed
+        parameter update). _end_step ends every step.
         """
+        update = self._update if self.overlap is None else self._overlapped_update
         self.reducer.check()  # a failed gradient landing (landing.py): never a step on a window missing one
         t_wait = time.perf_counter()
         self.optimizer.finish()  # (an overlapped step's walk is joined already, by backward)
@@ -254,8 +248,7 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         total_sq, bad, unused = self._global_norm_sq()
         if bad > 0 and self.scaler.enabled:
             self.scaler.update(overflow=True)
-            self.last_step_comm = dict(self.comm.stats.elements)
-            return StepResult(float("inf"), stepped=False)
+            return self._end_step(StepResult(float("inf"), stepped=False), times=None)
         # Unscale with the scale these gradients were computed with; it may grow only afterwards (GradScaler).
         norm = math.sqrt(total_sq) / self.scaler.scale
         coef = 1.0 / self.scaler.scale
@@ -266,49 +259,46 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         delayed = self.overlap is None and self.optimizer.next_step_delayed
         grads = RescaledGrads(self.grads.for_step(delayed), coef, fused=self.optimizer.fuses_grad_scale)
         t0 = time.perf_counter()
-        # The fused CPU kernel may have written the 16-bit shards in its own pass.
-        copy = not self.optimizer.writes_live_shards
+        times = update(grads, lr, self._step_runs(unused), t0)
+        return self._end_step(StepResult(norm, stepped=True), times)
+
+    def _update(self, grads: RescaledGrads, lr: float, runs: list | None, t0: float) -> dict[str, float]:
+        """The update on this thread (DPU's in the background, published by the next flush); its times."""
+        copy = (
+            not self.optimizer.writes_live_shards
+        )  # the fused CPU kernel may have written the 16-bit shards
         handles: list[Handle] = []
         # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
-        publish = lambda u, lo, master: self._publish(u, lo, master, copy, handles)  # noqa: E731
-        runs = self._step_runs(unused)
-        if self.overlap is not None:
-            return self._overlapped_step(grads, lr, runs, copy, norm, t0)
-        # True: a delayed (DPU) update runs in the background and is published next step
+        publish = lambda u, lo, master: self.publication.piece(u, lo, master, copy, handles)  # noqa: E731
         last_walk = self.optimizer.last_background_s  # (DPU: the walk just joined, before the next starts)
-        in_flight = self.optimizer.step(
-            grads, lr, on_unit=publish, runs=runs, delayed_on_unit=self._publish_next
+        delayed = self.optimizer.step(
+            grads, lr, on_unit=publish, runs=runs, delayed_on_unit=self.publication.delayed_piece
         )
-        self._slot_written = in_flight and (self.param_disk is not None or self.next_params is not None)
+        self.publication.stepped(delayed)  # True: a delayed (DPU) update runs on, published next step
         t1 = time.perf_counter()
         for h in handles:
             h.wait()
         if self.param_disk is not None:
             self.param_disk.flush(self.param_disk.slot)  # the next forward reads the shards written back
             self.param_disk.trim()  # the write-backs' kept buffers: not held through the next forward
-        if not in_flight:
-            self._published = self.optimizer.step_count
-        self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
+        times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
         if self.optimizer.delay:  # DPU: the last walk (beside this forward and backward) and the wait for it
-            self.last_step_times |= {
-                "last_walk_s": last_walk,
-                "dpu_wait_s": self.last_flush_s,
-            }
-        now = self._disk_counters()  # the step's swap I/O: from zero_grad (forward's gathers) to here
-        self.last_step_times |= {k: v - self._disk_at_start.get(k, 0) for k, v in now.items()}
-        self.last_step_comm = dict(self.comm.stats.elements)
-        return StepResult(norm, stepped=True)
+            times |= {"last_walk_s": last_walk, "dpu_wait_s": self.last_flush_s}
+        return times
 
-    def _overlapped_step(self, grads, lr: float, runs, copy: bool, norm: float, t0: float) -> StepResult:
+    def _overlapped_update(
+        self, grads: RescaledGrads, lr: float, runs: list | None, t0: float
+    ) -> dict[str, float]:
         """The walk in the background (overlap.py); here only what must be on this thread: the persistent
         units' all-gathers (collectives), each once its update is in. The forward waits per unit."""
         self.overlap.begin()
+        copy = not self.optimizer.writes_live_shards
 
         def on_unit(u: int, lo: int | None, master: torch.Tensor | None) -> None:
             if lo is None:
                 self.overlap.unit_done(u)
             else:
-                self._publish(u, lo, master, copy, [])  # a shard or the swap file: no collective
+                self.publication.piece(u, lo, master, copy, [])  # a shard or the swap file: no collective
 
         self.optimizer.step(grads, lr, on_unit=on_unit, runs=runs, background=True)
         t1 = time.perf_counter()
@@ -319,13 +309,18 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
                 handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
         for h in handles:
             h.wait()
-        self._published = self.optimizer.step_count
-        self.last_step_times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1,
-                                "last_walk_s": self.optimizer.last_background_s}  # fmt: skip
-        now = self._disk_counters()
-        self.last_step_times |= {k: v - self._disk_at_start.get(k, 0) for k, v in now.items()}
+        self.publication.stepped(delayed=False)  # the forward reads each unit once its update is in
+        return {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1,
+                "last_walk_s": self.optimizer.last_background_s}  # fmt: skip
+
+    def _end_step(self, result: StepResult, times: dict[str, float] | None) -> StepResult:
+        """Where every step ends: its times (None: a skipped step keeps the last ones) with its swap I/O since
+        zero_grad (the forward's gathers on), and its collectives' elements."""
+        if times is not None:
+            now = self._disk_counters()
+            self.last_step_times = times | {k: v - self._disk_at_start.get(k, 0) for k, v in now.items()}
         self.last_step_comm = dict(self.comm.stats.elements)
-        return StepResult(norm, stepped=True)
+        return result
 
     def _wait_unit(self, u: int) -> None:
         """Before unit u's shard is read (a gather, an all-gather): its update in the walk is done."""
@@ -367,6 +362,10 @@ class ZeroEngine(EngineReports, ShardPublishing, EngineState):
         update in flight (DPU's, the overlapped walk) is joined first."""
         self.optimizer.finish()
         return self.optimizer.masters
+
+    def flush(self) -> None:
+        """Finish a delayed (DPU) optimizer step in flight and publish its parameters; otherwise a no-op."""
+        self.publication.flush()
 
     def zero_grad(self) -> None:
         """Start an accumulation window: full-gradient buffers (stages 0-1 without offload) are zeroed,

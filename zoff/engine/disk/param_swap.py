@@ -31,7 +31,11 @@ from pathlib import Path
 
 import torch
 
+from zoff.config import ZeroConfig
+from zoff.engine.disk.placement import param_swap_path
 from zoff.engine.disk.swapfile import ALIGN, AlignedBuffer, SwapFile, aligned
+from zoff.engine.partition import PartitionPlan
+from zoff.engine.policy import Policy
 
 # Write-backs in flight during the step: each holds one piece's 16-bit copy; more would only add RAM (the
 # disk serves them in order anyway) and fewer would make the step wait for each write.
@@ -257,3 +261,34 @@ class SwappedShards:
     def close(self) -> None:
         self.flush()
         self.file.close()
+
+
+def param_file(
+    zero: ZeroConfig, policy: Policy, plan: PartitionPlan, dtype: torch.dtype
+) -> SwappedShards | None:
+    """Parameter offload to nvme: every non-persistent unit's shard (frozen ones too) in a swap file; under DPU
+    the trainable shards in two slots. None without it."""
+    if not policy.params_on_disk:
+        return None
+    op, oo = zero.offload_param, zero.offload_optimizer
+    numels = {u.index: u.shard for u in plan.all_units if not u.persistent}
+    return SwappedShards(
+        numels, dtype, Path(param_swap_path(zero)), threads=op.io.threads, request_bytes=op.io.request_mb << 20,
+        hold_units=HELD_UNITS if oo.overlap_step else 0,
+        slotted=frozenset(u.index for u in plan.units if not u.persistent) if oo.delay_update else frozenset(),
+    )  # fmt: skip
+
+
+def next_params_file(
+    zero: ZeroConfig, policy: Policy, plan: PartitionPlan, dtype: torch.dtype
+) -> SwappedShards | None:
+    """DPU on the disk tier with the parameters in memory: the delayed step writes the new 16-bit shards to
+    a file of their own (the live shards are what the next forward reads), which flush() reads back: 2
+    B/param each way rather than every streamed state read back (12 B/param of them). None otherwise."""
+    oo = zero.offload_optimizer
+    if not (oo.delay_update and policy.offload_optimizer == "nvme" and not policy.params_on_disk):
+        return None
+    return SwappedShards(
+        {u.index: u.shard for u in plan.units}, dtype, Path(oo.nvme_path), threads=oo.io.threads,
+        request_bytes=oo.io.request_mb << 20, name="params.next.swap",
+    )  # fmt: skip

@@ -128,7 +128,7 @@ def instrument(eng: ZeroEngine) -> dict[str, float]:
 
         return wrapper
 
-    eng._publish_params = timed(eng._publish_params, "publish")
+    eng.publication.publish_all = timed(eng.publication.publish_all, "publish")
     opt = eng.optimizer
     if opt.tier.kind == "host":
         opt.finish = timed(opt.finish, "join")

@@ -18,7 +18,7 @@ from tests.harness import free_port
 from zoff.checkpoint.format import rng_states, set_rng_states
 from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, ZeroConfig
 from zoff.engine import build_engine
-from zoff.engine.collectives import CollectiveError, Comm
+from zoff.engine.comm.collectives import CollectiveError, Comm
 from zoff.engine.footprint import pinned_host_bytes
 from zoff.engine.policy import Policy
 from zoff.engine.staging import Staging

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.harness import spawn
-from zoff.engine.collectives import Comm
+from zoff.engine.comm.collectives import Comm
 
 # (shard length on 3 ranks, chunks as (start, length)): gaps, a chunk spanning every owner, chunks ending on a boundary,
 # an empty chunk, and a layout with no chunk in some rank's slice.

@@ -18,7 +18,7 @@ from torch import nn
 
 from tests.harness import rank_device, spawn, tiny_cfg
 from zoff.config import config_from_dict
-from zoff.engine.collectives import Comm
+from zoff.engine.comm.collectives import Comm
 from zoff.trainer.loop import train_loop
 from zoff.trainer.session import build_session
 

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from zoff.config import OptimConfig, ZeroConfig, check_grad_device
-from zoff.engine.collectives import Comm
+from zoff.engine.comm.collectives import Comm
 from zoff.engine.policy import Policy
 from zoff.engine.pool import mmap_large_allocations
 from zoff.engine.zero import StepResult, ZeroEngine

@@ -81,7 +81,7 @@ def model_states(
     elif not opt_off:
         gpu["grads"] = grad_shard
     elif policy.offload_optimizer == "nvme" and (split is None or split.grads_on_disk):
-        # (DPU: two gradient files, each with its buffers: grad_store.DelayedDiskGrads)
+        # (DPU: two gradient files, each with its buffers: grad_swap.DelayedDiskGrads)
         cpu["grads"] = grad_buffer_bytes(plan, 4 if fp32_shard else c) * (2 if delay_update else 1)
     else:
         cpu["grads"] = grad_shard

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from zoff.engine.collectives import Comm
+from zoff.engine.comm.collectives import Comm
 from zoff.engine.disk.param_swap import SwappedShards
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.step.tiers import host_buffer

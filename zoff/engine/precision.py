@@ -42,7 +42,7 @@ class LossScaler:
 class RescaledGrads:
     """The step's gradient shards times `coef` (unscaling and clipping), unit by unit, from their store.
 
-    Resident fp32 shards are scaled in place at once; shards on disk (grad_store.DiskGrads) are read unit by
+    Resident fp32 shards are scaled in place at once; shards on disk (grad_swap.DiskGrads) are read unit by
     unit and fp32 ones scaled in their read buffer. A 16-bit shard is never scaled where it lies (that would
     round the product back to 16 bits): with `fused` (zoff's CPU kernel, which multiplies in registers) it goes
     to the kernel as it is and scale(i) says by what; otherwise it becomes an fp32 copy when the optimizer

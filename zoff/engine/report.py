@@ -77,7 +77,7 @@ class EngineReports:
         }
 
     def planned_memory(self) -> dict[str, int]:
-        """memory_report()'s model-state keys as the policy table predicts them (policy.model_states, the very
+        """memory_report()'s model-state keys as the policy table predicts them (footprint.model_states, the very
         function `zoff estimate` calls): the start-up plan prints these beside what was allocated."""
         frozen = frozen_param_bytes(self.model, self.plan, self.precision, self.policy)
         gpu, cpu = model_states(

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from zoff.config import OptimConfig, ZeroConfig
-from zoff.engine.collectives import Comm, Handle
 from zoff.engine.comm.blocks import BlockTracker
+from zoff.engine.comm.collectives import Comm, Handle
 from zoff.engine.comm.gather import UnitGatherer
 from zoff.engine.comm.reduce import GradReducer
 from zoff.engine.disk.budget import host_budget_bytes, mem_total

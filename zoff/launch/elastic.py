@@ -178,7 +178,7 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
     from zoff.trainer.preempt import STOP
 
     STOP.install()  # first: a SIGTERM during start-up must still end in a checkpointed stop
-    from zoff.engine.gather_checks import SkippedBlockError  # (in the child: keeps the launcher light)
+    from zoff.engine.comm.gather_checks import SkippedBlockError  # (in the child: keeps the launcher light)
     from zoff.trainer.run import run_training
 
     cfg = regather.with_classes(config_from_dict(cfg_dict), regather.recorded(Path(run_dir))[0])

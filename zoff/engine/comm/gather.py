@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from zoff.engine.collectives import Comm, Handle
 from zoff.engine.comm.blocks import BlockTracker
+from zoff.engine.comm.collectives import Comm, Handle
+from zoff.engine.comm.gather_checks import GatherChecks, ReleasedReadGuard, UnsupportedModelError
 from zoff.engine.disk.param_swap import ShardRead, SwappedShards
-from zoff.engine.gather_checks import GatherChecks, ReleasedReadGuard, UnsupportedModelError
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.staging import NullEvent
 

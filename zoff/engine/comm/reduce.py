@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from zoff.engine.collectives import Comm, Handle
+from zoff.engine.comm.collectives import Comm, Handle
 from zoff.engine.comm.landing import Landings
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import Policy

@@ -11,7 +11,7 @@ The overlapped step (overlap.py) keeps what its walk writes back of the last HEL
 forward trails the walk by about a block, so it gathers a unit moments after its write-back, and reads it from
 these buffers instead of the disk. That takes the forward's parameter reads (one of the three passes over the
 parameter file a step makes) off the disk while the walk is using it; RAM: up to HELD_UNITS + 1 shards more
-(the next ones held while a gather copies one out), as disk_traffic.held_write_back_bytes counts them.
+(the next ones held while a gather copies one out), as traffic.held_write_back_bytes counts them.
 
 Released buffers are kept (a few per size) for the next read or write of that size, until trim(): a fresh
 anonymous map costs a page fault and a page of zeroing per 4 KiB on first touch, and an unmap to free it,
@@ -100,7 +100,7 @@ class SwappedShards:
         # (sets of the buffers themselves, hashed by identity: they stay alive while listed, so no entry can
         # ever match a later buffer, as a freed object's id() could)
         self.read_from_memory_bytes = 0  # shard bytes a gather took from `held` rather than the disk
-        # units whose shard is cast from a master in RAM (disk_traffic.master_served_units): unit -> fill(out)
+        # units whose shard is cast from a master in RAM (traffic.master_served_units): unit -> fill(out)
         self.from_master: dict[int, Callable[[torch.Tensor], None]] = {}
         self.cast_bytes = 0  # shard bytes gathers cast from resident masters
 

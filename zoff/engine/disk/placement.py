@@ -36,7 +36,7 @@ from zoff.units import human
 RING = 5  # buffers: the piece stepped, two read ahead, two being written back
 
 # A piece's three states in RAM are set apart by a quarter of a 128 KiB cache way more than their length, and
-# start a quarter way in: the I/O buffers are transparent huge pages (disk_io.AlignedBuffer), so an address's
+# start a quarter way in: the I/O buffers are transparent huge pages (swapfile.AlignedBuffer), so an address's
 # cache set is its offset, and master, moments and the gradient (whose buffer starts on a huge page) at equal
 # offsets would share every set of the cache the CPU Adam streams them through. Measured on this project's
 # machines (scripts/bench_io_contention.py, one 64M-parameter piece stepped over and over, which the cache
@@ -103,7 +103,7 @@ def partition_layout(shard_numels: list[int]) -> FileLayout:
 
 
 def grad_buffer_bytes(plan: PartitionPlan, itemsize: int) -> int:
-    """RAM of the gradient swap file's buffers (grad_store.DiskGrads): GRAD_BUFFERS of the largest unit shard."""
+    """RAM of the gradient swap file's buffers (grad_swap.DiskGrads): GRAD_BUFFERS of the largest unit shard."""
     return GRAD_BUFFERS * aligned(max((itemsize * u.shard for u in plan.units), default=1))
 
 
@@ -111,8 +111,8 @@ def grad_disk_bytes(
     plan: PartitionPlan, policy: Policy, split: DiskSplit, accumulating: bool, precision: str,
     delayed: bool = False,
 ) -> int:  # fmt: skip
-    """The gradient swap file per rank (grad_store.DiskGrads): an aligned region per unit, in fp32 when
-    micro-batches accumulate; two such files when `delayed` (DPU: grad_store.DelayedDiskGrads); 0 unless the
+    """The gradient swap file per rank (grad_swap.DiskGrads): an aligned region per unit, in fp32 when
+    micro-batches accumulate; two such files when `delayed` (DPU: grad_swap.DelayedDiskGrads); 0 unless the
     disk tier keeps its gradients on disk (`split`)."""
     if policy.offload_optimizer != "nvme" or not split.grads_on_disk:
         return 0
@@ -161,7 +161,7 @@ def piece_bytes(plan: PartitionPlan, subgroup: int | None) -> list[int]:
 
 
 def piece_ram(plan: PartitionPlan, subgroup: int | None) -> list[int]:
-    """RAM of each piece's three states (state_swap.piece_ram_bytes: set apart in the cache's sets)."""
+    """RAM of each piece's three states (piece_ram_bytes: set apart in the cache's sets)."""
     return list(_piece_ram(tuple(u.shard for u in plan.units), subgroup))
 
 
@@ -178,7 +178,7 @@ def disk_bytes(
 
 
 def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
-    """The optimizer's swap file per rank: its checkpoint shard's layout (state_swap.partition_layout)."""
+    """The optimizer's swap file per rank: its checkpoint shard's layout (partition_layout)."""
     if policy.offload_optimizer != "nvme":
         return 0
     return _layout_bytes(tuple(u.shard for u in plan.units))
@@ -283,7 +283,7 @@ def disk_split(
     itemsize = 4 if policy.shard_accum_fp32(accumulating) else DTYPES[precision].itemsize
     numel = sum(u.shard for u in plan.units)
     # DPU's delayed step reads the shard while the next backward writes the next one: in RAM beside it a
-    # snapshot (in fp32 when `clipping` or fp16 rescale it, as policy.model_states counts it), on disk a second
+    # snapshot (in fp32 when `clipping` or fp16 rescale it, as footprint.model_states counts it), on disk a second
     # file with its own buffers
     snapshot = 4 if clipping or precision == "fp16" else itemsize
     shard = itemsize * numel + (snapshot * numel if oo.delay_update else 0)
@@ -317,7 +317,7 @@ def disk_split(
 
 def spread_units(ram: list[int], units: list[range], room: int) -> tuple[int, ...]:
     """The resident pieces: whole units (so that their parameter shards need no disk either:
-    disk_traffic.master_served_units) spread evenly over the walk, at most `room` bytes of RAM. A unit is kept when
+    traffic.master_served_units) spread evenly over the walk, at most `room` bytes of RAM. A unit is kept when
     what is kept so far, with half of it, stays within the room's share of what the walk has passed.
 
     Why spread: a resident piece costs the walk only its CPU Adam, which, between streamed pieces, runs while

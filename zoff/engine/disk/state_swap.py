@@ -4,7 +4,7 @@ byte for byte, the rank's checkpoint shard.
 The file is a safetensors file laid out by `partition_layout`: per unit, its fp32 master, exp_avg and
 exp_avg_sq (`u<i>.master`, ...) as the checkpoint names them, each on a 4096-byte boundary (O_DIRECT's
 alignment; zero pad tensors in the gaps). So a checkpoint save is a file-to-file copy of the swap file
-(disk_io.copy_file: two chunk buffers, no page cache, the checksum computed on the way) and a resume into the
+(swapfile.copy_file: two chunk buffers, no page cache, the checksum computed on the way) and a resume into the
 same partitioning copies the shard back; nothing is converted and no unit passes through the optimizer's
 buffers. Another world size or stage reads the shard through the checkpoint's pieces as every tier does.
 
@@ -12,7 +12,7 @@ The step walks the file in pieces: a unit, or a sub-group of at most io.subgroup
 A piece is three reads (its master, exp_avg and exp_avg_sq ranges) into one page-aligned buffer; up to five
 buffers rotate (ring_size): the piece being stepped, the next ones being read, the previous ones being written. Host
 memory: ring_size x the largest streamed piece's states, plus the pieces the host budget keeps in RAM
-(zero.offload_optimizer.host_budget, host_budget.disk_split), which the step never reads or writes.
+(zero.offload_optimizer.host_budget, placement.disk_split), which the step never reads or writes.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from zoff.engine.step.states import KINDS, States
 class SwappedStates(States):
     """Every unit's states in one swap file laid out as its checkpoint shard, stepped piece by piece.
 
-    The `resident` pieces (the host budget's, host_budget.disk_split: whole units spread over the walk) live
+    The `resident` pieces (the host budget's, placement.disk_split: whole units spread over the walk) live
     in RAM for good: never read or written during a step, synced into the file only for a checkpoint. The
     others stream through the ring; a ring buffer keeps the bytes of the piece it last held, so a piece still
     there is not read again, and reads run ahead of the walk into idle buffers; prefetch() starts the next

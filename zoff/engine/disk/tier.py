@@ -34,9 +34,9 @@ class DiskTier(HostTier):
         self.swap_dir, self.threads, self.request_mb, self.piece = swap_dir, threads, request_mb, piece
         self.params = params  # parameter offload to nvme: where the shards that are not in memory are
         self.grads_on_disk = (
-            grads_on_disk  # grad_device and host_budget (host_budget.disk_split): its own swap file
+            grads_on_disk  # grad_device and host_budget (placement.disk_split): its own swap file
         )
-        self.resident = resident  # the host budget's pieces of the states, held in RAM (host_budget.py)
+        self.resident = resident  # the host budget's pieces of the states, held in RAM (placement.disk_split)
 
     def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
         if not self.grads_on_disk:

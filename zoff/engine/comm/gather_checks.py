@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from zoff.engine.collectives import Handle
+from zoff.engine.comm.collectives import Handle
 from zoff.errors import UserError
 
 

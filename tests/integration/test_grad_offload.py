@@ -10,7 +10,7 @@ and 3 in bf16:
 - no gradient shard is allocated on the device (memory_report()["grads"] == 0), and the gradient buffers the
   reducer held at its peak are within the estimate's in-flight bound (memory.pending_gradients, which has no
   Psi/N term under offload);
-- memory_report() equals the policy table (planned_memory(): policy.model_states, what `zoff estimate` uses);
+- memory_report() equals the policy table (planned_memory(): footprint.model_states, what `zoff estimate` uses);
 - the losses and the final parameters are bit for bit those of the same policy with the reductions landing
   in place (a host-only run), and every tier equals CPU offload bit for bit;
 - and the device-bytes check is shown able to fail: an engine made to keep gradients on the device is caught.

@@ -1,4 +1,4 @@
-"""The disk tier's host budget (zero.offload_optimizer.host_budget, engine/host_budget.py): the disk holds only
+"""The disk tier's host budget (zero.offload_optimizer.host_budget, engine/disk/placement.py): the disk holds only
 what RAM cannot. A split budget (some sub-groups in RAM, the rest streamed) gives the same bits as everything
 on disk and as CPU offload; its RAM is what the plan and `zoff estimate` say; its disk bytes per step are the
 streamed pieces' only; a run resumes bit for bit at another budget; a size below the working set is one line,

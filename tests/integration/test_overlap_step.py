@@ -1,4 +1,4 @@
-"""The overlapped step (zero.offload_optimizer.overlap_step, engine/overlap.py): the optimizer's walk runs in
+"""The overlapped step (zero.offload_optimizer.overlap_step, engine/step/overlap.py): the optimizer's walk runs in
 a background thread while the next forward gathers, each gather waiting for its unit's update. The same
 numbers as the step that runs first, bit for bit (the pattern zoo's 3-nvme-overlap cells hold them equal to
 plain PyTorch on 2 and 3 ranks), with an evaluation forward during the walk, at any host budget; the config

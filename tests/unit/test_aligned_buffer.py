@@ -1,4 +1,4 @@
-"""The disk tier's I/O buffers (disk_io.AlignedBuffer) ask for transparent huge pages: O_DIRECT pins every
+"""The disk tier's I/O buffers (disk/swapfile.AlignedBuffer) ask for transparent huge pages: O_DIRECT pins every
 page of a request, and on this project's machines 2 MiB pages cut the kernel's time per byte 5-7x
 (scripts/bench_io_contention.py). Checked where it shows: the mapping's AnonHugePages in /proc/self/smaps."""
 
@@ -49,7 +49,7 @@ def test_a_large_buffer_is_backed_by_huge_pages_a_small_one_is_not_asked() -> No
 @pytest.mark.parametrize("part", [2 << 20, 32 << 20, (32 << 20) + 4096 * 3])
 def test_a_pieces_states_lie_apart_in_the_cache_and_inside_its_ram(part: int) -> None:
     """On huge pages an offset is a cache set: master, moments and the gradient (its buffer starts on a huge
-    page, offset 0) must not share one, or the CPU Adam's four streams fight over it (state_swap.SKEW)."""
+    page, offset 0) must not share one, or the CPU Adam's four streams fight over it (placement.SKEW)."""
     from zoff.engine.disk.placement import SKEW, WAY, kind_offset, piece_ram_bytes
 
     at = [kind_offset(part, k) for k in range(3)]

@@ -1,4 +1,4 @@
-"""Gradient landings on their worker thread (engine/landing.py): in order, off the caller's thread, bounded by
+"""Gradient landings on their worker thread (engine/comm/landing.py): in order, off the caller's thread, bounded by
 the reducer, and an error that stops every later landing and surfaces on the caller's thread each time."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The engine's allocated model states equal the policy table's prediction, and `zoff estimate` predicts with
-that very function (engine/policy.model_states): the estimate cannot drift from the engine unnoticed."""
+that very function (engine/footprint.model_states): the estimate cannot drift from the engine unnoticed."""
 
 from __future__ import annotations
 

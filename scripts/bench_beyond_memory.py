@@ -35,6 +35,10 @@ and writes it all to JSON.
 --size sets model.n_layer / n_head / d_model (an hf: model maps them onto its config); without it the config's
 own model is used. Trailing KEY.PATH=VALUE overrides go to `zoff estimate` and `zoff train` alike.
 
+On a CPU without fast kernels for the config's 16-bit precision (no AVX512: bf16 ~100x fp32's time) the run and
+its floor compute in fp32 (train.cpu_precision=fp32, added after the command line's overrides; the JSON's
+"cpu_precision" and the table say so); --native-precision keeps the 16-bit compute, and its hours.
+
 The JSON goes to the preset's file under docs/results/ (--json), the RSS time series beside it
 (its .series.json): the table needs only the peaks, which the JSON holds.
 
@@ -45,6 +49,7 @@ and the table are beyond_memory_report.py's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -163,21 +168,40 @@ def parser() -> argparse.ArgumentParser:
         "--floor-steps", type=int, default=5, help="steps of each floor run (the first is dropped)"
     )
     ap.add_argument("--floor-rounds", type=int, default=2, help="rounds of the floor's depths, alternating")
+    benchlib.native_precision_arg(ap)
     ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides for estimate and train")
     return ap
 
 
-def build_overrides(a: argparse.Namespace) -> list[str]:
+def build_overrides(a: argparse.Namespace, switch: tuple[str, ...] = ()) -> list[str]:
+    """The line's overrides, then `switch` (CpuPrecision.overrides), the preset's and --path's."""
     out = [f"model.{k}={v}" for k, v in SIZES.get(a.size or "", {}).items()]
     if a.steps is not None:
         out.append(f"train.max_steps={a.steps}")
     if a.nproc is not None:
         out.append(f"launch.nproc_per_node={a.nproc}")
     out.append("train.log_every=1")  # a record per step: its loss and its time
-    out += [*a.overrides, *PRESETS[a.preset].overrides]  # the preset's last: they win over the line's
+    out += [*a.overrides, *switch, *PRESETS[a.preset].overrides]  # the preset's last: win over the line's
     if a.path is not None:  # both sections (offload_param falls back to the optimizer's path anyway)
         out += [f"zero.{sec}.nvme_path={a.path}" for sec in ("offload_optimizer", "offload_param")]
     return out
+
+
+def planned_config(a: argparse.Namespace, con: Console) -> tuple[list[str], Config, benchlib.CpuPrecision]:
+    """The overrides, the config they make and what its ranks compute in: where the config's 16-bit dtype has
+    no fast kernel on this CPU, train.cpu_precision=fp32 joins the overrides (the run's, the estimate's and
+    the floor's alike), unless --native-precision."""
+    overrides = build_overrides(a)
+    cfg = load_config(a.config, overrides)
+    cpu = benchlib.cpu_precision_plan(
+        "bench_beyond_memory", cfg.train.precision, a.native_precision, cpu_precision=cfg.train.cpu_precision
+    )
+    if cpu.overrides:
+        overrides = build_overrides(a, cpu.overrides)
+        cfg = load_config(a.config, overrides)
+        con.print(f"{cpu.matmul}: computing in fp32 ({' '.join(cpu.overrides)}; {benchlib.NATIVE_FLAG} keeps "
+                  f"{cpu.configured})")  # fmt: skip
+    return overrides, cfg, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.render:
         return benchlib.print_rendered(a.out, render)
     con = Console(width=max(Console().width, 150))
-    overrides = build_overrides(a)
-    cfg = load_config(a.config, overrides)
+    overrides, cfg, cpu = planned_config(a, con)
     sections = nvme_sections(cfg)
     if not sections:
         con.print(
@@ -201,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- the estimate, in-process: the functions `zoff estimate --json` prints
     budget, device_type = detect_budget(None, None)
-    est = estimate(cfg.model, cfg.data, cfg.train, cfg.zero, local, 1, device_type)
-    est_json = to_json(est, budget, cfg.zero, cfg.train)
+    # in the precision the ranks compute in: train.cpu_precision=fp32 builds them in fp32 (the swap files' bytes)
+    run_train = dataclasses.replace(cfg.train, precision=cpu.computed)
+    est = estimate(cfg.model, cfg.data, run_train, cfg.zero, local, 1, device_type)
+    est_json = to_json(est, budget, cfg.zero, run_train)
     row = configured_row(est_json)
     # no CUDA: the ranks' "GPU" bytes are host bytes too, so the node's RAM is both columns
     pred_ram = (row["gpu_bytes"] * local if budget.shared else 0) + row["cpu_bytes_per_node"]
@@ -214,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": benchlib.command_line(ap, a, "bench_beyond_memory"),
         "config": str(a.config), "size": a.size, "overrides": overrides, "nproc": local,
         "params": est.params, "trainable_params": est.trainable_params, "precision": cfg.train.precision,
+        "cpu_precision": cpu.to_json(),
         "model_state_bytes": states, "model_state_to_ram": states / mem["MemTotal"],
         "nvme_sections": {k: str(v) for k, v in sections.items()}, "swap_paths": [str(d) for d in swap_dirs],
         "estimate": {"policy": row["name"], "ram_bytes": pred_ram, "disk_bytes": pred_disk,
@@ -298,7 +324,8 @@ def floor_before(
     if before:
         depths = tuple(int(x) for x in a.floor_depths.split(","))
         con.print(f"floor, before the run: n_layer {depths} with every state in RAM, {before} round(s) ...")
-        measure_compute(a.config, overrides, depths, a.floor_steps, cfg.model.n_layer, before, samples)
+        measure_compute(a.config, overrides, depths, a.floor_steps, cfg.model.n_layer, before, samples,
+                        native=a.native_precision)  # fmt: skip
     return samples, before
 
 
@@ -316,8 +343,9 @@ def measure_floor(
         f"{after} round(s) after the run ..."
     )
     compute = measure_compute(
-        a.config, overrides, depths, a.floor_steps, cfg.model.n_layer, after, samples, first_round=before
-    )
+        a.config, overrides, depths, a.floor_steps, cfg.model.n_layer, after, samples, first_round=before,
+        native=a.native_precision,
+    )  # fmt: skip
     compute["rounds_before_run"] = before
     io, bio = result["disk_io_per_step"].get("ranks"), result.get("bench_io")
     out = {"compute": compute}
@@ -348,8 +376,6 @@ def device_gbps(bio: dict) -> tuple[float, float]:
 def predicted_step(cfg: Config, est, result: dict) -> dict:
     """`zoff estimate --time`'s step for the configured policy (its probes, run now on this box), with this
     job's raw disk bandwidth for the disk's rate, against the measured median step."""
-    import dataclasses
-
     from zoff.planning.estimate import step_timing
 
     bio = result["bench_io"]

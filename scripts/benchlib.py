@@ -1,7 +1,8 @@
 """What the benchmark scripts share: gloo ranks in fresh processes, the benchmark GPT's config, the
-PASS/MISS targets table, and the results JSON's provenance (date, commit, machine) with the markdown helpers
-their render() functions build tables from. The scripts import the installed zoff (`pip install -e .` or a
-wheel), not tests/."""
+PASS/MISS targets table, the results JSON's provenance (date, commit, machine) with the markdown helpers
+their render() functions build tables from, and what a benchmark computes in on a CPU without fast 16-bit
+kernels (cpu_precision_plan). The scripts import the installed zoff (`pip install -e .` or a wheel), not
+tests/."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zoff.config import Config, config_from_dict
+from zoff.host.kernels import compute_precision, slow_dtype
 
 
 def _rank_entry(rank: int, world: int, port: int, fn, args: tuple, out: str) -> None:
@@ -80,6 +82,91 @@ def print_targets(con: Console, title: str, targets: list[dict], digits: int = 2
             f"[{style}]{row['result']}[/]",
         )
     con.print(tab)
+
+
+# ------------------------------------------------------------- 16-bit compute on a CPU without its kernels
+# Without AVX512 torch computes bf16/fp16 matmuls on the CPU with a reference kernel, ~100x fp32's time
+# (zoff.host.kernels): a benchmark that computes so runs for hours, silently. Each one that computes in a
+# 16-bit dtype on the CPU asks cpu_precision_plan first: it computes in fp32 instead (the trainer's own
+# train.cpu_precision=fp32, added to every run it measures, its floor's included, and recorded in the JSON
+# and the rendered table), or refuses in one line; NATIVE_FLAG keeps the 16-bit path on purpose.
+NATIVE_FLAG = "--native-precision"
+SWITCH = "train.cpu_precision=fp32"
+
+
+@dataclass(frozen=True)
+class CpuPrecision:
+    """What a benchmark computes in on this host's CPU: `configured` (train.precision) and `computed`, the
+    configured dtype's matmul path where it is slow here (MatmulPath.describe(), else None), and the
+    overrides the script adds to every run it measures to compute so."""
+
+    configured: str
+    computed: str
+    matmul: str | None = None
+    overrides: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        """The results JSON's "cpu_precision" (precision_note renders it)."""
+        return {"configured": self.configured, "computed": self.computed, "matmul": self.matmul}
+
+
+def native_precision_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        NATIVE_FLAG, action="store_true",
+        help="compute in the configured 16-bit dtype on the CPU even where this host has no fast kernel for "
+        "it (~100x fp32's time: hours); by default such a run computes in fp32, or the script refuses",
+    )  # fmt: skip
+
+
+def cpu_precision_plan(
+    who: str, precision: str, native: bool = False, *, refuse: str | None = None,
+    cpu_precision: str = "native", switch: str | None = SWITCH, on_cpu: bool | None = None,
+) -> CpuPrecision:  # fmt: skip
+    """What `who` computes in on this host's CPU, where the run is configured with train.precision
+    `precision` and train.cpu_precision `cpu_precision` (on_cpu: default, no CUDA device here).
+
+    Where the configured 16-bit dtype is slow here (zoff.host.kernels.slow_dtype) and the run would compute
+    in it: with `native` (NATIVE_FLAG) it does, on purpose; with `refuse` (what to do instead, e.g. "pass
+    --precision fp32") one line on stderr names the factor, `refuse` and NATIVE_FLAG, and the script exits
+    2; else it computes in fp32, through the override `switch` (None: the script computes itself, in
+    .computed)."""
+    on_cpu = not torch.cuda.is_available() if on_cpu is None else on_cpu
+    computed, _ = compute_precision(precision, cpu_precision, on_cpu)
+    slow = slow_dtype(precision) if on_cpu else None
+    if slow is None or computed != precision or native:
+        return CpuPrecision(precision, computed, slow.describe() if slow else None)
+    if refuse is not None:
+        print(
+            f"{who}: {slow.describe()}: a {precision} run here takes about {slow.factor:.0f}x its fp32 time "
+            f"(hours); {refuse}, or {NATIVE_FLAG} to run it in {precision} anyway",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return CpuPrecision(precision, "fp32", slow.describe(), (switch,) if switch else ())
+
+
+def computed_in(data: dict) -> str:
+    """The words after a configured precision the run did not compute in (" (computed in fp32)"), else ""."""
+    cp = data.get("cpu_precision") or {}
+    return f" (computed in {cp['computed']})" if cp and cp["computed"] != cp["configured"] else ""
+
+
+def precision_note(data: dict) -> str:
+    """The rendered sentence on a results JSON's "cpu_precision": a run computed in fp32 rather than its
+    configured 16-bit dtype, or in that dtype on a slow kernel on purpose; "" where there is nothing to say
+    (and for JSONs written before the field existed)."""
+    cp = data.get("cpu_precision") or {}
+    conf, comp, matmul = cp.get("configured"), cp.get("computed"), cp.get("matmul")
+    if conf and comp and comp != conf:
+        if not matmul:  # the config's own train.cpu_precision
+            return f"Computed in {comp} on the CPU, not {conf} (train.cpu_precision). "
+        return (
+            f"Computed in {comp} on the CPU, not {conf}: this host has no fast {conf} kernel ({matmul}); "
+            f"{NATIVE_FLAG} keeps {conf}. "
+        )
+    if matmul:
+        return f"Computed in {conf} on a slow kernel, on purpose ({NATIVE_FLAG}): {matmul}. "
+    return ""
 
 
 # ------------------------------------------------------------------------------- results JSON (docs/results/)
@@ -254,4 +341,4 @@ def measured_line(data: dict, script: str) -> str:
     except ValueError:
         when = date
     cmd = data.get("command") or f"python scripts/{script}.py"
-    return f"Measured {when} at commit {data.get('commit') or 'unknown'} on {machine_summary(data['machine'])}; `{cmd}`\n"
+    return f"{precision_note(data)}Measured {when} at commit {data.get('commit') or 'unknown'} on {machine_summary(data['machine'])}; `{cmd}`\n"

@@ -168,7 +168,8 @@ MISSING = [
 def title(r: dict) -> str:
     size = f" --size {r['size']}" if r["size"] else ""
     return (
-        f"zoff beyond memory: {Path(r['config']).name}{size}, {r['nproc']} rank(s), {r['precision']}, "
+        f"zoff beyond memory: {Path(r['config']).name}{size}, {r['nproc']} rank(s), "
+        f"{r['precision']}{benchlib.computed_in(r)}, "
         f"{r['estimate']['policy']}, {r['date']}"
     )
 
@@ -185,7 +186,8 @@ def render(r: dict) -> str:
     ram, est, v = r["machine"]["ram_bytes"], r["estimate"], r["vs_estimate"]
     size = f" `--size {r['size']}`" if r["size"] else ""
     head = (
-        f"`{Path(r['config']).name}`{size}: {r['params']:,} parameters, {r['precision']}, `{est['policy']}`, "
+        f"`{Path(r['config']).name}`{size}: {r['params']:,} parameters, {r['precision']}{benchlib.computed_in(r)}, "
+        f"`{est['policy']}`, "
         f"{r['nproc']} rank(s), {len(r['steps'])} steps.\n\n"
     )
     rows = [

@@ -7,6 +7,8 @@ layers and every state in RAM (zero3-offload: the same shards, gathers, reductio
 no disk), trained a few steps at two depths, gives a fixed and a per-layer time; scaled to the config's
 depth it is what the full model would take with all of its states in RAM. The disk part is the bytes the
 run moved per step over the raw O_DIRECT bandwidth `zoff bench-io` measured on the same path in the same job.
+On a CPU without fast kernels for the config's 16-bit precision the floor computes in fp32, as the run does
+(benchlib.cpu_precision_plan: train.cpu_precision=fp32), unless `native`.
 
 Used by bench_beyond_memory.py; importable on its own:
 
@@ -19,7 +21,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from benchlib import train_records
+from benchlib import cpu_precision_plan, train_records
+
+from zoff.config import load_config
 
 # every state in RAM: the same stage and gathers as the disk tier's run, its bytes never touch the disk
 IN_RAM = [
@@ -34,7 +38,7 @@ IN_RAM = [
 
 def measure_compute(
     config: Path, overrides: list[str], depths: tuple[int, int], steps: int, layers: int, rounds: int = 2,
-    samples: dict[int, list[float]] | None = None, first_round: int = 0,
+    samples: dict[int, list[float]] | None = None, first_round: int = 0, native: bool = False,
 ) -> dict:  # fmt: skip
     """Train `config` (with `overrides`, the disk tier's own) at two depths with every state in RAM and
     return the per-layer fit scaled to `layers`: {depth: step seconds, ..., per_layer_s, fixed_s, scaled_s}.
@@ -43,8 +47,13 @@ def measure_compute(
     steps: the per-layer slope is a difference of two times, multiplied by the model's depth, so a host whose
     speed moves between two single runs moved the floor by a quarter (2026-11-27: 21.8, 28.7 and 24.7 s).
     `samples` (depth -> step times) carries rounds measured earlier, which the fit includes (a benchmark
-    that brackets its run: rounds before it and after it); `first_round` continues their alternation."""
+    that brackets its run: rounds before it and after it); `first_round` continues their alternation.
+    Where the config computes in a 16-bit dtype this CPU has no fast kernel for, the floor computes in fp32
+    (out["cpu_precision"]), unless `native`."""
     keep = [o for o in overrides if not o.startswith(("model.n_layer=", "train.max_steps=", "zero.offload_"))]
+    train = load_config(config, [*keep, *IN_RAM]).train
+    cpu = cpu_precision_plan("offload_floor", train.precision, native, cpu_precision=train.cpu_precision)
+    keep += cpu.overrides
     samples = samples if samples is not None else {d: [] for d in depths}
     for r in range(first_round, first_round + rounds):
         for depth in depths if r % 2 == 0 else depths[::-1]:
@@ -58,7 +67,7 @@ def measure_compute(
                     times[1:] or times  # (the first step warms up)
                 )
     out = {"depths": list(depths), "steps": steps, "rounds": first_round + rounds,
-           "policy": "zero3-offload (every state in RAM)"}  # fmt: skip
+           "policy": "zero3-offload (every state in RAM)", "cpu_precision": cpu.to_json()}  # fmt: skip
     (d0, d1), (t0, t1) = depths, [statistics.median(samples[d]) for d in depths]
     per_layer, fixed = _fit(depths, (t0, t1))
     out |= {"step_s": {str(d0): t0, str(d1): t1}, "samples_s": {str(d): samples[d] for d in depths},

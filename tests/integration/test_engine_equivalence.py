@@ -54,7 +54,7 @@ def test_stage_matches_reference(gpt_runs, stage: int) -> None:
 
 
 def _bucketed_rank_many(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
-    from zoff.engine import reduce
+    from zoff.engine.comm import reduce
 
     reduce.FLAT_INPUT_BACKENDS = frozenset({"nccl", "gloo"})  # NCCL's bucket path, run over gloo
     return zoff_rank_many(rank, world, cfgs)

@@ -7,8 +7,6 @@ to DDP's all-reduce (2 psi) and stage 3 equal to 3 psi, whatever the backend doe
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -16,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zoff.engine.comm.not_answering import not_answering
 from zoff.engine.pool import BufferPool
 
 
@@ -270,6 +269,29 @@ class Comm:
             "gather_check", sends, recvs, None, True, stream=stream, group=self.check_group
         ), codes
 
+    def confirm(self) -> None:
+        """Hold until every peer has reached this call too (or has left), at most the collective timeout.
+
+        A rank that found an error its peers find from the same message (stage 3's gather checks) calls this
+        before raising: leaving at once, it could tear down the connections (the launcher stops every rank
+        when one fails; the store host takes the store with it) while a slower peer has not yet read the
+        codes that name the error. Every rank calls it once per error, so the round pairs by its own tag
+        stream whatever gathers were still in flight. A peer that died or left first does not hold this rank:
+        its failure is ignored here (this rank's own error is what it raises next)."""
+        if self.world == 1:
+            return
+        flag = torch.ones(self.world, dtype=torch.int64)
+        peers = [q for q in range(self.world) if q != self.rank]
+        sends = [(flag[self.rank : self.rank + 1], q, 0) for q in peers]
+        recvs = [(flag[q : q + 1], q, 0) for q in peers]
+        try:
+            handle = self._exchange(
+                "confirm", sends, recvs, None, True, stream="confirm", group=self.check_group, explained=False
+            )
+            handle.wait(self.timeout_s)
+        except RuntimeError:  # a peer that is gone has nothing left to read
+            pass
+
     def _exchange(
         self,
         kind: str,
@@ -280,6 +302,7 @@ class Comm:
         tags: int = 1,
         stream: str = "main",
         group: dist.ProcessGroup | None = None,
+        explained: bool = True,
     ) -> Handle:
         """gloo reduce-scatter / all-gather as direct sends of each rank's slice to its owner (over `group`,
         default the data group).
@@ -290,7 +313,8 @@ class Comm:
         all_gather_into_tensor 321 ms. Cost: N-1 scratch slices for a reduce-scatter into an aliased output,
         and N-1 concurrent connections per rank (fine for data-parallel widths, not for thousands of ranks).
         Items are (tensor, peer, k). Every rank issues its collectives in the same order, so a block of
-        `tags` tags per call, k picking one, pairs each send with its receive.
+        `tags` tags per call, k picking one, pairs each send with its receive. `explained` False: a failure
+        raises as it is, without asking the store which ranks are not answering (see _run).
         """
         at = self._tags[stream]
         self._tags[stream] = (at + tags) % _TAGS_PER_STREAM
@@ -302,7 +326,7 @@ class Comm:
             works = [dist.irecv(t, peer(q), group=group, tag=base + k) for t, q, k in recvs]
             return works + [dist.isend(t, peer(q), group=group, tag=base + k) for t, q, k in sends]
 
-        handle = self._run(kind, issue, then)
+        handle = self._run(kind, issue, then, explained)
         if not async_op:
             handle.wait()
             return DONE
@@ -320,8 +344,16 @@ class Comm:
             handle.wait(self.timeout_s if self.backend == "nccl" else None)
         return t.tolist()
 
-    def _run(self, kind: str, issue: Callable[[], object], then: Callable[[], None] | None = None) -> Handle:
-        explain = lambda e: self._explain(kind, e)  # noqa: E731
+    def _run(
+        self,
+        kind: str,
+        issue: Callable[[], object],
+        then: Callable[[], None] | None = None,
+        explained: bool = True,
+    ) -> Handle:
+        """Issue a collective; its failure is explained (_explain: which ranks are not answering) unless
+        `explained` is False, for a round whose failure the caller expects and ignores."""
+        explain = (lambda e: self._explain(kind, e)) if explained else (lambda e: e)  # noqa: E731
         try:
             work = issue()
         except RuntimeError as e:
@@ -333,32 +365,16 @@ class Comm:
         return Handle(work, then, explain=explain)
 
     def _explain(self, kind: str, error: BaseException) -> BaseException:
-        """Turn a collective's failure into an error naming it and the ranks that did not answer.
-
-        Every healthy rank times out in the same collective at about the same time and reports in through
-        the rendezvous store; the ranks that do not report within a few seconds are the dead or stuck ones.
-        """
+        """Turn a collective's failure into an error naming it and the ranks that did not answer."""
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        suspects = "unknown"
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            tag = f"zoff/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-            store.set(f"{tag}/{self.rank}", kind)
-            deadline = time.monotonic() + 5.0
-            missing = list(range(self.world))
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not store.check([f"{tag}/{r}"])]
-                time.sleep(0.2)
-            suspects = ", ".join(map(str, missing)) or "none (all ranks failed here)"
-        except Exception:  # noqa: BLE001 - diagnosis is best effort; the original error still surfaces
-            pass
         limit = f" within the {self.timeout_s:g}s timeout" if self.timeout_s else ""
         return CollectiveError(
-            f"{kind} failed on rank {self.rank} of {self.world}{limit}; rank(s) not answering: {suspects} ({first})"
+            f"{kind} failed on rank {self.rank} of {self.world}{limit}; rank(s) not answering: "
+            f"{not_answering(self.rank, self.world, kind)} ({first})"
         )
 
 
-STREAMS = ("main", "gather")
+STREAMS = ("main", "gather", "confirm")
 _TAGS_PER_STREAM = 1 << 23
 
 

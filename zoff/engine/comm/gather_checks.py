@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -93,8 +94,7 @@ class GatherChecks:
         done.wait()
         for q, v in enumerate(codes.tolist()):
             if v != END:  # peer q is gathering block v, which this rank did not run
-                self.broken = True
-                raise SkippedBlockError(self.mismatch(v, skipped_by=self.comm.rank, ran_on=q), self.owner(v))
+                self.refuse(self.mismatch(v, skipped_by=self.comm.rank, ran_on=q), v)
 
     def check_codes(self, u: int, codes: torch.Tensor | None) -> None:
         """Every peer named unit u for this gather (Comm.exchange_codes); else say who ran what."""
@@ -102,16 +102,22 @@ class GatherChecks:
             return
         for q, v in enumerate(codes.tolist()):
             if v == END:  # peer q finished its forward (or backward) without this block
-                self.broken = True
-                raise SkippedBlockError(self.mismatch(u, skipped_by=q, ran_on=self.comm.rank), self.owner(u))
+                self.refuse(self.mismatch(u, skipped_by=q, ran_on=self.comm.rank), u)
             if v != u:
-                self.broken = True
-                raise SkippedBlockError(
+                self.refuse(
                     f"zero.stage 3: rank {self.comm.rank} gathered block '{self.block_name(u)}' while rank {q} "
                     f"gathered block '{self.block_name(v)}' in this {self._phase()}: the ranks ran different "
                     f"blocks, or the same ones in another order; {self.fix(u)}",
-                    self.owner(u),
+                    u,
                 )
+
+    def refuse(self, message: str, u: int) -> NoReturn:
+        """Raise the mismatch found at block u, once every peer has read the same codes (Comm.confirm): each
+        finds the mismatch itself from them, and a rank that left at once (taking the store it hosts, or
+        having the launcher stop the others) could cut off a slower peer before it read them."""
+        self.broken = True
+        self.comm.confirm()
+        raise SkippedBlockError(message, self.owner(u))
 
     def mismatch(self, u: int, skipped_by: int, ran_on: int) -> str:
         return (

@@ -19,6 +19,7 @@ from torch import nn
 from tests.harness import rank_device, spawn, tiny_cfg
 from zoff.config import config_from_dict
 from zoff.engine.comm.collectives import Comm
+from zoff.engine.comm.gather_checks import GatherChecks
 from zoff.trainer.loop import train_loop
 from zoff.trainer.session import build_session
 
@@ -143,6 +144,43 @@ def test_a_block_one_rank_never_runs_is_named_on_every_rank(side_checks: bool) -
         assert re.match(
             rf"SkippedBlockError: zero\.stage 3: block 'blocks\.2' ran on rank {ran_on} but rank 0 skipped it "
             rf"in this forward \(a data-dependent block.*\); {re.escape(fix)}",
+            message,
+        ), (r, message)
+
+
+class StoppedByTheLauncher(Exception):
+    """A rank that had not read the codes when another rank left: torch elastic's agent stops every rank once
+    one has failed (zoff train polls every 0.2 s), so this rank would never name the block."""
+
+
+def _train_rank_0_leaving_first(rank: int, world: int, cfg_dict: dict, left: str) -> str:
+    """_train over the side group, in the order that lost a report on a slow host: rank 0 leaves as soon as its
+    error reaches the caller (marking it in the file `left`), while ranks 1 and 2 read the codes that name the
+    skipped block only after a pause, and count as stopped by the launcher if rank 0 has left by then."""
+    if rank != 0:
+        check_codes = GatherChecks.check_codes
+
+        def read_late(self, u: int, codes) -> None:
+            time.sleep(2.0)  # (orders the ranks, asserts nothing about time)
+            if Path(left).exists():
+                raise StoppedByTheLauncher(f"rank 0 left before rank {rank} read the codes")
+            check_codes(self, u, codes)
+
+        GatherChecks.check_codes = read_late  # this rank's process only
+    message = _train(rank, world, cfg_dict, side_checks=True)
+    if rank == 0:
+        Path(left).touch()
+    return message
+
+
+def test_a_skipped_block_is_named_on_every_rank_when_the_store_host_leaves_first(tmp_path) -> None:
+    """Rank 0 (which hosts the store) finds the skipped block and leaves as soon as it may; the others read the
+    codes late: every rank still names the block and rank 0, none is cut off before it reads them."""
+    got = spawn(_train_rank_0_leaving_first, 3, _cfg("skips_last", 3), str(tmp_path / "rank-0-left"))
+    for r, message in enumerate(got):
+        assert re.match(
+            rf"SkippedBlockError: zero\.stage 3: block 'blocks\.2' ran on rank {'[12]' if r == 0 else r} but rank 0 "
+            r"skipped it in this forward",
             message,
         ), (r, message)
 

@@ -15,6 +15,7 @@ import torch
 
 from tests.harness import spawn, tiny_cfg
 from zoff.config import config_from_dict, load_config
+from zoff.engine import footprint as F
 from zoff.engine import policy as P
 from zoff.engine.precision import DTYPES
 from zoff.errors import UserError
@@ -251,7 +252,7 @@ def _states(stage: int, n: int, opt="none", par="none", device_type="cuda", clip
     model = meta_model(cfg.model)
     psi = M.count_params(model)[1]
     plan = P.engine_plan(model, stage, n, cfg.zero)
-    gpu, cpu = P.model_states(
+    gpu, cpu = F.model_states(
         plan, P.Policy(stage, opt, par), precision, device_type=device_type, fp32_grad_staging=clip
     )
     return psi, gpu, cpu
@@ -295,8 +296,8 @@ def test_cpu_memory_is_summed_per_node_not_over_all_gpus() -> None:
     two = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 4, 2)
     pol = P.Policy(2, "cpu")
     plan = P.engine_plan(meta_model(cfg.model), 2, 8, cfg.zero)
-    _, per_rank = P.model_states(plan, pol, cfg.train.precision)
-    staging = P.host_staging(pol, cfg.zero, "cuda")  # each rank's bounded pinned buffers (engine/staging.py)
+    _, per_rank = F.model_states(plan, pol, cfg.train.precision)
+    staging = F.host_staging(pol, cfg.zero, "cuda")  # each rank's bounded pinned buffers (engine/staging.py)
     assert staging == 64 << 20
     assert two.world_size == 8 and two.get(pol).cpu_bytes_per_node == 4 * (sum(per_rank.values()) + staging)
     assert two.get(pol).pinned == staging  # offloaded optimizer states stay pageable

@@ -28,6 +28,10 @@ libaio-dev (--setup prints the apt-get line, or runs it with --install-system-de
 layers of 3072: 454M parameters; 3 rounds of 4 runs, 3 steps each) takes ~16 minutes on 2 cores, up to 12
 GiB of RAM (DeepSpeed's cpu run) and ~8 GB of disk under --path while a nvme run lasts (removed after each).
 Run logs: /var/tmp/zoff-deepspeed-logs.
+
+On a CPU without fast bf16 kernels (no AVX512: a bf16 matmul ~100x fp32's time) a bf16 run takes hours, and
+zoff's train.cpu_precision cannot switch DeepSpeed's side: the script refuses in one line (exit 2) and names
+--precision fp32 (both sides) or --native-precision (bf16 anyway).
 """
 
 from __future__ import annotations
@@ -383,6 +387,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pairs", default="offload,nvme", help="offload, nvme or both")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch/OpenMP threads, both sides")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    benchlib.native_precision_arg(ap)
     ap.add_argument("--lr", type=float, default=3e-5, help="AdamW's (constant) LR, both sides")
     ap.add_argument("--path", type=Path, default=Path("/var/tmp/zoff-deepspeed-swap"), help="nvme swap folder")  # fmt: skip
     ap.add_argument("--out", type=Path, default=JSON)
@@ -398,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.render:
         return benchlib.print_rendered(a.out, render)
+    # before the lock: a refusal holds nothing; --setup computes nothing. Both sides compute on the CPU.
+    cpu = None if a.setup else benchlib.cpu_precision_plan(
+        "bench_deepspeed", a.precision, a.native_precision, on_cpu=True,
+        refuse="pass --precision fp32 (both sides; DeepSpeed has no train.cpu_precision)",
+    )  # fmt: skip
     lock = LOCK.open("w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -439,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                          "loss_tolerance": {"atol": LOSS_ATOL, "rtol": LOSS_RTOL},
                          "deepspeed_config": {t: ds_config({**spec, "tier": t}, a.path / "deepspeed")
                                               for t in (PAIRS[p] for p in pairs)}},
-              "runs": runs, "summary": summarize(runs, a.warmup), "loadavg": os.getloadavg()}  # fmt: skip
+              "runs": runs, "summary": summarize(runs, a.warmup), "loadavg": os.getloadavg(),
+              "cpu_precision": cpu.to_json() if cpu else None}  # fmt: skip
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     sys.stdout.write(render(result))

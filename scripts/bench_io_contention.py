@@ -6,9 +6,10 @@ writes, or both, interleaved round by round in one job (issue 32's floor assumes
     python scripts/bench_io_contention.py --render
 
 The compute is the 3.4B demo's shape: bf16 matmuls of 256 tokens through a 3072 x 12288 weight on the
-rank's threads (both cores). The I/O is zoff's SwapFile at the disk tier's defaults (4 threads of 8 MiB
-requests), looping over a 2 GiB file in a background thread, as the engine's I/O runs beside its compute.
-Per mode: the matmul rate against the same round's "alone" (median over rounds), the disk's GB/s meanwhile,
+rank's threads (both cores); fp32 on a CPU without fast bf16 kernels (no AVX512: ~100x fp32's time, a
+matmul or two per window; the JSON's cpu_precision and the table say so), unless --native-precision. The
+I/O is zoff's SwapFile at the disk tier's defaults (4 threads of 8 MiB requests), looping over a 2 GiB file
+in a background thread, as the engine's I/O runs beside its compute. Per mode: the matmul rate against the same round's "alone" (median over rounds), the disk's GB/s meanwhile,
 and the share of the cores the kernel took (sys + softirq from /proc/stat). On a host where I/O costs no
 CPU every ratio is 1.0 and floor = max(compute, disk) is reachable; below 1, compute and disk cannot both
 run at full speed at once, and a step's floor is higher than that formula says.
@@ -87,10 +88,10 @@ def io_cost(f: SwapFile, buf: AlignedBuffer, write: bool) -> dict:
     return {"gbps": FILE_BYTES / dt / 1e9, "kernel_core_s_per_gb": cores / (FILE_BYTES / 1e9)}
 
 
-def compute_rate(seconds: float) -> tuple[float, dict]:
-    """Matmuls per second for `seconds`, and the cores' time shares meanwhile."""
-    x = torch.randn(256, 3072, dtype=torch.bfloat16)
-    w = torch.randn(3072, 12288, dtype=torch.bfloat16)
+def compute_rate(seconds: float, dtype: torch.dtype = torch.bfloat16) -> tuple[float, dict]:
+    """Matmuls in `dtype` per second for `seconds`, and the cores' time shares meanwhile."""
+    x = torch.randn(256, 3072, dtype=dtype)
+    w = torch.randn(3072, 12288, dtype=dtype)
     n, s0, t0 = 0, cpu_times(), time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         torch.mm(x, w)
@@ -145,7 +146,8 @@ def render(data: dict) -> str:
         "|---|---:|---:|---:|---:|",
         *pages,
         "",
-        f"bf16 matmuls (256 x 3072 @ 3072 x 12288) on {data['threads']} threads beside zoff's O_DIRECT I/O"
+        f"{(data.get('cpu_precision') or {}).get('computed', 'bf16')} matmuls (256 x 3072 @ 3072 x 12288) on"
+        f" {data['threads']} threads beside zoff's O_DIRECT I/O"
         f" ({data['io_threads']} threads x {data['request_mb']} MiB, {data.get('pages_beside', 'huge')} pages) on `{data['path']}`, {data['rounds']} rounds"
         f" of {data['seconds']:g} s per mode, interleaved.",
         "",
@@ -179,9 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the buffers of the compute-beside-I/O part: the engine's (huge) or plain 4 KiB pages",
     )  # fmt: skip
     benchlib.output_args(ap, JSON)
+    benchlib.native_precision_arg(ap)
     a = ap.parse_args(argv)
     if a.render:
         return benchlib.print_rendered(a.out, render)
+    cpu = benchlib.cpu_precision_plan(
+        "bench_io_contention", "bf16", a.native_precision, switch=None, on_cpu=True
+    )
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cpu.computed]
     torch.set_num_threads(a.threads)
     a.path.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zoff-contention-", dir=a.path))
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:  # each round starts elsewhere
                 with IoLoop(f, bufs, "reads" in m, "writes" in m) as io:
                     t0 = time.perf_counter()
-                    rate, shares = compute_rate(a.seconds)
+                    rate, shares = compute_rate(a.seconds, dtype)
                     gbps = io.bytes / (time.perf_counter() - t0) / 1e9
                 got[m] = {"rate": rate, "gbps": gbps, **shares}
             for m in MODES:
@@ -231,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": benchlib.command_line(ap, a, "bench_io_contention"),
         "path": str(a.path), "rounds": a.rounds, "seconds": a.seconds, "threads": a.threads,
         "io_threads": 4, "request_mb": 8, "pages_beside": a.pages, "per_round": per,
+        "cpu_precision": cpu.to_json(),
         "ratio": {m: med(m, "ratio") for m in MODES}, "gbps": {m: med(m, "gbps") for m in MODES},
         "kernel_share": {m: med(m, "sys") for m in MODES},
         "pages": {v: {k: {x: statistics.median(c[x] for c in cost[v][k]) for x in ("gbps", "kernel_core_s_per_gb")}

@@ -51,6 +51,10 @@ the engine's publish does today (copy_out_probe).
 
 On this 2-core host a step of the 85M model at 64 tokens took 0.9 s while the host was briefly idle and up to
 17 s under other jobs' load; there `--seq-len 64 --rounds 4 --steps-per-round 1` ran all four jobs in ~17 min.
+
+On a CPU without fast bf16 kernels (no AVX512: a bf16 matmul ~100x fp32's time) a bf16 job takes hours, and
+computing it in fp32 would make it the fp32 job again: the script refuses in one line (exit 2) and names
+--precisions fp32 or --native-precision (the bf16 jobs anyway).
 """
 
 from __future__ import annotations
@@ -510,7 +514,7 @@ def mem_available() -> int:
 
 
 # --------------------------------------------------------------------------------------------- main
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--d-model", type=int, default=768)
@@ -526,11 +530,19 @@ def main() -> None:
     ap.add_argument("--probe-reps", type=int, default=5, help="bf16 copy-out probe repetitions")
     ap.add_argument("--out", type=Path, default=JSON)
     ap.add_argument("--render", action="store_true", help="only print the markdown tables from --out's JSON")
-    args = ap.parse_args()
+    benchlib.native_precision_arg(ap)
+    args = ap.parse_args(argv)
     if args.render:
         sys.exit(benchlib.print_rendered(args.out, render))
     worlds = [int(w) for w in args.worlds.split(",")]
     precisions = args.precisions.split(",")
+    others = lambda p: ",".join(q for q in precisions if q != p) or "fp32"  # noqa: E731
+    cpu = [  # every rank computes on the CPU
+        benchlib.cpu_precision_plan(
+            "bench_offload", p, args.native_precision, on_cpu=True, refuse=f"pass --precisions {others(p)}"
+        )
+        for p in precisions
+    ]
 
     with torch.device("meta"):  # count parameters without allocating them
         psi = sum(p.numel() for p in build_model(make_cfg(args, "fp32", "stage2").model).parameters())
@@ -541,6 +553,9 @@ def main() -> None:
         "params": psi,
         "jobs": [],
     }
+    slow = [c for c in cpu if c.matmul]  # (--native-precision: a 16-bit job on a slow kernel, on purpose)
+    if slow:
+        result["cpu_precision"] = slow[0].to_json()
     result["machine"]["cpu_adam"] = backend_info()  # builds/loads the kernel once, before the ranks start
     print(f"GPT {psi / 1e6:.1f}M params; CPU Adam: {result['machine']['cpu_adam']['reason']}", flush=True)
     for world in worlds:

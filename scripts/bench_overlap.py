@@ -22,6 +22,10 @@ than it is. Beside the time: the optimizer phase the step waits for (the whole w
 runs beside the next forward, and what of it the forward waited for is in the step), rank 0's peak RSS
 (metrics.jsonl), and whether the losses of every run are the same, bit for bit (they must be: the overlapped
 step is the same arithmetic, only run later).
+
+On a CPU without fast kernels for the config's 16-bit precision (no AVX512: bf16 ~100x fp32's time) every run
+computes in fp32 (train.cpu_precision=fp32 after the other overrides; the JSON's cpu_precision and the table
+say so); --native-precision keeps the 16-bit compute, and its hours.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 
 import benchlib
 
-from zoff.config import CONFIGS_DIR
+from zoff.config import CONFIGS_DIR, load_config
 
 PRESETS = {
     "default": benchlib.Preset(benchlib.RESULTS / "bench_overlap.json"),
@@ -96,10 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="train.max_steps of each run (at least 4)")
     ap.add_argument("overrides", nargs="*", help="KEY.PATH=VALUE overrides for both modes (off, on)")
+    benchlib.native_precision_arg(ap)
     a = ap.parse_args(argv)
     overrides = [*a.overrides, *benchlib.resolve_output(a, PRESETS).overrides]  # the preset's last
     if a.render:
         return benchlib.print_rendered(a.out, render)
+    train = load_config(a.config, overrides).train
+    cpu = benchlib.cpu_precision_plan(
+        "bench_overlap", train.precision, a.native_precision, cpu_precision=train.cpu_precision
+    )
+    overrides += cpu.overrides  # (fp32 where the config's 16-bit kernels are slow here)
     if a.steps < 4:
         ap.error("--steps: at least 4 (steps 2..N-1 are timed)")
     rounds = []
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": benchlib.command_line(ap, a, "bench_overlap"),
         "config": str(a.config.resolve().relative_to(benchlib.REPO)) if a.config.resolve().is_relative_to(
             benchlib.REPO) else str(a.config),
-        "steps": a.steps, "overrides": overrides, "rounds": rounds,
+        "steps": a.steps, "overrides": overrides, "cpu_precision": cpu.to_json(), "rounds": rounds,
         "median_ratio": statistics.median(r["ratio"] for r in rounds),
         "same_losses": all(x == losses[0] for x in losses),
     }  # fmt: skip

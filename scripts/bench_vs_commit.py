@@ -11,6 +11,10 @@ shares it), and the result is the median over rounds of the per-round ratio of m
 (this tree / base). The default run is the 3.4B demo's layer shape (configs/gpt-3b-nvme.yaml) with every
 state in RAM (zero3-offload: CPU Adam, parameters and optimizer states in host memory) at a few layers: the
 CPU-offload path the disk tier's work touched. The default base, 6b0949f, is main when issue 32 was filed.
+
+On a CPU without fast kernels for the demo's bf16 (no AVX512: a bf16 matmul ~100x fp32's time) both trees
+train in fp32 (train.precision=fp32: an older tree has no train.cpu_precision; the JSON's cpu_precision and
+the table say so); --native-precision keeps bf16, and its hours.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import tempfile
 from pathlib import Path
 
 import benchlib
+
+from zoff.config import load_config
 
 JSON = benchlib.RESULTS / "bench_vs_commit.json"
 REPO = Path(__file__).resolve().parents[1]
@@ -52,9 +58,10 @@ def worktree(rev: str) -> Path:
     return path
 
 
-def step_s(tree: Path, layers: int, steps: int) -> dict:
+def step_s(tree: Path, layers: int, steps: int, extra: tuple[str, ...] = ()) -> dict:
     """One run in `tree` (its own package first on the path): its median steady step time, the median of its
-    optimizer phase (metrics.jsonl's optimizer_s: the step less forward and backward) and its losses."""
+    optimizer phase (metrics.jsonl's optimizer_s: the step less forward and backward) and its losses; `extra`
+    overrides (keys both trees know) after OVERRIDES."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     # a tree whose demo turns the overlapped step on (it needs parameters on disk) gets it off, as states in RAM
     # have no walk to overlap; an older tree's config has no such key to set
@@ -63,7 +70,7 @@ def step_s(tree: Path, layers: int, steps: int) -> dict:
         if "overlap_step:" in (tree / CONFIG).read_text()
         else []
     )
-    overrides = [*OVERRIDES, *own, f"model.n_layer={layers}", f"train.max_steps={steps}"]
+    overrides = [*OVERRIDES, *extra, *own, f"model.n_layer={layers}", f"train.max_steps={steps}"]
     steps_rows = benchlib.train_records(
         tree / CONFIG, overrides, f"bench_vs_commit ({tree})", cwd=tree, env=env
     )
@@ -120,16 +127,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=4)
     benchlib.output_args(ap, JSON)
+    benchlib.native_precision_arg(ap)
     a = ap.parse_args(argv)
     if a.render:
         return benchlib.print_rendered(a.out, render)
+    precision = load_config(REPO / CONFIG).train.precision
+    cpu = benchlib.cpu_precision_plan(
+        "bench_vs_commit", precision, a.native_precision, switch="train.precision=fp32", on_cpu=True
+    )
     base = worktree(a.base)
     for tree in (base, REPO):  # the runs must import the tree they are meant to time
         assert Path(imports_from(tree)) == tree.resolve(), tree
     rounds = []
     for i in range(a.rounds):
         order = ("base", "head") if i % 2 == 0 else ("head", "base")
-        t = {name: step_s(base if name == "base" else REPO, a.layers, a.steps) for name in order}
+        t = {
+            name: step_s(base if name == "base" else REPO, a.layers, a.steps, cpu.overrides) for name in order
+        }
         b, h = t["base"], t["head"]
         rounds.append({"round": i + 1, "order": " then ".join(order), "base_s": b["step_s"],
                        "head_s": h["step_s"], "ratio": h["step_s"] / b["step_s"], "base_opt_s": b["optimizer_s"],
@@ -140,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     data = {
         **benchlib.provenance(),
         "command": benchlib.command_line(ap, a, "bench_vs_commit"),
-        "config": CONFIG, "layers": a.layers, "steps": a.steps, "overrides": OVERRIDES,
+        "config": CONFIG, "layers": a.layers, "steps": a.steps, "overrides": [*OVERRIDES, *cpu.overrides],
+        "cpu_precision": cpu.to_json(),
         "base": subprocess.run(["git", "rev-parse", "--short", a.base], cwd=REPO, capture_output=True,
                                text=True).stdout.strip(),
         "head": benchlib.git_commit(),

@@ -42,7 +42,7 @@ def pending_gradients(
     plan: PartitionPlan, policy: Policy, precision: str, accumulating: bool, overlap: bool,
     device_type: str = "cuda",
 ) -> int:  # fmt: skip
-    """Stage 2/3 gradient bytes waiting for their reduction (engine/reduce.py), beside the sharded accumulator
+    """Stage 2/3 gradient bytes waiting for their reduction (engine/comm/reduce.py), beside the sharded accumulator
     (and stage 1's under optimizer offload, which reduces as stage 2 does).
 
     The unit filling plus MAX_IN_FLIGHT being reduced (one when overlap_comm is off): pooled buckets on NCCL,
@@ -73,7 +73,7 @@ def pending_gradients(
 
 
 def stage3_working_set(plan: PartitionPlan, zero: ZeroConfig) -> int:
-    """Elements gathered at once in stage 3 (an upper bound; engine/gather.py).
+    """Elements gathered at once in stage 3 (an upper bound; engine/comm/gather.py).
 
     The root unit (gathered from the start of forward to the end of backward), the block in use and the one
     whose gradients are still arriving when the next is gathered, and prefetch: up to prefetch_bucket_size

@@ -1,7 +1,7 @@
 """Stage 3 with blocks that some rank skips (an expert no token picked, a layer its data dropped): the run goes
 on by gathering the module that holds them as one unit.
 
-A rank whose gather check finds that the ranks ran different blocks (engine/gather_checks.py: named within
+A rank whose gather check finds that the ranks ran different blocks (engine/comm/gather_checks.py: named within
 one message's latency, never a hang) writes the class that fixes it into <run_dir>/regather.json and fails;
 `zoff train` then restarts the ranks from the latest complete checkpoint (or from step 0) with that class
 added to zero.block_classes, and says so. A restarted rank (torch elastic's own restarts too) reads the file

@@ -276,7 +276,12 @@ def doctor() -> None:
         "cpu_adam": backend_info(),
         # the CPU's matmul path per dtype: a 16-bit one without a kernel is ~100x fp32 (train.cpu_precision)
         "cpu_matmul": {
-            p.dtype: {"kernel": p.kernel, "x_fp32_time": round(p.factor, 1), "slow": p.slow, "source": p.source}
+            p.dtype: {
+                "kernel": p.kernel,
+                "x_fp32_time": round(p.factor, 1),
+                "slow": p.slow,
+                "source": p.source,
+            }
             for p in (matmul_path(d) for d in (torch.float32, torch.bfloat16, torch.float16))
         },
     }

@@ -220,6 +220,13 @@ class TrainConfig:
     grad_clip: float = field(default=1.0, metadata=_rng(0.0))  # 0 disables clipping
     # bf16/fp16: compute in that dtype over an fp32 master; fp16 scales the loss dynamically
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # what a rank that computes on the CPU does where this host has no fast matmul kernel for a 16-bit
+    # `precision` (bf16/fp16 without AVX512: ~100x slower than fp32; zoff.host.kernels measures it): native
+    # computes as configured (the plan says how much slower); fp32 computes in fp32 on every CPU host (the
+    # same numbers on every host kind); auto computes in fp32 only where the 16-bit kernel is slow, and says
+    # so in the plan. fp32 changes the numbers (fp32's, not bf16's) and keeps the model states' 16 B/param.
+    # A GPU rank ignores it.
+    cpu_precision: Literal["native", "fp32", "auto"] = "native"
     seed: int = field(default=0, metadata=_rng(0, (1 << 63) - 1))  # the init and the data order
     log_every: int = field(default=10, metadata=_rng(1, 1 << 40))  # steps between metrics lines
     eval_every: int = field(default=0, metadata=_rng(0, 1 << 40))  # 0: only at the end

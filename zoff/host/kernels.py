@@ -117,3 +117,29 @@ def slow_dtype(precision: str) -> MatmulPath | None:
         return None
     path = matmul_path(dtype)
     return path if path.slow else None
+
+
+def compute_precision(precision: str, cpu_precision: str, on_cpu: bool) -> tuple[str, str | None]:
+    """(the precision a rank computes in, the plan's line about it or None), from `train.precision` and
+    `train.cpu_precision` (native | fp32 | auto). A rank on a GPU computes as configured; on the CPU, fp32
+    computes in fp32, auto in fp32 only where the configured 16-bit dtype has no fast kernel (`slow_dtype`),
+    and native as configured, with a line saying how much slower it is where it is slow."""
+    if not on_cpu or precision == "fp32":
+        return precision, None
+    slow = slow_dtype(precision)
+    fp32_note = f"fp32's numbers, not {precision}'s; 16 B/param of model states either way, the parameters and gradients in fp32"
+    if cpu_precision == "fp32":
+        return (
+            "fp32",
+            f"  train.cpu_precision=fp32: computing in fp32 on the CPU, not {precision} ({fp32_note})",
+        )
+    if slow is None:
+        return precision, None
+    if cpu_precision == "auto":
+        return "fp32", (
+            f"  train.cpu_precision=auto: computing in fp32, not {precision}: {slow.describe()} ({fp32_note})"
+        )
+    return precision, (
+        f"  WARNING: {slow.describe()}: a {precision} step here runs about that much slower than in fp32; "
+        f"train.cpu_precision=auto computes in fp32 on such a host ({fp32_note})"
+    )

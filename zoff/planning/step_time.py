@@ -29,6 +29,7 @@ from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.disk.placement import piece_bytes, subgroup_of
 from zoff.engine.policy import Policy
 from zoff.engine.precision import DTYPES
+from zoff.host.kernels import compute_precision, slow_dtype
 from zoff.planning.memory import Estimate, PolicyEstimate
 
 
@@ -193,6 +194,26 @@ def probe_adam(precision: str, local_ranks: int, numel: int = 16 << 20, reps: in
     return statistics.median(runs[1:]) / numel
 
 
+def _probe_compute(
+    model_cfg: ModelConfig, data_cfg: DataConfig, train_cfg: TrainConfig, zero: ZeroConfig, local_ranks: int
+) -> tuple[float, float, str]:
+    """probe_engine in the precision a rank computes in on this CPU (train.cpu_precision), and its source line.
+    A 16-bit dtype without a fast kernel here is probed in fp32 and scaled by its matmul factor
+    (zoff.host.kernels): its own probe would take minutes a layer at the demo's width (~100x fp32), and the
+    step is matmul-bound; the line says so."""
+    precision, _ = compute_precision(train_cfg.precision, train_cfg.cpu_precision, on_cpu=True)
+    slow = slow_dtype(precision)
+    probed = dataclasses.replace(train_cfg, precision="fp32" if slow else precision)
+    compute_s, adam = probe_engine(model_cfg, data_cfg, probed, zero, local_ranks)
+    src = f"compute: zoff's engine probed here (n_layer 1 and 2 in RAM, scaled per layer) in {precision}"
+    if precision != train_cfg.precision:
+        src += f" (train.cpu_precision={train_cfg.cpu_precision}: {train_cfg.precision} runs in fp32 on this CPU)"
+    if slow:
+        compute_s *= slow.factor
+        src = src.replace(f"in {precision}", f"in fp32 x {slow.factor:.0f} ({slow.describe()})")
+    return compute_s, adam, src
+
+
 def measure_rates(
     model_cfg: ModelConfig, data_cfg: DataConfig, train_cfg: TrainConfig, zero: ZeroConfig, local_ranks: int,
     compute_s: float | None = None,
@@ -202,8 +223,7 @@ def measure_rates(
 
     read, write, disk_src = disk_bandwidth(zero.offload_optimizer.nvme_path)
     if compute_s is None:
-        compute_s, adam = probe_engine(model_cfg, data_cfg, train_cfg, zero, local_ranks)
-        c_src = "compute: zoff's engine probed here (n_layer 1 and 2 in RAM, scaled per layer)"
+        compute_s, adam, c_src = _probe_compute(model_cfg, data_cfg, train_cfg, zero, local_ranks)
     else:
         adam = probe_adam(train_cfg.precision, local_ranks)
         c_src = "compute: --compute-s"

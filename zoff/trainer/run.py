@@ -48,7 +48,7 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
         writer = MetricsWriter(
             run_dir, cfg.train.max_steps, start, cfg.log.progress, log, tensorboard=cfg.log.tensorboard,
             flops_per_token=model_flops_per_token(s.engine.model, cfg.model, cfg.data.seq_len),
-            precision=cfg.train.precision, device=device, trackers=trackers,
+            precision=s.engine.precision, device=device, trackers=trackers,
         )  # fmt: skip
         if state is not None:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

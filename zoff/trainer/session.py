@@ -4,6 +4,7 @@ loop (loop.py) takes the whole session."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from zoff.config import Config, derive_grad_accum
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.errors import UserError
+from zoff.host.kernels import compute_precision
 from zoff.models import build_for_engine, checks_vocab, enable_activation_checkpointing
 from zoff.models.packing import packs_examples
 from zoff.models.tiling import tile_mlps
@@ -27,9 +29,9 @@ from zoff.trainer.preempt import StopRequest
 
 @dataclass
 class Session:
-    """What one rank trains with: the engine, its data stream, its process group, the config it runs; and, set
-    by run_training, what the loop reports to and saves with, where it starts and what asks it to stop (None
-    where a test's loop has none)."""
+    """What one rank trains with: the engine, its data stream, its process group, the config as this rank runs
+    it (train.precision the one it computes in); and, set by run_training, what the loop reports to and saves
+    with, where it starts and what asks it to stop (None where a test's loop has none)."""
 
     engine: ZeroEngine
     batches: GlobalBatches
@@ -37,6 +39,8 @@ class Session:
     cfg: Config
     data_description: str
     compiled: CompiledBlocks | None = None  # train.compile's blocks
+    # the plan's line on a 16-bit precision's CPU kernels (zoff.host.kernels), or None
+    precision_note: str | None = None
     writer: MetricsWriter | None = None  # rank 0's metrics (None on the other ranks)
     ckpt: Checkpointer | None = None
     start_step: int = 0  # steps already done (a resumed run's)
@@ -45,6 +49,11 @@ class Session:
 
 def build_session(cfg: Config, device: torch.device) -> Session:
     """Model (same initial weights on every rank), engine for the ZeRO policy, this rank's data stream."""
+    # the precision this rank computes in: train.cpu_precision may make a 16-bit run fp32 on a CPU rank
+    precision, precision_note = compute_precision(
+        cfg.train.precision, cfg.train.cpu_precision, device.type == "cpu"
+    )
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     # (the same-gathers check's gloo group beside NCCL is stage 3's alone: no other stage gathers)
     comm = Comm(timeout_s=cfg.launch.timeout_s, side_checks=None if cfg.zero.stage == 3 else False)
     torch.manual_seed(cfg.train.seed)
@@ -88,7 +97,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
     )
     torch.manual_seed(cfg.train.seed + 1 + comm.rank)  # dropout differs per rank, reproducibly
-    return Session(engine, batches, comm, cfg, corpus.description, compiled)
+    return Session(engine, batches, comm, cfg, corpus.description, compiled, precision_note)
 
 
 def packs(cfg: Config, model: torch.nn.Module, warn: bool = False) -> bool:

@@ -75,7 +75,7 @@ def test_an_overlong_line_is_never_held_whole(tmp_path: Path, monkeypatch) -> No
 
 def test_pretraining_text_stops_on_a_bad_line_naming_it(tmp_path: Path) -> None:
     from zoff.config import config_from_dict
-    from zoff.data import _jsonl
+    from zoff.data.sources import _jsonl
 
     p = _file(tmp_path, b'{"text": "fine"}', b'{"text": "\xff\xfe"}')
     cfg = config_from_dict({"data": {"name": "jsonl", "paths": [str(p)]}}).data

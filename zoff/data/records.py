@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from zoff.config import DataConfig
-from zoff.data import _expand
+from zoff.data.sources import expand_paths
 from zoff.errors import UserError
 
 HF_BATCH = 1024  # rows per read from a datasets.Dataset
@@ -81,7 +81,7 @@ def _hf_records(cfg: DataConfig, fields: dict[str, str]) -> Iterator[tuple[str, 
             ds = datasets.load_from_disk(str(folder))  # load_dataset refuses save_to_disk folders
         else:
             if "data_files" not in spec and cfg.paths:
-                spec["data_files"] = [str(f) for f in _expand(cfg.paths)]
+                spec["data_files"] = [str(f) for f in expand_paths(cfg.paths)]
             ds = datasets.load_dataset(**spec)
     except Exception as e:  # FileNotFoundError, ValueError, datasets' own errors
         raise UserError(f"data.hf_dataset: cannot load {spec['path']}: {str(e).splitlines()[0]}") from None

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from zoff.config import DataConfig
-from zoff.data import GlobalBatches, _source_files, _split, _stat
 from zoff.data.batch import IGNORE, MicroBatch
+from zoff.data.corpus import GlobalBatches
 from zoff.data.records import BadRecord, optional_module, read_records, record_fields
+from zoff.data.sources import file_stat, source_files, split_documents
 from zoff.data.tokenize import Tokenizer, cache_key, cache_root, load_tokenizer
 from zoff.errors import UserError
 from zoff.files.hub import tokenizer_folder
@@ -83,9 +84,9 @@ def load_sft_corpus(cfg: DataConfig, seed: int, pack: bool) -> SFTCorpus:
         raise UserError(f"data.name: format {cfg.format} reads jsonl, parquet or hf records, not {cfg.name}")
     tok = load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision)
     enc = _Encoder(cfg, tok)
-    files, what = _source_files(cfg)
+    files, what = source_files(cfg)
     parts = {
-        "kind": "sft", "sft_version": SFT_CACHE_VERSION, "source": cfg.name, "files": [_stat(f) for f in files],
+        "kind": "sft", "sft_version": SFT_CACHE_VERSION, "source": cfg.name, "files": [file_stat(f) for f in files],
         "hf_dataset": cfg.hf_dataset, "tokenizer": tok.fingerprint, "format": cfg.format,
         "fields": record_fields(cfg), "train_on_prompt": cfg.train_on_prompt, "overlong": cfg.overlong,
         "seq_len": cfg.seq_len, "pack": pack, "val_fraction": cfg.val_fraction, "pad_id": enc.pad_id,
@@ -279,11 +280,11 @@ def _build(cfg: DataConfig, enc: _Encoder, files: list[Path], what: str, pack: b
 
 
 def _val_split(examples: list, val_fraction: float) -> tuple[list, list, str]:
-    """Every k-th example is validation (zoff.data._split). Too few examples for one k: the last
+    """Every k-th example is validation (zoff.data.sources.split_documents). Too few examples for one k: the last
     round(n * val_fraction) (at least one) are; a single example, or val_fraction 0, leaves the training
     split whole and validates on its last example (the description says so)."""
     train, val = [], []
-    for is_val, ex in _split(examples, val_fraction):
+    for is_val, ex in split_documents(examples, val_fraction):
         (val if is_val else train).append(ex)
     if val:
         return train, val, ""

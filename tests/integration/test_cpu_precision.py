@@ -168,3 +168,25 @@ def test_estimate_time_probes_in_fp32_and_scales_by_the_factor_only_where_bf16_r
     probed.clear()
     compute_s, _, source = step_time._probe_compute(ModelConfig(), DataConfig(), train, ZeroConfig(), 1)
     assert probed == ["bf16"] and compute_s == 2.0 and source.endswith("in bf16")
+
+
+def test_the_estimate_counts_the_precision_a_cpu_rank_computes_in(forced):
+    """On a CPU-only host the estimate follows train.cpu_precision as the trainer does (the bytes the engine
+    allocates); a GPU's estimate stays as configured."""
+    from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
+    from zoff.planning.memory import estimate
+
+    model, data = ModelConfig(n_layer=2, n_head=2, d_model=64), DataConfig(seq_len=32, batch_size=2)
+
+    def rows(precision: str, cpu_precision: str, device_type: str = "cpu") -> list:
+        train = TrainConfig(precision=precision, cpu_precision=cpu_precision)
+        est = estimate(model, data, train, ZeroConfig(), 2, device_type=device_type, host_bytes=8 << 30)
+        return [(p.gpu, p.cpu, p.disk) for p in est.policies], est.precision
+
+    forced(SLOW)
+    fp32, bf16 = rows("fp32", "native"), rows("bf16", "native")
+    assert fp32 != bf16
+    assert rows("bf16", "auto") == fp32 and rows("bf16", "fp32") == fp32
+    assert rows("bf16", "auto", "cuda") == rows("bf16", "native", "cuda")
+    forced(FAST)
+    assert rows("bf16", "auto") == bf16 and rows("bf16", "fp32") == fp32

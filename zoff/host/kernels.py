@@ -126,13 +126,16 @@ def compute_precision(precision: str, cpu_precision: str, on_cpu: bool) -> tuple
     and native as configured, with a line saying how much slower it is where it is slow."""
     if not on_cpu or precision == "fp32":
         return precision, None
-    slow = slow_dtype(precision)
-    fp32_note = f"fp32's numbers, not {precision}'s; 16 B/param of model states either way, the parameters and gradients in fp32"
-    if cpu_precision == "fp32":
+    fp32_note = (
+        f"fp32's numbers, not {precision}'s; 16 B/param of model states either way, the parameters and "
+        "gradients in fp32"
+    )
+    if cpu_precision == "fp32":  # (no probe: the answer does not depend on the host)
         return (
             "fp32",
             f"  train.cpu_precision=fp32: computing in fp32 on the CPU, not {precision} ({fp32_note})",
         )
+    slow = slow_dtype(precision)
     if slow is None:
         return precision, None
     if cpu_precision == "auto":

@@ -89,7 +89,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class IoConfig:
-    """The disk tier's I/O (engine/disk_io.py): parallel O_DIRECT requests of request_mb each."""
+    """The disk tier's I/O (engine/disk/swapfile.py): parallel O_DIRECT requests of request_mb each."""
 
     threads: int = field(default=4, metadata=_rng(1, 64))  # requests in flight per swap file
     request_mb: int = field(default=8, metadata=_rng(1, 1024))  # the size of one request

@@ -1,7 +1,7 @@
 """`zoff bench-io PATH`: what the disk tier can expect from a path, measured with the tier's own I/O.
 
 For a few (threads, request size) settings: sequential O_DIRECT write then read of a file through
-disk_io.SwapFile, the engine's I/O alone; then the engine's swap of whole units (state_swap.SwappedStates: in,
+disk.swapfile.SwapFile, the engine's I/O alone; then the engine's swap of whole units (state_swap.SwappedStates: in,
 out, and both overlapping as in a step) at the best setting. Prints them side by side with the `io:` setting to use.
 scripts/bench_nvme.py adds dd as an outside reference and the optimizer step.
 """

@@ -273,15 +273,20 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in rows if "step_time_s" in r and "event" not in r]
 
 
-def train_records(config: Path, overrides: list[str], who: str, **run_kwargs) -> list[dict]:
+def train_records(
+    config: Path, overrides: list[str], who: str, stdout: list[str] | None = None, **run_kwargs
+) -> list[dict]:
     """`zoff train config overrides` in a temporary run folder (subprocess.run's `cwd`/`env` in run_kwargs):
-    its per-step records; a failed run raises SystemExit naming `who` with the run's last output."""
+    its per-step records; a failed run raises SystemExit naming `who` with the run's last output. `stdout`, if
+    given, receives the run's output lines (its start-up plan: what it computed in)."""
     with tempfile.TemporaryDirectory(prefix="zoff-bench-") as tmp:
         run = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "zoff", "train", str(config), *overrides, "--run-dir", str(run)]
         p = subprocess.run(cmd, capture_output=True, text=True, **run_kwargs)
         if p.returncode != 0:
             raise SystemExit(f"{who}: {' '.join(cmd)} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")
+        if stdout is not None:
+            stdout.extend(p.stdout.splitlines())
         return step_records(run)
 
 

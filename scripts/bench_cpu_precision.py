@@ -1,0 +1,259 @@
+"""The beyond-memory demo on a CPU without fast bf16 kernels, with the named fix, against its fp32 config
+(issue 52).
+
+Without AVX512 torch computes bf16 matmuls on the CPU with a reference kernel (zoff.host.kernels): the demo
+(configs/gpt-3b-nvme.yaml, bf16) takes hours a step there. `train.cpu_precision=auto` computes in fp32 on such
+a host. This script trains the demo at --layers (4) with every state in RAM (zero=zero3-offload: the disk plays
+no part) in two variants, alternating round by round (A B, B A, ...): (a) the configured bf16 with
+train.cpu_precision=auto, (b) the same config with train.precision=fp32. Per round it takes each variant's
+median step (the first step, a warm-up, left out) and reports the median over rounds of the per-round ratio
+a/b against the target (<= 1.5x). Each run's plan says what it computed in, and the JSON keeps those lines and
+both variants' losses (equal where auto chose fp32). The factor is measured in the same job: the trainer's
+probe (kernels.matmul_path, one core) and one matmul of the demo's own shape (micro-batch x seq_len tokens by
+d_model, against d_model x d_model) in bf16 (once: ~10 s on the slow path) and fp32 (best of 3) at the rank's
+thread count. The native bf16 demo itself is not run (hours): its step is predicted from the fp32 variant's,
+forward and backward scaled by that factor. Other processes' CPU is metered per run (/proc/stat less this
+job's), since other work may share the host.
+
+    python scripts/bench_cpu_precision.py [--layers 4] [--steps 4] [--rounds 2]
+    python scripts/bench_cpu_precision.py --dry-run     # the runs it would start, and nothing else
+    python scripts/bench_cpu_precision.py --render      # only print the table from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import benchlib
+import torch
+
+from zoff.config import load_config
+from zoff.host import kernels
+
+JSON = benchlib.RESULTS / "bench_cpu_precision.json"
+CONFIG = benchlib.REPO / "configs" / "gpt-3b-nvme.yaml"
+TARGET = 1.5  # the fix's step over the fp32 config's (issue 52's done-when)
+FIX, FP32 = "bf16, train.cpu_precision=auto", "fp32 config (train.precision=fp32)"
+VARIANTS = {FIX: ["train.cpu_precision=auto"], FP32: ["train.precision=fp32"]}
+# every state in RAM (the disk plays no part), no checkpoint, a record per step
+BASE = ["zero=zero3-offload", "checkpoint.enabled=false", "train.log_every=1"]
+DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def overrides(layers: int, steps: int, variant: str) -> list[str]:
+    return [*BASE, f"model.n_layer={layers}", f"train.max_steps={steps}", *VARIANTS[variant]]
+
+
+def schedule(rounds: int) -> list[tuple[int, str]]:
+    """(round, variant) in run order: A B, B A, ... (a drift of the host's speed weighs on both alike)."""
+    order = list(VARIANTS)
+    return [(r, v) for r in range(rounds) for v in (order if r % 2 == 0 else order[::-1])]
+
+
+# ------------------------------------------------------------------------------------- the host and its factor
+def host_kind() -> dict:
+    """What decides the bf16 matmul path: AVX512 in the CPU's flags, torch's oneDNN bf16 kernel, torch's
+    CPU capability."""
+    try:
+        flags = next(
+            (ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
+            [],
+        )  # fmt: skip
+    except OSError:
+        flags = []
+    try:
+        bf16_kernel: bool | None = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (RuntimeError, AttributeError):
+        bf16_kernel = None
+    return {
+        "avx512": any(f.startswith("avx512") for f in flags),
+        "flags": sorted(f for f in flags if f.startswith(("avx", "amx"))),
+        "bf16_kernel": bf16_kernel,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def _timed(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_factor(rows: int, d_model: int, threads: int) -> dict:
+    """The probe's factor (one core) and one rows x d_model by d_model x d_model matmul's, bf16 over fp32, at
+    `threads` (the rank's). bf16 is timed once (seconds on the slow path), fp32 best of 3 after a warm-up."""
+    probe = kernels.matmul_path(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(rows, d_model), torch.randn(d_model, d_model)
+        torch.mm(a, b)  # (warm-up: the first call allocates)
+        fp32_s = _timed(lambda: torch.mm(a, b), 3)
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        bf16_s = _timed(lambda: torch.mm(a16, b16), 1)
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "probe": {"factor": probe.factor, "kernel": probe.kernel, "source": probe.source, "describe": probe.describe()},
+        "demo_matmul": {"shape": [rows, d_model, d_model], "threads": threads, "bf16_s": bf16_s,
+                        "fp32_s": fp32_s, "factor": bf16_s / fp32_s},
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- the runs
+def _cpu_now() -> tuple[float, float, float]:
+    """(CPU seconds every process spent busy, this job's own and its finished children's, wall clock)."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        busy = (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        busy = float("nan")
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system, time.perf_counter()
+
+
+def plan_lines(stdout: list[str]) -> list[str]:
+    """The run's plan lines about what it computed in: the plan's first line and train.cpu_precision's."""
+    keep = ("zoff plan:", "train.cpu_precision", "WARNING: bf16", "WARNING: fp16")
+    return [ln.strip() for ln in stdout if any(k in ln for k in keep)]
+
+
+def computed(lines: list[str]) -> str:
+    """The precision the plan says the rank computed in ("fp32", from "torch.float32 compute"), else "?"."""
+    for ln in lines:
+        for name, short in DTYPES.items():
+            if f"{name} compute" in ln:
+                return short
+    return "?"
+
+
+def run_once(config: Path, args: argparse.Namespace, rnd: int, variant: str) -> dict:
+    """One `zoff train` of `variant`: its steps, losses, plan lines and the host's other load meanwhile."""
+    out: list[str] = []
+    load, (busy0, own0, t0) = os.getloadavg()[0], _cpu_now()
+    records = benchlib.train_records(
+        config, overrides(args.layers, args.steps, variant), "bench_cpu_precision", out
+    )
+    busy1, own1, t1 = _cpu_now()
+    lines = plan_lines(out)
+    return {
+        "round": rnd, "variant": variant, "plan": lines, "computed": computed(lines),
+        "step_s": [r["step_time_s"] for r in records],
+        "compute_s": [r.get("forward_s", 0.0) + r.get("backward_s", 0.0) for r in records],
+        "loss": [r["loss"] for r in records], "loadavg_before": load, "wall_s": t1 - t0,
+        "other_cores": max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0),
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ summary (pure)
+def _steady(xs: list[float]) -> list[float]:
+    return xs[1:] or xs  # the first step warms up
+
+
+def summarise(runs: list[dict], factor: float) -> dict:
+    """Per variant the median over rounds of its per-round median step; the per-round ratios fix/fp32, their
+    median against TARGET; whether the losses agree; the native bf16 step predicted from the fp32 one."""
+    rounds = sorted({r["round"] for r in runs})
+    med = {(r["round"], r["variant"]): statistics.median(_steady(r["step_s"])) for r in runs}
+    ratios = [med[(k, FIX)] / med[(k, FP32)] for k in rounds]
+    ratio = statistics.median(ratios)
+    variants = {}
+    for v in VARIANTS:
+        mine = [r for r in runs if r["variant"] == v]
+        variants[v] = {
+            "step_s": statistics.median(med[(k, v)] for k in rounds),
+            "computed": sorted({r["computed"] for r in mine}),
+            "compute_s": statistics.median(x for r in mine for x in _steady(r["compute_s"])),
+        }
+    ref = variants[FP32]
+    losses = {v: [r["loss"] for r in runs if r["variant"] == v] for v in VARIANTS}
+    diff = max(abs(a - b) for x, y in zip(losses[FIX], losses[FP32]) for a, b in zip(x, y))
+    return {
+        "variants": variants, "ratios": ratios, "ratio": ratio, "target": TARGET,
+        "result": "PASS" if ratio <= TARGET else "MISS", "loss_max_diff": diff,
+        # forward and backward (the matmuls) scaled by the demo-shaped factor; the rest (Adam, the gathers) not
+        "predicted_native_step_s": ref["step_s"] + ref["compute_s"] * (factor - 1.0),
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- render (pure)
+def render(data: dict) -> str:
+    s, host, f = data["summary"], data["host"], data["factor"]
+    rows = []
+    for v, row in s["variants"].items():
+        ratio = f"{s['ratio']:.2f}x" if v == FIX else "1.00x"
+        target = f"<= {s['target']:.1f}x: {s['result']}" if v == FIX else ""
+        rows.append([v, ", ".join(row["computed"]), f"{row['step_s']:.2f}", ratio, target])
+    table = benchlib.md_table(["variant", "computed in", "step s (median)", "ratio to fp32", "target"], rows)
+    mm = f["demo_matmul"]
+    rows_, k, n = mm["shape"]
+    same = "equal" if s["loss_max_diff"] == 0 else f"max difference {s['loss_max_diff']:.2e}"
+    avx = "with AVX512" if host["avx512"] else "without AVX512"
+    return (
+        f"{table}\n"
+        f"Ratio per round: {', '.join(f'{x:.3f}' for x in s['ratios'])} (median {s['ratio']:.3f}); "
+        f"losses of the two variants {same}. Host {avx} (torch CPU capability {host['cpu_capability']}, "
+        f"oneDNN bf16 kernel: {host['bf16_kernel']}). The factor, same job: {f['probe']['describe']}; "
+        f"a {rows_}x{k} by {k}x{n} matmul (the demo's) at {mm['threads']} threads takes {mm['bf16_s']:.2f} s "
+        f"in bf16 against {mm['fp32_s']:.3f} s in fp32, {mm['factor']:.0f}x. Predicted, not run: the native "
+        f"bf16 step {s['predicted_native_step_s']:.0f} s (the fp32 step, its forward and backward scaled by "
+        f"{mm['factor']:.0f}x).\n\n" + benchlib.measured_line(data, "bench_cpu_precision")
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4, help="model.n_layer of the demo")
+    ap.add_argument("--steps", type=int, default=4, help="steps a run (the first, a warm-up, left out)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of both variants, alternating")
+    ap.add_argument("--dry-run", action="store_true", help="print the runs it would start; measure nothing")
+    benchlib.output_args(ap, JSON)
+    return ap, ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, a = parse(argv)
+    if a.render:
+        return benchlib.print_rendered(a.out, render)
+    cfg = load_config(CONFIG, overrides(a.layers, a.steps, FIX))
+    if a.dry_run:
+        for rnd, v in schedule(a.rounds):
+            print(
+                f"round {rnd}: zoff train {CONFIG.relative_to(benchlib.REPO)} {' '.join(overrides(a.layers, a.steps, v))}"
+            )
+        return 0
+    print(f"bench_cpu_precision: load average {os.getloadavg()[0]:.2f}; measuring the factor", flush=True)
+    factor = measure_factor(
+        cfg.data.batch_size * cfg.data.seq_len, cfg.model.d_model, cfg.launch.threads_per_rank
+    )
+    print(f"  {factor['probe']['describe']}; demo-shaped: {factor['demo_matmul']['factor']:.0f}x", flush=True)
+    runs = []
+    for rnd, v in schedule(a.rounds):
+        runs.append(run_once(CONFIG, a, rnd, v))
+        r = runs[-1]
+        print(f"  round {rnd} {v}: computed in {r['computed']}, steps {[round(x, 2) for x in r['step_s']]}, "
+              f"other cores {r['other_cores']:.2f}", flush=True)  # fmt: skip
+    data = benchlib.provenance() | {
+        "command": benchlib.command_line(ap, a, "bench_cpu_precision"),
+        "config": str(CONFIG.relative_to(benchlib.REPO)), "overrides": BASE, "variants": VARIANTS,
+        "layers": a.layers, "steps": a.steps, "rounds": a.rounds, "host": host_kind(), "factor": factor,
+        "runs": runs, "summary": summarise(runs, factor["demo_matmul"]["factor"]),
+    }  # fmt: skip
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(data, indent=1) + "\n")
+    sys.stdout.write(render(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""scripts/bench_cpu_precision.py (issue 52): the demo with train.cpu_precision=auto against its fp32 config,
+interleaved, the per-round ratio's median against 1.5x, the factor and the predicted native step. Synthetic runs
+only: no benchmark runs here (a dry run prints the runs it would start)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.unit.test_bench_tables import _script
+
+bench = _script("bench_cpu_precision")
+
+PLAN_FP32 = [
+    "zoff: run directory /tmp/x/run",
+    "zoff plan: world size 1 (gloo), ZeRO stage 3, torch.float32 compute, 2 thread(s) per rank",
+    "  params 453,000,000 trainable in 6 unit(s); this rank's shard 453,000,000 elements",
+    "  train.cpu_precision=auto: computing in fp32, not bf16: bf16 matmul on the CPU: reference kernel (...)",
+    "step      1  loss 5.5628  lr 1.50e-03",
+]
+
+
+def _run(rnd: int, variant: str, step: float, loss: float = 5.5) -> dict:
+    return {
+        "round": rnd, "variant": variant, "plan": [], "computed": "fp32",
+        "step_s": [3 * step, step, step * 1.02, step * 0.98], "compute_s": [2.0, 0.6 * step, 0.6 * step, 0.6 * step],
+        "loss": [loss, loss - 0.1, loss - 0.2, loss - 0.3], "loadavg_before": 0.5, "wall_s": 60.0, "other_cores": 0.05,
+    }  # fmt: skip
+
+
+def _data(fix: tuple[float, float], fp32: tuple[float, float], loss_fix: float = 5.5) -> dict:
+    runs = [_run(0, bench.FIX, fix[0], loss_fix), _run(0, bench.FP32, fp32[0])]
+    runs += [_run(1, bench.FP32, fp32[1]), _run(1, bench.FIX, fix[1], loss_fix)]
+    factor = {
+        "probe": {"factor": 137.0, "kernel": False, "source": "probe", "describe": "bf16 matmul on the CPU: x"},
+        "demo_matmul": {"shape": [256, 3072, 3072], "threads": 2, "bf16_s": 11.26, "fp32_s": 0.082, "factor": 137.3},
+    }  # fmt: skip
+    return {
+        "date": "2026-12-01T10:00:00+00:00", "commit": "abc1234",
+        "machine": {"cpu": "AMD EPYC 7B13", "cores": 2, "ram_bytes": 24 * 2**30, "os": "Linux", "torch": "2.13.0"},
+        "command": "python scripts/bench_cpu_precision.py", "runs": runs, "factor": factor,
+        "host": {"avx512": False, "flags": ["avx", "avx2"], "bf16_kernel": False, "cpu_capability": "AVX2"},
+        "summary": bench.summarise(runs, factor["demo_matmul"]["factor"]),
+    }  # fmt: skip
+
+
+def test_the_ratio_is_the_median_of_per_round_ratios_and_meets_the_target() -> None:
+    data = _data(fix=(10.2, 10.8), fp32=(10.0, 10.0))
+    s = data["summary"]
+    assert s["ratios"] == pytest.approx([1.02, 1.08])
+    assert s["ratio"] == pytest.approx(1.05) and s["result"] == "PASS" and s["target"] == 1.5
+    assert s["variants"][bench.FP32]["step_s"] == pytest.approx(10.0)  # the warm-up step (3x) left out
+    assert s["loss_max_diff"] == 0.0
+    # the fp32 step with its forward and backward (0.6 of it) scaled by the factor
+    assert s["predicted_native_step_s"] == pytest.approx(10.0 + 6.0 * (137.3 - 1))
+
+    table = bench.render(copy.deepcopy(data))
+    assert "| variant | computed in | step s (median) | ratio to fp32 | target |" in table
+    assert f"| {bench.FIX} | fp32 | 10.50 | 1.05x | <= 1.5x: PASS |" in table
+    assert f"| {bench.FP32} | fp32 | 10.00 | 1.00x |  |" in table
+    assert "1.020, 1.080 (median 1.050)" in table and "losses of the two variants equal" in table
+    assert "without AVX512" in table and "oneDNN bf16 kernel: False" in table and "AVX2" in table
+    assert "256x3072 by 3072x3072" in table and "11.26 s in bf16 against 0.082 s in fp32, 137x" in table
+    assert "Predicted, not run" in table
+    assert table.rstrip("\n").splitlines()[-1].startswith("Measured 2026-12-01 10:00 UTC at commit abc1234")
+
+
+def test_a_ratio_above_the_target_misses_and_differing_losses_are_named() -> None:
+    data = _data(fix=(20.0, 16.0), fp32=(10.0, 10.0), loss_fix=5.6)
+    assert data["summary"]["ratio"] == pytest.approx(1.8) and data["summary"]["result"] == "MISS"
+    table = bench.render(data)
+    assert "| 1.80x | <= 1.5x: MISS |" in table
+    assert "max difference 1.00e-01" in table
+
+
+def test_the_plan_says_what_the_run_computed_in() -> None:
+    lines = bench.plan_lines(PLAN_FP32)
+    assert [ln.split(":")[0] for ln in lines] == ["zoff plan", "train.cpu_precision=auto"]
+    assert bench.computed(lines) == "fp32"
+    assert bench.computed(["zoff plan: world size 1 (gloo), ZeRO stage 3, torch.bfloat16 compute"]) == "bf16"
+    assert bench.computed([]) == "?"
+
+
+def test_the_variants_alternate_round_by_round() -> None:
+    assert bench.schedule(3) == [
+        (0, bench.FIX), (0, bench.FP32), (1, bench.FP32), (1, bench.FIX), (2, bench.FIX), (2, bench.FP32),
+    ]  # fmt: skip
+    fix, fp32 = (bench.overrides(4, 4, v) for v in (bench.FIX, bench.FP32))
+    assert "zero=zero3-offload" in fix and "model.n_layer=4" in fix and "train.max_steps=4" in fix
+    assert fix[-1] == "train.cpu_precision=auto" and fp32[-1] == "train.precision=fp32"
+
+
+def test_a_dry_run_starts_nothing(monkeypatch, capsys) -> None:
+    def no_run(*a, **k):
+        raise AssertionError("a dry run started a run")
+
+    monkeypatch.setattr(bench.benchlib, "train_records", no_run)
+    monkeypatch.setattr(bench, "measure_factor", no_run)
+    assert bench.main(["--dry-run", "--rounds", "1", "--layers", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all("configs/gpt-3b-nvme.yaml" in ln and "model.n_layer=2" in ln for ln in out)

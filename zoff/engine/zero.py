@@ -264,9 +264,8 @@ class ZeroEngine(EngineReports, EngineState):
 
     def _update(self, grads: RescaledGrads, lr: float, runs: list | None, t0: float) -> dict[str, float]:
         """The update on this thread (DPU's in the background, published by the next flush); its times."""
-        copy = (
-            not self.optimizer.writes_live_shards
-        )  # the fused CPU kernel may have written the 16-bit shards
+        # the fused CPU kernel may have written the 16-bit shards in its own pass
+        copy = not self.optimizer.writes_live_shards
         handles: list[Handle] = []
         # Each unit's all-gather starts as soon as that unit is stepped, overlapping the rest of the update.
         publish = lambda u, lo, master: self.publication.piece(u, lo, master, copy, handles)  # noqa: E731
@@ -274,13 +273,14 @@ class ZeroEngine(EngineReports, EngineState):
         delayed = self.optimizer.step(
             grads, lr, on_unit=publish, runs=runs, delayed_on_unit=self.publication.delayed_piece
         )
-        self.publication.stepped(delayed)  # True: a delayed (DPU) update runs on, published next step
         t1 = time.perf_counter()
         for h in handles:
             h.wait()
         if self.param_disk is not None:
             self.param_disk.flush(self.param_disk.slot)  # the next forward reads the shards written back
             self.param_disk.trim()  # the write-backs' kept buffers: not held through the next forward
+        # (last: a wait above that raises leaves the step unpublished, and a later flush() publishes it)
+        self.publication.stepped(delayed)  # True: a delayed (DPU) update runs on, published next step
         times = {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1}
         if self.optimizer.delay:  # DPU: the last walk (beside this forward and backward) and the wait for it
             times |= {"last_walk_s": last_walk, "dpu_wait_s": self.last_flush_s}

@@ -9,10 +9,13 @@ train.cpu_precision=auto, (b) the same config with train.precision=fp32. Per rou
 median step (the first step, a warm-up, left out) and reports the median over rounds of the per-round ratio
 a/b against the target (<= 1.5x). Each run's plan says what it computed in, and the JSON keeps those lines and
 both variants' losses (equal where auto chose fp32). The factor is measured in the same job: the trainer's
-probe (kernels.matmul_path, one core) and one matmul of the demo's own shape (micro-batch x seq_len tokens by
-d_model, against d_model x d_model) in bf16 (once: ~10 s on the slow path) and fp32 (best of 3) at the rank's
-thread count. The native bf16 demo itself is not run (hours): its step is predicted from the fp32 variant's,
-forward and backward scaled by that factor. Other processes' CPU is metered per run (/proc/stat less this
+probe (kernels.matmul_path, one core, a @ b) and the three matmuls of one of the demo's linear layers at its
+own shape (micro-batch x seq_len tokens, d_model x d_model weight): forward x @ W.T, input gradient g @ W and
+weight gradient g.T @ x, each in bf16 (once: ~14 s for g @ W on the slow path) and fp32 (best of 3) at the rank's
+thread count. The layout matters there: torch's reference bf16 kernel computes x @ W.T some 30x faster than
+g @ W, so a step's factor is not one matmul's. The native bf16 demo itself is not run (hours): its step is
+predicted from the fp32 variant's, each block's 12 d_model^2 of weights (qkv 3, out 1, MLP 4 + 4) adding those
+three matmuls' bf16 time less their fp32 time. Other processes' CPU is metered per run (/proc/stat less this
 job's), since other work may share the host.
 
     python scripts/bench_cpu_precision.py [--layers 4] [--steps 4] [--rounds 2]
@@ -23,6 +26,7 @@ job's), since other work may share the host.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -88,23 +92,36 @@ def _timed(fn, reps: int) -> float:
     return best
 
 
+# a linear layer's matmuls, x: tokens x d_in, W: d_out x d_in, g: tokens x d_out (nn.Linear's layout)
+LINEAR_OPS = {
+    "forward x @ W.T": lambda x, w, g: torch.nn.functional.linear(x, w),
+    "input grad g @ W": lambda x, w, g: torch.mm(g, w),
+    "weight grad g.T @ x": lambda x, w, g: torch.mm(g.t(), x),
+}
+WEIGHTS_PER_BLOCK = 12  # the builtin GPT block's weights in d_model^2: qkv 3, out 1, MLP 4 + 4
+
+
 def measure_factor(rows: int, d_model: int, threads: int) -> dict:
-    """The probe's factor (one core) and one rows x d_model by d_model x d_model matmul's, bf16 over fp32, at
-    `threads` (the rank's). bf16 is timed once (seconds on the slow path), fp32 best of 3 after a warm-up."""
+    """The probe's factor (one core) and the LINEAR_OPS of a d_model x d_model layer on `rows` tokens, bf16 and
+    fp32, at `threads` (the rank's). bf16 is timed once (seconds on the slow path), fp32 best of 3 after a
+    warm-up; the factor is their sums' ratio (a layer's forward and backward)."""
     probe = kernels.matmul_path(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    ops = {}
     try:
-        a, b = torch.randn(rows, d_model), torch.randn(d_model, d_model)
-        torch.mm(a, b)  # (warm-up: the first call allocates)
-        fp32_s = _timed(lambda: torch.mm(a, b), 3)
-        a16, b16 = a.bfloat16(), b.bfloat16()
-        bf16_s = _timed(lambda: torch.mm(a16, b16), 1)
+        x, w, g = torch.randn(rows, d_model), torch.randn(d_model, d_model), torch.randn(rows, d_model)
+        for name, op in LINEAR_OPS.items():
+            op(x, w, g)  # (warm-up: the first call allocates)
+            fp32_s = _timed(functools.partial(op, x, w, g), 3)
+            bf16 = functools.partial(op, x.bfloat16(), w.bfloat16(), g.bfloat16())
+            ops[name] = {"bf16_s": _timed(bf16, 1), "fp32_s": fp32_s}
     finally:
         torch.set_num_threads(before)
+    bf16_s, fp32_s = (sum(o[k] for o in ops.values()) for k in ("bf16_s", "fp32_s"))
     return {
         "probe": {"factor": probe.factor, "kernel": probe.kernel, "source": probe.source, "describe": probe.describe()},
-        "demo_matmul": {"shape": [rows, d_model, d_model], "threads": threads, "bf16_s": bf16_s,
+        "demo_matmul": {"shape": [rows, d_model, d_model], "threads": threads, "ops": ops, "bf16_s": bf16_s,
                         "fp32_s": fp32_s, "factor": bf16_s / fp32_s},
     }  # fmt: skip
 
@@ -159,9 +176,10 @@ def _steady(xs: list[float]) -> list[float]:
     return xs[1:] or xs  # the first step warms up
 
 
-def summarise(runs: list[dict], factor: float) -> dict:
+def summarise(runs: list[dict], matmul: dict, layers: int) -> dict:
     """Per variant the median over rounds of its per-round median step; the per-round ratios fix/fp32, their
-    median against TARGET; whether the losses agree; the native bf16 step predicted from the fp32 one."""
+    median against TARGET; whether the losses agree; the native bf16 step predicted from the fp32 one (each
+    block's weights' matmuls, `matmul` (measure_factor's demo_matmul), at bf16's time less fp32's)."""
     rounds = sorted({r["round"] for r in runs})
     med = {(r["round"], r["variant"]): statistics.median(_steady(r["step_s"])) for r in runs}
     ratios = [med[(k, FIX)] / med[(k, FP32)] for k in rounds]
@@ -172,7 +190,6 @@ def summarise(runs: list[dict], factor: float) -> dict:
         variants[v] = {
             "step_s": statistics.median(med[(k, v)] for k in rounds),
             "computed": sorted({r["computed"] for r in mine}),
-            "compute_s": statistics.median(x for r in mine for x in _steady(r["compute_s"])),
         }
     ref = variants[FP32]
     losses = {v: [r["loss"] for r in runs if r["variant"] == v] for v in VARIANTS}
@@ -180,8 +197,8 @@ def summarise(runs: list[dict], factor: float) -> dict:
     return {
         "variants": variants, "ratios": ratios, "ratio": ratio, "target": TARGET,
         "result": "PASS" if ratio <= TARGET else "MISS", "loss_max_diff": diff,
-        # forward and backward (the matmuls) scaled by the demo-shaped factor; the rest (Adam, the gathers) not
-        "predicted_native_step_s": ref["step_s"] + ref["compute_s"] * (factor - 1.0),
+        "predicted_native_step_s": ref["step_s"]
+        + layers * WEIGHTS_PER_BLOCK * (matmul["bf16_s"] - matmul["fp32_s"]),
     }  # fmt: skip
 
 
@@ -203,10 +220,11 @@ def render(data: dict) -> str:
         f"Ratio per round: {', '.join(f'{x:.3f}' for x in s['ratios'])} (median {s['ratio']:.3f}); "
         f"losses of the two variants {same}. Host {avx} (torch CPU capability {host['cpu_capability']}, "
         f"oneDNN bf16 kernel: {host['bf16_kernel']}). The factor, same job: {f['probe']['describe']}; "
-        f"a {rows_}x{k} by {k}x{n} matmul (the demo's) at {mm['threads']} threads takes {mm['bf16_s']:.2f} s "
-        f"in bf16 against {mm['fp32_s']:.3f} s in fp32, {mm['factor']:.0f}x. Predicted, not run: the native "
-        f"bf16 step {s['predicted_native_step_s']:.0f} s (the fp32 step, its forward and backward scaled by "
-        f"{mm['factor']:.0f}x).\n\n" + benchlib.measured_line(data, "bench_cpu_precision")
+        f"the demo's {n}x{k} linear layer on {rows_} tokens at {mm['threads']} threads, bf16 against fp32: "
+        + "; ".join(f"{op} {t['bf16_s']:.2f} s / {t['fp32_s']:.3f} s" for op, t in mm.get("ops", {}).items())
+        + f"; together {mm['factor']:.0f}x. Predicted, not run: the native bf16 step "
+        f"{s['predicted_native_step_s']:.0f} s (the fp32 step, each block's {WEIGHTS_PER_BLOCK} such layers "
+        "at bf16's time less fp32's).\n\n" + benchlib.measured_line(data, "bench_cpu_precision")
     )
 
 
@@ -247,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": benchlib.command_line(ap, a, "bench_cpu_precision"),
         "config": str(CONFIG.relative_to(benchlib.REPO)), "overrides": BASE, "variants": VARIANTS,
         "layers": a.layers, "steps": a.steps, "rounds": a.rounds, "host": host_kind(), "factor": factor,
-        "runs": runs, "summary": summarise(runs, factor["demo_matmul"]["factor"]),
+        "runs": runs, "summary": summarise(runs, factor["demo_matmul"], a.layers),
     }  # fmt: skip
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(data, indent=1) + "\n")

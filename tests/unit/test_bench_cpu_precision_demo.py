@@ -21,6 +21,13 @@ PLAN_FP32 = [
 ]
 
 
+OPS = {
+    "forward x @ W.T": {"bf16_s": 0.4, "fp32_s": 0.035},
+    "input grad g @ W": {"bf16_s": 14.2, "fp32_s": 0.03},
+    "weight grad g.T @ x": {"bf16_s": 0.4, "fp32_s": 0.035},
+}
+
+
 def _run(rnd: int, variant: str, step: float, loss: float = 5.5) -> dict:
     return {
         "round": rnd, "variant": variant, "plan": [], "computed": "fp32",
@@ -34,14 +41,15 @@ def _data(fix: tuple[float, float], fp32: tuple[float, float], loss_fix: float =
     runs += [_run(1, bench.FP32, fp32[1]), _run(1, bench.FIX, fix[1], loss_fix)]
     factor = {
         "probe": {"factor": 137.0, "kernel": False, "source": "probe", "describe": "bf16 matmul on the CPU: x"},
-        "demo_matmul": {"shape": [256, 3072, 3072], "threads": 2, "bf16_s": 11.26, "fp32_s": 0.082, "factor": 137.3},
+        "demo_matmul": {"shape": [256, 3072, 3072], "threads": 2, "ops": OPS, "bf16_s": 15.0, "fp32_s": 0.1,
+                        "factor": 150.0},
     }  # fmt: skip
     return {
         "date": "2026-12-01T10:00:00+00:00", "commit": "abc1234",
         "machine": {"cpu": "AMD EPYC 7B13", "cores": 2, "ram_bytes": 24 * 2**30, "os": "Linux", "torch": "2.13.0"},
         "command": "python scripts/bench_cpu_precision.py", "runs": runs, "factor": factor,
         "host": {"avx512": False, "flags": ["avx", "avx2"], "bf16_kernel": False, "cpu_capability": "AVX2"},
-        "summary": bench.summarise(runs, factor["demo_matmul"]["factor"]),
+        "summary": bench.summarise(runs, factor["demo_matmul"], layers=4),
     }  # fmt: skip
 
 
@@ -52,8 +60,8 @@ def test_the_ratio_is_the_median_of_per_round_ratios_and_meets_the_target() -> N
     assert s["ratio"] == pytest.approx(1.05) and s["result"] == "PASS" and s["target"] == 1.5
     assert s["variants"][bench.FP32]["step_s"] == pytest.approx(10.0)  # the warm-up step (3x) left out
     assert s["loss_max_diff"] == 0.0
-    # the fp32 step with its forward and backward (0.6 of it) scaled by the factor
-    assert s["predicted_native_step_s"] == pytest.approx(10.0 + 6.0 * (137.3 - 1))
+    # the fp32 step, each of 4 blocks' 12 d x d layers at bf16's time less fp32's
+    assert s["predicted_native_step_s"] == pytest.approx(10.0 + 4 * 12 * (15.0 - 0.1))
 
     table = bench.render(copy.deepcopy(data))
     assert "| variant | computed in | step s (median) | ratio to fp32 | target |" in table
@@ -61,8 +69,9 @@ def test_the_ratio_is_the_median_of_per_round_ratios_and_meets_the_target() -> N
     assert f"| {bench.FP32} | fp32 | 10.00 | 1.00x |  |" in table
     assert "1.020, 1.080 (median 1.050)" in table and "losses of the two variants equal" in table
     assert "without AVX512" in table and "oneDNN bf16 kernel: False" in table and "AVX2" in table
-    assert "256x3072 by 3072x3072" in table and "11.26 s in bf16 against 0.082 s in fp32, 137x" in table
-    assert "Predicted, not run" in table
+    assert "3072x3072 linear layer on 256 tokens at 2 threads" in table
+    assert "input grad g @ W 14.20 s / 0.030 s" in table and "together 150x" in table
+    assert "Predicted, not run: the native bf16 step 725 s" in table
     assert table.rstrip("\n").splitlines()[-1].startswith("Measured 2026-12-01 10:00 UTC at commit abc1234")
 
 

@@ -7,16 +7,17 @@ a host. This script trains the demo at --layers (4) with every state in RAM (zer
 no part) in two variants, alternating round by round (A B, B A, ...): (a) the configured bf16 with
 train.cpu_precision=auto, (b) the same config with train.precision=fp32. Per round it takes each variant's
 median step (the first step, a warm-up, left out) and reports the median over rounds of the per-round ratio
-a/b against the target (<= 1.5x). Each run's plan says what it computed in, and the JSON keeps those lines and
+a/b against the target (<= 1.5x). Other processes' CPU is metered per run (/proc/stat less this job's): rounds
+run until --rounds of them were quiet (< --quiet-max other busy cores; at most 3x --rounds), and only quiet
+rounds count where there are any. Each run's plan says what it computed in, and the JSON keeps those lines and
 both variants' losses (equal where auto chose fp32). The factor is measured in the same job: the trainer's
 probe (kernels.matmul_path, one core, a @ b) and the three matmuls of one of the demo's linear layers at its
 own shape (micro-batch x seq_len tokens, d_model x d_model weight): forward x @ W.T, input gradient g @ W and
 weight gradient g.T @ x, each in bf16 (once: ~14 s for g @ W on the slow path) and fp32 (best of 3) at the rank's
-thread count. The layout matters there: torch's reference bf16 kernel computes x @ W.T some 30x faster than
+thread count. The layout matters there: torch's reference bf16 kernel computes x @ W.T tens of times faster than
 g @ W, so a step's factor is not one matmul's. The native bf16 demo itself is not run (hours): its step is
 predicted from the fp32 variant's, each block's 12 d_model^2 of weights (qkv 3, out 1, MLP 4 + 4) adding those
-three matmuls' bf16 time less their fp32 time. Other processes' CPU is metered per run (/proc/stat less this
-job's), since other work may share the host.
+three matmuls' bf16 time less their fp32 time.
 
     python scripts/bench_cpu_precision.py [--layers 4] [--steps 4] [--rounds 2]
     python scripts/bench_cpu_precision.py --dry-run     # the runs it would start, and nothing else
@@ -54,10 +55,15 @@ def overrides(layers: int, steps: int, variant: str) -> list[str]:
     return [*BASE, f"model.n_layer={layers}", f"train.max_steps={steps}", *VARIANTS[variant]]
 
 
-def schedule(rounds: int) -> list[tuple[int, str]]:
-    """(round, variant) in run order: A B, B A, ... (a drift of the host's speed weighs on both alike)."""
-    order = list(VARIANTS)
-    return [(r, v) for r in range(rounds) for v in (order if r % 2 == 0 else order[::-1])]
+def round_order(rnd: int) -> list[str]:
+    """Round `rnd`'s variants in run order: A B, B A, ... (a drift of the host's speed weighs on both alike)."""
+    return list(VARIANTS) if rnd % 2 == 0 else list(VARIANTS)[::-1]
+
+
+def quiet_rounds(runs: list[dict], quiet_max: float) -> list[int]:
+    """The rounds whose every run saw other processes keep fewer than `quiet_max` cores busy."""
+    rounds = sorted({r["round"] for r in runs})
+    return [k for k in rounds if all(r["other_cores"] < quiet_max for r in runs if r["round"] == k)]
 
 
 # ------------------------------------------------------------------------------------- the host and its factor
@@ -176,11 +182,13 @@ def _steady(xs: list[float]) -> list[float]:
     return xs[1:] or xs  # the first step warms up
 
 
-def summarise(runs: list[dict], matmul: dict, layers: int) -> dict:
+def summarise(runs: list[dict], matmul: dict, layers: int, quiet_max: float) -> dict:
     """Per variant the median over rounds of its per-round median step; the per-round ratios fix/fp32, their
     median against TARGET; whether the losses agree; the native bf16 step predicted from the fp32 one (each
-    block's weights' matmuls, `matmul` (measure_factor's demo_matmul), at bf16's time less fp32's)."""
-    rounds = sorted({r["round"] for r in runs})
+    block's weights' matmuls, `matmul` (measure_factor's demo_matmul), at bf16's time less fp32's). Only the
+    quiet rounds (quiet_rounds) count, or every round where none was quiet."""
+    quiet = quiet_rounds(runs, quiet_max)
+    rounds = quiet or sorted({r["round"] for r in runs})
     med = {(r["round"], r["variant"]): statistics.median(_steady(r["step_s"])) for r in runs}
     ratios = [med[(k, FIX)] / med[(k, FP32)] for k in rounds]
     ratio = statistics.median(ratios)
@@ -195,7 +203,8 @@ def summarise(runs: list[dict], matmul: dict, layers: int) -> dict:
     losses = {v: [r["loss"] for r in runs if r["variant"] == v] for v in VARIANTS}
     diff = max(abs(a - b) for x, y in zip(losses[FIX], losses[FP32]) for a, b in zip(x, y))
     return {
-        "variants": variants, "ratios": ratios, "ratio": ratio, "target": TARGET,
+        "variants": variants, "rounds_run": len({r["round"] for r in runs}), "rounds_used": rounds,
+        "quiet_rounds": len(quiet),        "quiet_max_cores": quiet_max, "ratios": ratios, "ratio": ratio, "target": TARGET,
         "result": "PASS" if ratio <= TARGET else "MISS", "loss_max_diff": diff,
         "predicted_native_step_s": ref["step_s"]
         + layers * WEIGHTS_PER_BLOCK * (matmul["bf16_s"] - matmul["fp32_s"]),
@@ -203,6 +212,20 @@ def summarise(runs: list[dict], matmul: dict, layers: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- render (pure)
+def _rounds_text(s: dict) -> str:
+    """Which rounds the medians count: the quiet ones of those run, or all where none was quiet."""
+    run, quiet, limit = (
+        s["rounds_run"],
+        s["quiet_rounds"],
+        f"other processes < {s['quiet_max_cores']:.2f} cores busy",
+    )
+    if quiet == 0:
+        return f"every one of {run} round(s), none quiet ({limit}): other work shared the cores"
+    if quiet == run:
+        return f"{run} round(s), each quiet ({limit})"
+    return f"the {quiet} quiet round(s) of {run} ({limit})"
+
+
 def render(data: dict) -> str:
     s, host, f = data["summary"], data["host"], data["factor"]
     rows = []
@@ -217,7 +240,8 @@ def render(data: dict) -> str:
     avx = "with AVX512" if host["avx512"] else "without AVX512"
     return (
         f"{table}\n"
-        f"Ratio per round: {', '.join(f'{x:.3f}' for x in s['ratios'])} (median {s['ratio']:.3f}); "
+        f"Ratio per round: {', '.join(f'{x:.3f}' for x in s['ratios'])} (median {s['ratio']:.3f}; "
+        f"{_rounds_text(s)}); "
         f"losses of the two variants {same}. Host {avx} (torch CPU capability {host['cpu_capability']}, "
         f"oneDNN bf16 kernel: {host['bf16_kernel']}). The factor, same job: {f['probe']['describe']}; "
         f"the demo's {n}x{k} linear layer on {rows_} tokens at {mm['threads']} threads, bf16 against fp32: "
@@ -233,10 +257,28 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4, help="model.n_layer of the demo")
     ap.add_argument("--steps", type=int, default=4, help="steps a run (the first, a warm-up, left out)")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of both variants, alternating")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="quiet rounds of both variants wanted (at most 3x run)"
+    )
+    ap.add_argument(
+        "--quiet-max", type=float, default=0.25, help="a round is quiet below this many other busy cores"
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the runs it would start; measure nothing")
     benchlib.output_args(ap, JSON)
     return ap, ap.parse_args(argv)
+
+
+def measure_runs(a: argparse.Namespace) -> list[dict]:
+    """Rounds of both variants until --rounds of them were quiet, at most 3x --rounds."""
+    runs: list[dict] = []
+    rnd = 0
+    while len(quiet_rounds(runs, a.quiet_max)) < a.rounds and rnd < 3 * a.rounds:
+        for v in round_order(rnd):
+            runs.append(r := run_once(CONFIG, a, rnd, v))
+            print(f"  round {rnd} {v}: computed in {r['computed']}, steps {[round(x, 2) for x in r['step_s']]}, "
+                  f"other cores {r['other_cores']:.2f}", flush=True)  # fmt: skip
+        rnd += 1
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,27 +287,21 @@ def main(argv: list[str] | None = None) -> int:
         return benchlib.print_rendered(a.out, render)
     cfg = load_config(CONFIG, overrides(a.layers, a.steps, FIX))
     if a.dry_run:
-        for rnd, v in schedule(a.rounds):
-            print(
-                f"round {rnd}: zoff train {CONFIG.relative_to(benchlib.REPO)} {' '.join(overrides(a.layers, a.steps, v))}"
-            )
+        for rnd in range(a.rounds):
+            for v in round_order(rnd):
+                print(f"round {rnd}: zoff train {CONFIG.relative_to(benchlib.REPO)} "
+                      + " ".join(overrides(a.layers, a.steps, v)))  # fmt: skip
         return 0
     print(f"bench_cpu_precision: load average {os.getloadavg()[0]:.2f}; measuring the factor", flush=True)
-    factor = measure_factor(
-        cfg.data.batch_size * cfg.data.seq_len, cfg.model.d_model, cfg.launch.threads_per_rank
-    )
+    rows = cfg.data.batch_size * cfg.data.seq_len
+    factor = measure_factor(rows, cfg.model.d_model, cfg.launch.threads_per_rank)
     print(f"  {factor['probe']['describe']}; demo-shaped: {factor['demo_matmul']['factor']:.0f}x", flush=True)
-    runs = []
-    for rnd, v in schedule(a.rounds):
-        runs.append(run_once(CONFIG, a, rnd, v))
-        r = runs[-1]
-        print(f"  round {rnd} {v}: computed in {r['computed']}, steps {[round(x, 2) for x in r['step_s']]}, "
-              f"other cores {r['other_cores']:.2f}", flush=True)  # fmt: skip
+    runs = measure_runs(a)
     data = benchlib.provenance() | {
         "command": benchlib.command_line(ap, a, "bench_cpu_precision"),
         "config": str(CONFIG.relative_to(benchlib.REPO)), "overrides": BASE, "variants": VARIANTS,
         "layers": a.layers, "steps": a.steps, "rounds": a.rounds, "host": host_kind(), "factor": factor,
-        "runs": runs, "summary": summarise(runs, factor["demo_matmul"], a.layers),
+        "runs": runs, "summary": summarise(runs, factor["demo_matmul"], a.layers, a.quiet_max),
     }  # fmt: skip
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(data, indent=1) + "\n")

@@ -28,17 +28,26 @@ OPS = {
 }
 
 
-def _run(rnd: int, variant: str, step: float, loss: float = 5.5) -> dict:
+def _run(rnd: int, variant: str, step: float, loss: float = 5.5, other: float = 0.05) -> dict:
     return {
         "round": rnd, "variant": variant, "plan": [], "computed": "fp32",
         "step_s": [3 * step, step, step * 1.02, step * 0.98], "compute_s": [2.0, 0.6 * step, 0.6 * step, 0.6 * step],
-        "loss": [loss, loss - 0.1, loss - 0.2, loss - 0.3], "loadavg_before": 0.5, "wall_s": 60.0, "other_cores": 0.05,
+        "loss": [loss, loss - 0.1, loss - 0.2, loss - 0.3], "loadavg_before": 0.5, "wall_s": 60.0, "other_cores": other,
     }  # fmt: skip
 
 
-def _data(fix: tuple[float, float], fp32: tuple[float, float], loss_fix: float = 5.5) -> dict:
-    runs = [_run(0, bench.FIX, fix[0], loss_fix), _run(0, bench.FP32, fp32[0])]
-    runs += [_run(1, bench.FP32, fp32[1]), _run(1, bench.FIX, fix[1], loss_fix)]
+def _data(
+    fix: tuple[float, ...], fp32: tuple[float, ...], loss_fix: float = 5.5, busy: tuple[int, ...] = ()
+) -> dict:
+    """Rounds of both variants at these step times; the rounds in `busy` shared the cores with other work."""
+    runs = []
+    for k, (a, b) in enumerate(zip(fix, fp32)):
+        other = 0.96 if k in busy else 0.05
+        pair = {
+            bench.FIX: _run(k, bench.FIX, a, loss_fix, other),
+            bench.FP32: _run(k, bench.FP32, b, other=other),
+        }
+        runs += [pair[v] for v in bench.round_order(k)]
     factor = {
         "probe": {"factor": 137.0, "kernel": False, "source": "probe", "describe": "bf16 matmul on the CPU: x"},
         "demo_matmul": {"shape": [256, 3072, 3072], "threads": 2, "ops": OPS, "bf16_s": 15.0, "fp32_s": 0.1,
@@ -49,7 +58,7 @@ def _data(fix: tuple[float, float], fp32: tuple[float, float], loss_fix: float =
         "machine": {"cpu": "AMD EPYC 7B13", "cores": 2, "ram_bytes": 24 * 2**30, "os": "Linux", "torch": "2.13.0"},
         "command": "python scripts/bench_cpu_precision.py", "runs": runs, "factor": factor,
         "host": {"avx512": False, "flags": ["avx", "avx2"], "bf16_kernel": False, "cpu_capability": "AVX2"},
-        "summary": bench.summarise(runs, factor["demo_matmul"], layers=4),
+        "summary": bench.summarise(runs, factor["demo_matmul"], layers=4, quiet_max=0.25),
     }  # fmt: skip
 
 
@@ -67,7 +76,10 @@ def test_the_ratio_is_the_median_of_per_round_ratios_and_meets_the_target() -> N
     assert "| variant | computed in | step s (median) | ratio to fp32 | target |" in table
     assert f"| {bench.FIX} | fp32 | 10.50 | 1.05x | <= 1.5x: PASS |" in table
     assert f"| {bench.FP32} | fp32 | 10.00 | 1.00x |  |" in table
-    assert "1.020, 1.080 (median 1.050)" in table and "losses of the two variants equal" in table
+    assert (
+        "1.020, 1.080 (median 1.050; 2 round(s), each quiet (other processes < 0.25 cores busy))" in table
+        and "losses of the two variants equal" in table
+    )
     assert "without AVX512" in table and "oneDNN bf16 kernel: False" in table and "AVX2" in table
     assert "3072x3072 linear layer on 256 tokens at 2 threads" in table
     assert "input grad g @ W 14.20 s / 0.030 s" in table and "together 150x" in table
@@ -91,9 +103,28 @@ def test_the_plan_says_what_the_run_computed_in() -> None:
     assert bench.computed([]) == "?"
 
 
+def test_a_round_that_shared_the_cores_is_left_out() -> None:
+    data = _data(fix=(10.2, 25.0, 10.8), fp32=(10.0, 10.0, 10.0), busy=(1,))
+    s = data["summary"]
+    assert s["rounds_used"] == [0, 2] and s["quiet_rounds"] == 2 and s["ratio"] == pytest.approx(1.05)
+    assert "the 2 quiet round(s) of 3 (other processes < 0.25 cores busy)" in bench.render(data)
+
+    noisy = _data(fix=(10.2, 25.0), fp32=(10.0, 10.0), busy=(0, 1))
+    assert noisy["summary"]["rounds_used"] == [0, 1] and noisy["summary"]["ratio"] == pytest.approx(1.76)
+    assert "every one of 2 round(s), none quiet" in bench.render(noisy)
+
+
+def test_rounds_run_until_enough_were_quiet(monkeypatch) -> None:
+    busy = iter([0.9, 0.1, 0.1, 0.1, 0.1, 0.1] + [0.9] * 12)
+    monkeypatch.setattr(bench, "run_once", lambda config, a, rnd, v: _run(rnd, v, 10.0, other=next(busy)))
+    args = bench.parse(["--rounds", "2"])[1]
+    assert [r["round"] for r in bench.measure_runs(args)] == [0, 0, 1, 1, 2, 2]  # round 0 was busy
+    assert len(bench.measure_runs(args)) == 2 * 6  # never quiet: 3x --rounds, then it stops
+
+
 def test_the_variants_alternate_round_by_round() -> None:
-    assert bench.schedule(3) == [
-        (0, bench.FIX), (0, bench.FP32), (1, bench.FP32), (1, bench.FIX), (2, bench.FIX), (2, bench.FP32),
+    assert [bench.round_order(k) for k in range(3)] == [
+        [bench.FIX, bench.FP32], [bench.FP32, bench.FIX], [bench.FIX, bench.FP32],
     ]  # fmt: skip
     fix, fp32 = (bench.overrides(4, 4, v) for v in (bench.FIX, bench.FP32))
     assert "zero=zero3-offload" in fix and "model.n_layer=4" in fix and "train.max_steps=4" in fix

@@ -5,6 +5,7 @@ only: no benchmark runs here (a dry run prints the runs it would start)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -140,3 +141,13 @@ def test_a_dry_run_starts_nothing(monkeypatch, capsys) -> None:
     assert bench.main(["--dry-run", "--rounds", "1", "--layers", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and all("configs/gpt-3b-nvme.yaml" in ln and "model.n_layer=2" in ln for ln in out)
+
+
+def test_the_recorded_run_says_what_each_variant_computed_in() -> None:
+    data = json.loads(bench.JSON.read_text())
+    for key in ("date", "commit", "machine", "command", "host", "factor"):
+        assert data.get(key), key
+    assert {r["variant"] for r in data["runs"]} == set(bench.VARIANTS)
+    assert all(r["plan"] and r["computed"] != "?" for r in data["runs"])
+    table = bench.render(data)
+    assert table.rstrip("\n").splitlines()[-1].startswith("Measured ") and "|---" in table

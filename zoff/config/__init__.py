@@ -220,6 +220,11 @@ def check_grad_device(zero: ZeroConfig) -> None:
         )
     if oo.overlap_step and oo.delay_update:
         raise ConfigError("zero.offload_optimizer.overlap_step: not with delay_update (choose one)")
+    if oo.speculate is True and (oo.device == "none" or oo.delay_update):
+        raise ConfigError(
+            "zero.offload_optimizer.speculate: true needs zero.offload_optimizer.device cpu or nvme without "
+            "delay_update (DPU's update already runs beside the next step); use auto or false"
+        )
 
 
 def _check_cross_section(cfg: Config) -> None:

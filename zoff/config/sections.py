@@ -142,6 +142,15 @@ class OffloadOptimizerConfig:
     # the forward instead of following backward. Costs the forward cores that the CPU Adam shares on a host
     # without a GPU.
     overlap_step: bool = False
+    # Exact speculation (issue 53): during the last micro-batch's backward, a worker computes each unit's update
+    # as its gradient lands, with the clipping factor 1 and the coming lr, into second places (a second slot
+    # per piece on disk, second buffers in RAM); after backward it is committed where the factor really is 1,
+    # nothing overflowed and no late gradient touched the unit, else discarded and walked as usual: the same
+    # bits either way. auto: speculate a step when the last one did not clip (so a run that clips every step
+    # pays nothing), on the disk tier, and on the host tier when backward runs on a GPU (on a host-only machine
+    # the CPU Adam would take backward's own cores); true: always; false: never. Costs the second slots' disk
+    # bytes (what the disk's free room allows) and, on the host tier, 12 B/param/N of RAM.
+    speculate: Literal["auto", True, False] = "auto"
     delay_update: bool = False  # ZeRO-Offload's delayed parameter update: params one step stale
     delay_update_warmup: int = field(default=0, metadata=_rng(0, 1 << 40))  # delay_update: exact steps first
 

@@ -32,6 +32,7 @@ from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.policy import Policy, engine_plan
 from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads
 from zoff.engine.report import EngineReports
+from zoff.engine.speculation import EngineSpeculation, second_slots_of, speculates, speculation_of
 from zoff.engine.staging import Staging, needs_staging
 from zoff.engine.step.grad_store import GradShards, ResidentGrads
 from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
@@ -46,7 +47,7 @@ class StepResult:
     stepped: bool  # False when fp16 overflowed and the step was skipped
 
 
-class ZeroEngine(EngineReports, EngineState):
+class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
     """Stages 0-3 on one code path. Composed of parts that each own one concern (the reducer, the gatherer,
     the optimizer on its tier, the publication); EngineReports and EngineState are the reading and the
     checkpoint halves of the same class, kept in their own modules."""
@@ -77,7 +78,9 @@ class ZeroEngine(EngineReports, EngineState):
         self.model, self.deferred = prepare_model(model, self.device, self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")
         self.offload, self.offload_params = policy.offloads_optimizer, policy.offloads_params
-        self.param_disk = param_file(zero, policy, self.plan, self.dtype)  # stage 3 parameters on disk
+        self.second = second_slots_of(self)  # the disk tier's speculated units (before any file is made)
+        # stage 3 parameters on disk (a second region for each speculated unit)
+        self.param_disk = param_file(zero, policy, self.plan, self.dtype, self.second.units)
         self.next_params = next_params_file(zero, policy, self.plan, self.dtype)  # DPU, the parameters in RAM
         flat = FlatBuffers.build(
             model, self.plan, self.comm, stage=self.stage, rank=self.rank, dtype=self.dtype, device=self.device,
@@ -114,6 +117,7 @@ class ZeroEngine(EngineReports, EngineState):
             wait_host_reads=self.gatherer.wait_host_reads if self.gatherer else None,
         )  # fmt: skip
         self.overlap = self._overlapped_step_readiness()
+        self.speculation = speculation_of(self)  # None: this engine never speculates
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
@@ -183,7 +187,7 @@ class ZeroEngine(EngineReports, EngineState):
             tier = DiskTier(
                 staging, grad_dtype, copy_grads, Path(oo.nvme_path), oo.io.threads, oo.io.request_mb,
                 piece=subgroup_of(self.zero), params=self.param_disk, grads_on_disk=self.split.grads_on_disk,
-                resident=self.split.resident, delayed=oo.delay_update,
+                resident=self.split.resident, delayed=oo.delay_update, speculated=self.second.pieces,
             )  # fmt: skip
         else:
             tier = HostTier(
@@ -192,14 +196,16 @@ class ZeroEngine(EngineReports, EngineState):
                 alias_masters=self.dtype == torch.float32 and on_host and not oo.delay_update,
                 copy_grads=copy_grads,
             )  # fmt: skip
+            tier.speculate = speculates(oo, self.device, "cpu")
         return ShardOptimizer(
             shards, runs, optim, tier, cpu_fused_kernel, delay_update=oo.delay_update,
             delay_warmup=oo.delay_update_warmup, threads=self.cpu_threads, device=self.device,
         )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------- backward
-    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
-        """Backward of one micro-batch; `sync` on the last micro-batch of a step averages the gradients."""
+    def backward(self, loss: torch.Tensor, sync: bool = True, lr: float | None = None) -> None:
+        """Backward of one micro-batch; `sync` on the last micro-batch of a step averages the gradients; `lr`,
+        the coming step's, lets it speculate the step's update (speculate.py)."""
         # An overlapped step's walk reads the gradient shards this backward rewrites; DPU's reads a snapshot
         # (or, on disk, the other gradient file) and goes on beside backward too.
         if not self.optimizer.delay:
@@ -210,12 +216,14 @@ class ZeroEngine(EngineReports, EngineState):
         if self.gatherer is not None:
             self.gatherer.check_same_gathers()  # the forward's gathers, before backward's could hang on them
         self.blocks.in_backward = True
-        if sync and not self.optimizer.running:
+        speculating = self._begin_speculation(lr) if sync and not self.optimizer.running else False
+        if sync and not self.optimizer.running and not speculating:
             self.optimizer.states.prefetch()  # the disk tier reads the step's first pieces while backward computes
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         except BaseException:
             self.reducer.settle()  # landings already queued finish before the error leaves backward
+            self._discard_speculation(quiet=True)
             raise
         finally:
             if self.gatherer is not None:
@@ -236,7 +244,11 @@ class ZeroEngine(EngineReports, EngineState):
         parameter update). _end_step ends every step.
         """
         update = self._update if self.overlap is None else self._overlapped_update
-        self.reducer.check()  # a failed gradient landing (landing.py): never a step on a window missing one
+        try:
+            self.reducer.check()  # a failed gradient landing (landing.py): never a step on a window missing one
+        except BaseException:
+            self._discard_speculation(quiet=True)
+            raise
         t_wait = time.perf_counter()
         self.optimizer.finish()  # (an overlapped step's walk is joined already, by backward)
         self.flush()
@@ -247,22 +259,29 @@ class ZeroEngine(EngineReports, EngineState):
             self.param_disk.trim()  # the gathers' kept read buffers: not held through the step
         total_sq, bad, unused = self._global_norm_sq()
         if bad > 0 and self.scaler.enabled:
+            self._discard_speculation()
             self.scaler.update(overflow=True)
             return self._end_step(StepResult(float("inf"), stepped=False), times=None)
         # Unscale with the scale these gradients were computed with; it may grow only afterwards (GradScaler).
         norm = math.sqrt(total_sq) / self.scaler.scale
-        coef = 1.0 / self.scaler.scale
+        coef = base = 1.0 / self.scaler.scale
         self.scaler.update(overflow=False)
+        factor = min(self.grad_clip / (norm + 1e-6), 1.0) if self.grad_clip > 0 else 1.0
         if self.grad_clip > 0:
-            coef *= min(self.grad_clip / (norm + 1e-6), 1.0)
+            coef *= factor
+        runs = self._step_runs(unused)
+        # speculation: commit only where the factor is exactly 1 (NaN fails it) and nothing overflowed
+        committed = self._commit_speculation(lr, base, factor == 1.0 and bad == 0, runs)
         # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
         delayed = self.overlap is None and self.optimizer.next_step_delayed
         grads = RescaledGrads(self.grads.for_step(delayed), coef, fused=self.optimizer.fuses_grad_scale)
         t0 = time.perf_counter()
-        times = update(grads, lr, self._step_runs(unused), t0)
+        times = update(grads, lr, runs, t0, committed)
         return self._end_step(StepResult(norm, stepped=True), times)
 
-    def _update(self, grads: RescaledGrads, lr: float, runs: list | None, t0: float) -> dict[str, float]:
+    def _update(
+        self, grads: RescaledGrads, lr: float, runs: list | None, t0: float, skip: frozenset[int]
+    ) -> dict[str, float]:
         """The update on this thread (DPU's in the background, published by the next flush); its times."""
         # the fused CPU kernel may have written the 16-bit shards in its own pass
         copy = not self.optimizer.writes_live_shards
@@ -271,7 +290,7 @@ class ZeroEngine(EngineReports, EngineState):
         publish = lambda u, lo, master: self.publication.piece(u, lo, master, copy, handles)  # noqa: E731
         last_walk = self.optimizer.last_background_s  # (DPU: the walk just joined, before the next starts)
         delayed = self.optimizer.step(
-            grads, lr, on_unit=publish, runs=runs, delayed_on_unit=self.publication.delayed_piece
+            grads, lr, on_unit=publish, runs=runs, delayed_on_unit=self.publication.delayed_piece, skip=skip
         )
         t1 = time.perf_counter()
         for h in handles:
@@ -287,11 +306,13 @@ class ZeroEngine(EngineReports, EngineState):
         return times
 
     def _overlapped_update(
-        self, grads: RescaledGrads, lr: float, runs: list | None, t0: float
+        self, grads: RescaledGrads, lr: float, runs: list | None, t0: float, skip: frozenset[int]
     ) -> dict[str, float]:
         """The walk in the background (overlap.py); here only what must be on this thread: the persistent
         units' all-gathers (collectives), each once its update is in. The forward waits per unit."""
         self.overlap.begin()
+        for u in skip:
+            self.overlap.unit_done(u)  # committed by the speculation: published already
         copy = not self.optimizer.writes_live_shards
 
         def on_unit(u: int, lo: int | None, master: torch.Tensor | None) -> None:
@@ -300,11 +321,11 @@ class ZeroEngine(EngineReports, EngineState):
             else:
                 self.publication.piece(u, lo, master, copy, [])  # a shard or the swap file: no collective
 
-        self.optimizer.step(grads, lr, on_unit=on_unit, runs=runs, background=True)
+        self.optimizer.step(grads, lr, on_unit=on_unit, runs=runs, background=True, skip=skip)
         t1 = time.perf_counter()
         handles = []
         for u, unit in enumerate(self.plan.units):
-            if self.policy.gathers_after_step(unit.persistent):
+            if self.policy.gathers_after_step(unit.persistent) and u not in skip:
                 self._wait_unit(u)
                 handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
         for h in handles:

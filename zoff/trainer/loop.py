@@ -33,7 +33,8 @@ def train_loop(s: Session) -> list[float]:
             t1 = time.perf_counter()
             loss = forward_loss(engine.model, batch, accum, engine.device, train.loss_tile)
             t2 = time.perf_counter()
-            engine.backward(loss, sync=micro == accum - 1)
+            # (the step's lr: its update may be computed during the last backward, speculate.py)
+            engine.backward(loss, sync=micro == accum - 1, lr=lr)
             forward_s, backward_s = forward_s + t2 - t1, backward_s + time.perf_counter() - t2
             local_loss += loss.detach()
         result = engine.step(lr)

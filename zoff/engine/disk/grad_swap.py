@@ -100,6 +100,8 @@ class DiskGrads(GradShards):
             del self.holds[u]
         self._accumulate(u, self._view(b, u), src, copy, divide, final)
         self._write(b, u)
+        if final:
+            self._final(u, self.pending[b])
 
     def correct(self, u: int, delta: torch.Tensor, alpha: float, final: bool) -> None:
         b = self._read(u)
@@ -110,6 +112,15 @@ class DiskGrads(GradShards):
         if final:
             self._fold(u, out)
         self._write(b, u)
+        if final:
+            self._final(u, self.pending[b])
+
+    def final_view(self, u: int, writes: list, buffer: AlignedBuffer) -> torch.Tensor:
+        """Unit u's final gradient read into the speculation's own `buffer`, once its landing's `writes` are
+        on disk (nothing of the store's buffers or read-ahead is touched: backward lands beside it)."""
+        self.file.wait(writes)
+        self.file.wait(self.file.read(buffer.bytes[: self._nbytes(u)], self.offset[u]), reads=True)
+        return buffer.view(self.dtype, 0, self.numels[u])
 
     def get(self, u: int) -> torch.Tensor:
         """Unit u's shard, read (the step walks units in order: unit u+1 is read meanwhile). The view is

@@ -86,6 +86,8 @@ class SwappedShards:
             self.slots[1][u] = end
             end += aligned(self.numels[u] * dtype.itemsize)
         self.slot = 0  # the region gathers read and foreground writes write
+        # speculation: units whose live region is the other one (a committed speculative shard lies there)
+        self.flipped: set[int] = set()
         rank = os.environ.get("RANK", "0")
         self.file = SwapFile(swap_dir / f"rank{rank}" / name, max(end, ALIGN), threads, request_bytes)
         self.writes: deque[tuple[AlignedBuffer, list[Future], int]] = deque()  # (buffer, I/O, slot)
@@ -193,12 +195,28 @@ class SwappedShards:
         self.flush(self.slot)  # (not the delayed step's writes: they go to the other slot)
         n = self.numels[u]
         buf = self._take(n * self.dtype.itemsize)  # the read fills it whole: the region's padding is zeros
-        return ShardRead(self, buf, self.file.read(buf.bytes, self.slots[self.slot][u]), n, self.dtype)
+        return ShardRead(self, buf, self.file.read(buf.bytes, self.slots[self.live(u)][u]), n, self.dtype)
+
+    def live(self, u: int) -> int:
+        """The slot of unit u's region that gathers read."""
+        return self.slot ^ (u in self.flipped)
+
+    def write_second(self, u: int, lo: int, src: torch.Tensor) -> None:
+        """A speculative piece of unit u's new shard into the region gathers do not read (backward's gathers
+        of other units go on meanwhile); flip_units makes it the live one. Never held for a gather."""
+        self.write(u, lo, src, slot=self.live(u) ^ 1, hold=False, tag="second")
+
+    def flip_units(self, units) -> None:
+        """Committed speculative shards become the live ones (their writes landed first)."""
+        self.flush()
+        self.flipped ^= set(units)
 
     def load(self, u: int) -> torch.Tensor:
         return self.read(u).wait()
 
-    def write(self, u: int, lo: int, src: torch.Tensor, slot: int | None = None) -> None:
+    def write(
+        self, u: int, lo: int, src: torch.Tensor, slot: int | None = None, hold: bool = True, tag=None
+    ) -> None:
         """Unit u's elements [lo, lo + len(src)) from `src` (any float dtype), asynchronously, into `slot`
         (None: the one gathers read; the delayed step writes the other).
 
@@ -206,7 +224,7 @@ class SwappedShards:
         pages)."""
         if u in self.from_master:
             return  # its gathers cast the master itself: nothing on disk is read
-        slot = self.slot if slot is None else slot
+        slot = self.live(u) if slot is None else slot
         n, size = src.numel(), self.dtype.itemsize
         start = self.slots[slot][u] + lo * size
         if start % ALIGN or (lo + n < self.numels[u] and (n * size) % ALIGN):
@@ -215,8 +233,8 @@ class SwappedShards:
         buf.bytes[n * size :].zero_()  # its tail lands in the region's own padding: zeros, as in a fresh map
         buf.view(self.dtype, 0, n).copy_(src.reshape(-1))
         with self._lock:
-            self.writes.append((buf, self.file.write(buf.bytes, start), slot))
-            if self.hold_units:
+            self.writes.append((buf, self.file.write(buf.bytes, start), slot if tag is None else tag))
+            if self.hold_units and hold:
                 if u not in self.held and len(self.held) >= self.hold_units:
                     oldest = next(iter(self.held))  # not read by now: its gather reads the disk
                     self._unhold(self.held.pop(oldest))
@@ -264,10 +282,10 @@ class SwappedShards:
 
 
 def param_file(
-    zero: ZeroConfig, policy: Policy, plan: PartitionPlan, dtype: torch.dtype
+    zero: ZeroConfig, policy: Policy, plan: PartitionPlan, dtype: torch.dtype, second: frozenset[int] = frozenset()
 ) -> SwappedShards | None:
     """Parameter offload to nvme: every non-persistent unit's shard (frozen ones too) in a swap file; under DPU
-    the trainable shards in two slots. None without it."""
+    the trainable shards in two slots, under speculation the `second` units' (second_slots). None without it."""
     if not policy.params_on_disk:
         return None
     op, oo = zero.offload_param, zero.offload_optimizer
@@ -275,7 +293,7 @@ def param_file(
     return SwappedShards(
         numels, dtype, Path(param_swap_path(zero)), threads=op.io.threads, request_bytes=op.io.request_mb << 20,
         hold_units=HELD_UNITS if oo.overlap_step else 0,
-        slotted=frozenset(u.index for u in plan.units if not u.persistent) if oo.delay_update else frozenset(),
+        slotted=frozenset(u.index for u in plan.units if not u.persistent) if oo.delay_update else second,
     )  # fmt: skip
 
 

@@ -13,6 +13,13 @@ A piece is three reads (its master, exp_avg and exp_avg_sq ranges) into one page
 buffers rotate (ring_size): the piece being stepped, the next ones being read, the previous ones being written. Host
 memory: ring_size x the largest streamed piece's states, plus the pieces the host budget keeps in RAM
 (zero.offload_optimizer.host_budget, placement.disk_split), which the step never reads or writes.
+
+Speculation (step/speculate.py): the `speculated` streamed pieces have a second slot in a file of their own
+(optimizer.spec.swap, the pieces back to back); `where[k]` says which slot holds piece k's states. A
+speculative update reads the piece from its slot and writes it to the other, and commit flips `where`; a
+discarded one leaves the slot it read untouched. The ring buffer that held it keeps no claim to its bytes. A
+checkpoint first moves every piece living in the second slot back to the first (save_file), so the swap file
+is still, byte for byte, the checkpoint shard.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class SwappedStates(States):
     def __init__(
         self, shards: list[torch.Tensor], swap_dir: Path, download, *, threads: int, request_bytes: int,
         piece: int | None = None, source=None, resident: tuple[int, ...] = (),
+        speculated: frozenset[int] = frozenset(),
     ):  # fmt: skip
         source = source or shards.__getitem__  # unit i's live shard, for its initial master
         self.pieces = walk_pieces(
@@ -63,6 +71,7 @@ class SwappedStates(States):
             swap_dir / f"rank{rank}" / "optimizer.swap", self.layout.nbytes, threads, request_bytes
         )
         self.resident = frozenset(k for k in resident if 0 <= k < len(self.pieces))
+        self._second_slots(swap_dir / f"rank{rank}", speculated, threads, request_bytes)
         self.home: dict[int, int] = {}  # resident piece k's byte offset in `kept`
         end = 0
         for k in sorted(self.resident):
@@ -116,11 +125,25 @@ class SwappedStates(States):
         (buf, base), n, p = self._region(b, i), self.numel[i], self.part[i]
         return tuple(buf.view(torch.float32, base + kind_offset(p, k), n) for k in range(3))
 
-    def _ranges(self, b: int | None, i: int) -> list[tuple[torch.Tensor, int]]:
-        """Piece i's three (buffer range, file offset) pairs in buffer b (None: its resident home)."""
+    def _second_slots(self, folder: Path, speculated: frozenset[int], threads: int, request: int) -> None:
+        """The speculated streamed pieces' second slots: back to back in a file of their own."""
+        self.speculated = frozenset(k for k in speculated if 0 <= k < len(self.pieces) and k not in self.resident)
+        self.where = [0] * len(self.pieces)  # the slot holding piece k's states: 0 this file, 1 the second
+        self.second: dict[int, list[int]] = {}
+        end = 0
+        for k in sorted(self.speculated):
+            self.second[k] = [end + kind * self.part[k] for kind in range(3)]
+            end += 3 * self.part[k]
+        self.spec_file = SwapFile(folder / "optimizer.spec.swap", end, threads, request) if end else None
+
+    def _ranges(self, b: int | None, i: int, slot: int | None = None) -> tuple[SwapFile, list]:
+        """Piece i's file (in `slot`, default the one holding it) and three (buffer range, file offset) pairs
+        in buffer b (None: its resident home)."""
         (buf, base), p = self._region(b, i), self.part[i]
         at = [base + kind_offset(p, k) for k in range(3)]
-        return [(buf.bytes[a : a + p], off) for a, off in zip(at, self.offsets[i], strict=True)]
+        slot = self.where[i] if slot is None else slot
+        file, offsets = (self.file, self.offsets[i]) if slot == 0 else (self.spec_file, self.second[i])
+        return file, [(buf.bytes[a : a + p], off) for a, off in zip(at, offsets, strict=True)]
 
     def _idle(self, b: int) -> bool:
         return all(f.done() for f in self.pending[b])
@@ -142,17 +165,19 @@ class SwappedStates(States):
         self.pending[b] = self._write_ranges(b, i)
         self.contents[b] = i
 
-    def _write_ranges(self, b: int | None, i: int) -> list:
-        """Write piece i from buffer b (None: its resident home); the futures."""
+    def _write_ranges(self, b: int | None, i: int, slot: int | None = None) -> list:
+        """Write piece i from buffer b (None: its resident home) into `slot` (default: its own); the futures."""
         tail, out = 4 * self.numel[i], []
-        for region, off in self._ranges(b, i):
+        file, ranges = self._ranges(b, i, slot)
+        for region, off in ranges:
             region[tail:].zero_()  # the page's rest is the file's padding: zeros, so files are reproducible
-            out += self.file.write(region, off)
+            out += file.write(region, off)
         return out
 
     def _read_into(self, b: int | None, i: int) -> list:
         """Start reading piece i into buffer b (None: its resident home); the futures."""
-        futures = [f for region, off in self._ranges(b, i) for f in self.file.read(region, off)]
+        file, ranges = self._ranges(b, i)
+        futures = [f for region, off in ranges for f in file.read(region, off)]
         if b is not None:
             self.pending[b] = futures
             self.contents[b], self.holds[i] = i, b
@@ -209,13 +234,7 @@ class SwappedStates(States):
             self._read_ahead(i, None)
             yield self._views(None, i)
             return
-        b = self._fetch(i)
-        self.file.wait(self.pending[b], reads=True)
-        self.pending[b] = []
-        del self.holds[i]
-        self._clock += 1
-        self.used[b] = self._clock
-        self._current = b
+        b = self._take(i)
         self._read_ahead(i, b)
         try:
             yield self._views(b, i)
@@ -223,6 +242,52 @@ class SwappedStates(States):
             self._current = None
             if write_back:
                 self._write(b, i)
+
+    def _take(self, i: int) -> int:
+        """The ring buffer holding streamed piece i, its read done: the piece open now."""
+        b = self._fetch(i)
+        self.file.wait(self.pending[b], reads=True)
+        self.pending[b] = []
+        del self.holds[i]
+        self._clock += 1
+        self.used[b] = self._clock
+        self._current = b
+        return b
+
+    def speculable(self, k: int) -> bool:
+        return k in self.speculated
+
+    @contextlib.contextmanager
+    def speculate(self, k: int, after: int | None = None):
+        """Streamed piece k's states in a ring buffer, updated there and written to the slot it was not read
+        from; `after`: the next piece the speculation will take, read meanwhile."""
+        b = self._take(k)
+        if after is not None and after not in self.holds and after not in self.resident:
+            idle = [x for x in range(self.n_buffers) if x != b and x not in self.holds.values() and self._idle(x)]
+            if idle:
+                self._read_into(min(idle, key=lambda x: self.used[x]), after)
+        try:
+            yield self._views(b, k)
+        finally:
+            self._current = None
+            self.pending[b] = self._write_ranges(b, k, slot=self.where[k] ^ 1)
+            self.contents[b] = None  # speculative bytes: never taken for the piece's states
+
+    def commit(self, k: int) -> None:
+        self.where[k] ^= 1
+
+    def end_speculation(self) -> None:
+        self._drain()  # a committed piece's write lands before anything reads its slot
+
+    def _home(self) -> None:
+        """Every piece back in the first slot (before a checkpoint copies the file): read from the second,
+        written to the first."""
+        for k in [k for k, w in enumerate(self.where) if w]:
+            b = self._take(k)
+            self._current = None
+            self.where[k] = 0
+            self._write(b, k)
+        self._drain()
 
     def prefetch(self) -> None:
         """Start reading the first streamed pieces of the next walk (the engine calls it as backward starts,
@@ -261,7 +326,7 @@ class SwappedStates(States):
     def save_file(self, path: Path) -> str:
         """Copy the swap file, which is a checkpoint shard, to `path` (fsynced); returns its sha256. The
         resident pieces are written into the swap file first (their only writes: a checkpoint's cost)."""
-        self._drain()
+        self._home()
         for k in sorted(self.resident):
             self.file.wait(self._write_ranges(None, k))
         out = SwapFile(path, self.layout.nbytes, self.file.threads, self.file.request, swap=False)
@@ -287,6 +352,7 @@ class SwappedStates(States):
         self._drain()
         self.holds.clear()
         self.contents = [None] * self.n_buffers  # what the ring holds is the old run's
+        self.where = [0] * len(self.pieces)  # (the second slots hold nothing of the loaded states)
         src = SwapFile.existing(path, self.file.threads, self.file.request)
         try:
             digest = copy_file(src, self.file, self.layout.nbytes)
@@ -301,11 +367,12 @@ class SwappedStates(States):
 
     @property
     def files(self) -> list[SwapFile]:
-        return [self.file]
+        return [self.file] + ([self.spec_file] if self.spec_file is not None else [])
 
     def disk_bytes(self) -> int:
-        return self.file.nbytes
+        return sum(f.nbytes for f in self.files)
 
     def close(self) -> None:
         self._drain()
-        self.file.close()
+        for f in self.files:
+            f.close()

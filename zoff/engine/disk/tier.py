@@ -27,7 +27,7 @@ class DiskTier(HostTier):
     def __init__(
         self, staging: Staging | None, grad_dtype: torch.dtype, copy_grads: bool, swap_dir: Path, threads: int,
         request_mb: int, piece: int | None = None, params: SwappedShards | None = None, grads_on_disk: bool = True,
-        resident: tuple[int, ...] = (), delayed: bool = False,
+        resident: tuple[int, ...] = (), delayed: bool = False, speculated: frozenset[int] = frozenset(),
     ):  # fmt: skip
         super().__init__(staging, grad_dtype, alias_masters=False, copy_grads=copy_grads)
         self.delayed = delayed  # DPU (delay_update): gradients on disk alternate between two files
@@ -37,6 +37,7 @@ class DiskTier(HostTier):
             grads_on_disk  # grad_device and host_budget (placement.disk_split): its own swap file
         )
         self.resident = resident  # the host budget's pieces of the states, held in RAM (placement.disk_split)
+        self.speculated = speculated  # pieces with a second slot (disk/second_slots.py)
 
     def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
         if not self.grads_on_disk:
@@ -57,6 +58,7 @@ class DiskTier(HostTier):
         return SwappedStates(
             shards, self.swap_dir, self._download, threads=self.threads, request_bytes=self.request_mb << 20,
             piece=self.piece, source=self._live_shard(shards), resident=self.resident,
+            speculated=self.speculated,
         )  # fmt: skip
 
     def _live_shard(self, shards: list[torch.Tensor]):

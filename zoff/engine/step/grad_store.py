@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -58,6 +59,9 @@ class GradShards:
 
     resident = True  # the shards are tensors the step can read where they lie
     staging: Staging | None = None  # where the host is not the device: reductions come down through it
+    # speculation (speculate.py): told (u, the I/O still writing it) when unit u's gradient of the window is
+    # final, and again if a late correction changes it afterwards
+    on_final: Callable[[int, list], None] | None = None
 
     def __init__(self, n: int):
         self._norms: list[torch.Tensor | None] = [None] * n
@@ -79,6 +83,15 @@ class GradShards:
     def get(self, u: int) -> torch.Tensor:
         """Unit u's shard for the step (resident: the accumulator itself)."""
         raise NotImplementedError
+
+    def final_view(self, u: int, writes: list, buffer) -> torch.Tensor:
+        """Unit u's final gradient for a speculative update, on the speculation's thread while backward goes
+        on: resident, the accumulator itself; on disk (grad_swap), read into `buffer` once `writes` landed."""
+        return self.get(u)
+
+    def _final(self, u: int, writes: list = ()) -> None:
+        if self.on_final is not None:
+            self.on_final(u, list(writes))
 
     def begin_window(self) -> None:
         """A new accumulation window: the folded norms belong to the last one."""
@@ -149,12 +162,15 @@ class ResidentGrads(GradShards):
 
     def land(self, u: int, src: torch.Tensor | None, *, copy: bool, divide: int, final: bool) -> None:
         self._accumulate(u, self.shards[u], src, copy, divide, final)
+        if final:
+            self._final(u)
 
     def correct(self, u: int, delta: torch.Tensor, alpha: float, final: bool) -> None:
         out = self.shards[u]
         out.add_(delta.to(out.device), alpha=alpha)
         if final:
             self._fold(u, out)
+            self._final(u)
 
     def get(self, u: int) -> torch.Tensor:
         return self.shards[u]

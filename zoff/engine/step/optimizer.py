@@ -134,6 +134,7 @@ class ShardOptimizer:
         self.on_background_end = None  # called from the thread when it ends (even by an error)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.skip: frozenset[int] = frozenset()  # units the next step() leaves alone (committed speculation)
 
     @property
     def fuses_grad_scale(self) -> bool:
@@ -153,6 +154,7 @@ class ShardOptimizer:
         runs: list[list[StepRun]] | None = None,
         background: bool = False,
         delayed_on_unit: Callable[[int, int | None, torch.Tensor | None], None] | None = None,
+        skip: frozenset[int] = frozenset(),
     ) -> bool:
         """Update the masters from the (clipped, unscaled) gradient shards.
 
@@ -167,6 +169,7 @@ class ShardOptimizer:
         thread (the disk tier writes the new parameter shards where the next forward does not read them).
         """
         self.finish()
+        self.skip = skip  # `skip`: units committed by the speculation, neither read nor written (no on_unit)
         # per unit, what the kernel multiplies its gradient by (RescaledGrads in fused mode; else 1)
         scale = getattr(grads, "scale", None)
         scales = [scale(i) for i in range(len(grads))] if scale is not None else [1.0] * len(grads)
@@ -229,26 +232,50 @@ class ShardOptimizer:
         runs: list[list[StepRun]],
         on_unit: Callable[[int, int | None, torch.Tensor | None], None] | None = None,
     ) -> None:
-        c = self.cfg
         for i, unit_runs in enumerate(runs):
+            if i in self.skip:
+                continue  # committed by the speculation (speculate.py): updated already
             out = self.out16[i] if self.out16 is not None else None
             # pieces: the unit, or its sub-groups on the disk tier, in the walk's order (placement.walk_pieces)
             for k, lo, hi in self.states.spans(i):
-                with self.states.open(k) as (master, m, v):
-                    for a, b, decay, step in unit_runs:
-                        a, b = max(a, lo), min(b, hi)
-                        if b <= a:
-                            continue
-                        self.kernel(
-                            master[a - lo : b - lo], grads[i][a:b], m[a - lo : b - lo], v[a - lo : b - lo],
-                            step=step, lr=lr, weight_decay=c.weight_decay if decay else 0.0, cfg=c,
-                            threads=self.threads, out16=None if out is None else out[a:b],
-                            grad_scale=scales[i],
-                        )  # fmt: skip
+                with self.states.open(k) as states:
+                    self._piece(states, grads[i], lo, hi, unit_runs, lr, scales[i], out)
                     if on_unit is not None:
-                        on_unit(i, lo, master)  # this piece's parameters, while its master is resident
+                        on_unit(i, lo, states[0])  # this piece's parameters, while its master is resident
             if on_unit is not None:
                 on_unit(i, None, None)  # the whole unit is stepped
+
+    def _piece(self, states, grad, lo: int, hi: int, unit_runs, lr: float, scale: float, out) -> None:
+        """The kernel over one piece [lo, hi) of a unit: its (master, exp_avg, exp_avg_sq) in `states`."""
+        c, (master, m, v) = self.cfg, states
+        for a, b, decay, step in unit_runs:
+            a, b = max(a, lo), min(b, hi)
+            if b <= a:
+                continue
+            self.kernel(
+                master[a - lo : b - lo], grad[a:b], m[a - lo : b - lo], v[a - lo : b - lo],
+                step=step, lr=lr, weight_decay=c.weight_decay if decay else 0.0, cfg=c,
+                threads=self.threads, out16=None if out is None else out[a:b], grad_scale=scale,
+            )  # fmt: skip
+
+    def speculate_unit(
+        self, i: int, grad: torch.Tensor, scale: float, lr: float, unit_runs: list[StepRun],
+        on_piece: Callable[[int, int, torch.Tensor], None], stop: Callable[[], bool],
+    ) -> bool:  # fmt: skip
+        """Unit i's update into its pieces' second places (States.speculate), on the speculation's thread during
+        backward; `on_piece(i, lo, master)` keeps each piece's new parameters. False when the unit has a piece
+        without a second place, or `stop()` said so before its last piece: then nothing of it may commit."""
+        spans = self.states.spans(i)
+        if not spans or not all(self.states.speculable(k) for k, _, _ in spans):
+            return False
+        for j, (k, lo, hi) in enumerate(spans):
+            if stop():
+                return False
+            after = spans[j + 1][0] if j + 1 < len(spans) else None
+            with self.states.speculate(k, after) as states:
+                self._piece(states, grad, lo, hi, unit_runs, lr, scale, None)  # never the live shards
+                on_piece(i, lo, states[0])
+        return True
 
     def read(self, i: int, kind: str) -> torch.Tensor:
         """Unit i's master, exp_avg or exp_avg_sq (resident, or a unit-sized copy read from disk)."""

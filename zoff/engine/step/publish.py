@@ -43,6 +43,38 @@ class Publication:
         self.published = 0  # the optimizer step whose parameters are live
         self.slot_written = False  # a delayed step wrote the parameter file's other slot: flush() flips it
         self.pending: list[tuple[int, int, torch.Tensor]] = []  # DPU's kept pieces (delayed_piece)
+        self.second: dict[int, list[tuple[int, torch.Tensor]]] = {}  # speculation's kept pieces, per unit
+
+    # ------------------------------------------------------------------ speculation (speculate.py)
+    def speculated_piece(self, u: int, lo: int, master: torch.Tensor) -> None:
+        """(The speculation's thread.) A piece of unit u's speculative master, kept apart from everything the
+        next forward reads: on the host tier its second buffer keeps it (nothing to do); parameters on disk,
+        into the unit's other region (param_swap.write_second); else a copy in the live shard's dtype."""
+        if self.optimizer.states.keeps_speculated_master:
+            return
+        if self.param_disk is not None and self.param_disk.holds(u):
+            self.param_disk.write_second(u, lo, master)
+            return
+        self.second.setdefault(u, []).append((lo, master.to(self.shards[u].dtype, copy=True)))
+
+    def commit(self, units: frozenset[int], handles: list[Handle]) -> None:
+        """The committed units' parameters become live (their states were committed: States.commit), each
+        unit's all-gather started after it; the kept pieces of the others are dropped."""
+        states = self.optimizer.states
+        if self.param_disk is not None and not states.keeps_speculated_master:
+            self.param_disk.flip_units([u for u in units if self.param_disk.holds(u)])
+        for u in sorted(units):
+            if states.keeps_speculated_master:
+                for k, lo, _ in states.spans(u):
+                    with states.open(k, write_back=False) as (master, _, _):
+                        self.piece(u, lo, master, True, handles)
+            else:
+                for lo, piece in self.second.get(u, ()):
+                    self.piece(u, lo, piece, True, handles)
+            self.piece(u, None, None, True, handles)
+        self.second.clear()
+        if self.param_disk is not None:
+            self.param_disk.flush()  # (a discarded unit's second-region writes: landed, harmless)
 
     def stepped(self, delayed: bool) -> None:
         """The step's update is in (its parameters live), or `delayed`: DPU's update is in flight, writing its

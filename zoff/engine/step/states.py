@@ -71,14 +71,73 @@ class States:
     def close(self) -> None:
         """Release what outlives the process's memory (a swap file)."""
 
+    # ---------------------------------------------------------- speculation (step/speculate.py)
+    def speculable(self, k: int) -> bool:
+        """Piece k has a second place that a speculative update may be computed into."""
+        return False
+
+    def speculate(self, k: int, after: int | None = None) -> contextlib.AbstractContextManager:
+        """Piece k's (master, exp_avg, exp_avg_sq) as copies to update in place while the block runs; the
+        result stays in the piece's second place, invisible until commit(k). `after`: the piece the
+        speculation takes next (the disk reads it meanwhile)."""
+        raise NotImplementedError
+
+    def commit(self, k: int) -> None:
+        """Piece k's speculative result becomes its states (its second place the originals' next time)."""
+        raise NotImplementedError
+
+    def end_speculation(self) -> None:
+        """After the commits: every speculative result not committed is forgotten (the states are what they
+        were) and its I/O has landed."""
+
+    @property
+    def keeps_speculated_master(self) -> bool:
+        """A committed piece's master stays in RAM, readable by open() (else the speculation keeps the new
+        parameters itself)."""
+        return False
+
 
 class ResidentStates(States):
-    """Master, exp_avg and exp_avg_sq of every unit held in memory (device or host tier)."""
+    """Master, exp_avg and exp_avg_sq of every unit held in memory (device or host tier).
 
-    def __init__(self, masters: list[torch.Tensor], zeros):
+    Speculation (host tier): a second set of buffers per unit, allocated on its first speculation (12 B per
+    element); commit swaps the moments' buffers with them, and the master's too unless the master is the live
+    shard itself (`aliased`: fp32 on a host-only machine), which then takes a copy of the new master."""
+
+    def __init__(self, masters: list[torch.Tensor], zeros, aliased: bool = False, speculable: bool = False):
         self.masters = masters
         self.exp_avg = [zeros(m) for m in masters]
         self.exp_avg_sq = [zeros(m) for m in masters]
+        self._zeros, self._aliased, self._speculable = zeros, aliased, speculable
+        self._second: dict[int, list[torch.Tensor]] = {}  # piece -> its second (master, exp_avg, exp_avg_sq)
+
+    def speculable(self, k: int) -> bool:
+        return self._speculable
+
+    @contextlib.contextmanager
+    def speculate(
+        self, k: int, after: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        live = (self.masters[k], self.exp_avg[k], self.exp_avg_sq[k])
+        second = self._second.get(k)
+        if second is None:
+            second = self._second[k] = [self._zeros(t) for t in live]
+        for dst, src in zip(second, live, strict=True):
+            dst.copy_(src)
+        yield tuple(second)
+
+    def commit(self, k: int) -> None:
+        second = self._second[k]
+        if self._aliased:
+            self.masters[k].copy_(second[0])
+        else:
+            self.masters[k], second[0] = second[0], self.masters[k]
+        self.exp_avg[k], second[1] = second[1], self.exp_avg[k]
+        self.exp_avg_sq[k], second[2] = second[2], self.exp_avg_sq[k]
+
+    @property
+    def keeps_speculated_master(self) -> bool:
+        return True
 
     def spans(self, i: int) -> list[Span]:
         """Unit i is one piece, resident whole."""
@@ -98,4 +157,5 @@ class ResidentStates(States):
 
     def resident_bytes(self, shards: list[torch.Tensor]) -> int:
         masters = [m for m, s in zip(self.masters, shards) if m is not s]  # fp32 steps the shard in place
-        return sum(t.numel() * t.element_size() for t in masters + self.exp_avg + self.exp_avg_sq)
+        second = [t for ts in self._second.values() for t in ts]
+        return sum(t.numel() * t.element_size() for t in masters + self.exp_avg + self.exp_avg_sq + second)

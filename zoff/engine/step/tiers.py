@@ -102,6 +102,7 @@ class HostTier:
         self.copy_grads = copy_grads
         self.direct = staging is None  # shards live in host memory: the kernel may write them itself
         self.host_grads: list[torch.Tensor] = []
+        self.speculate = False  # second buffers for speculative updates (the engine sets it: speculate.py)
 
     def zeros(self, like: torch.Tensor) -> torch.Tensor:
         return host_buffer(like, torch.float32, pin=False)  # pageable: only staging is page-locked
@@ -133,7 +134,9 @@ class HostTier:
         return sum(t.numel() * t.element_size() for t in self.host_grads)
 
     def make_states(self, shards: list[torch.Tensor]) -> ResidentStates:
-        return ResidentStates([self.master(s) for s in shards], self.zeros)
+        return ResidentStates(
+            [self.master(s) for s in shards], self.zeros, aliased=self.alias_masters, speculable=self.speculate
+        )
 
     def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:
         """The reduced gradient shards in (pageable) host memory; reductions come down through the staging."""

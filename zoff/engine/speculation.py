@@ -1,0 +1,134 @@
+"""The engine's side of exact speculation (step/speculate.py): whether an engine speculates, which units, and
+the three moments of a step it acts in: the last backward begins it, the step commits what is exact (or the
+step's failure discards it), before the walk takes the rest.
+
+`auto` (zero.offload_optimizer.speculate, the offload recipes' default): the disk tier speculates, and the host
+tier when backward runs on a GPU (on a host-only machine the worker's CPU Adam would run on backward's own two
+cores, for nothing). A step speculates when the last step's clipping factor was exactly 1 and nothing
+overflowed (the first step does not): a run that clips every step speculates never, and one that stops
+clipping pays one step's speculation each time it clips again. `true` speculates every step.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from zoff.config import OffloadOptimizerConfig
+from zoff.engine.disk.grad_swap import DiskGrads
+from zoff.engine.disk.placement import disk_bytes, grad_disk_bytes
+from zoff.engine.disk.second_slots import ROOM_MARGIN, SecondSlots, second_slots
+from zoff.engine.disk.swapfile import AlignedBuffer
+from zoff.engine.step.optimizer import all_runs, step_runs
+from zoff.engine.step.speculate import Speculation, SpeculationError
+
+
+def speculates(oo: OffloadOptimizerConfig, device: torch.device, tier: str) -> bool:
+    """Whether an engine with this offload config speculates at all (the rule in the module's docstring)."""
+    if oo.device == "none" or oo.delay_update or oo.speculate is False:
+        return False
+    return oo.speculate is True or tier == "nvme" or device.type == "cuda"
+
+
+def disk_room(oo: OffloadOptimizerConfig, base_bytes: int) -> int | None:
+    """Free bytes at nvme_path for the second slots: the free space less the swap files to be made there and a
+    margin (None: the folder does not exist yet, so nothing is limited here; the swap files will say)."""
+    try:
+        free = shutil.disk_usage(Path(oo.nvme_path)).free
+    except OSError:
+        return None
+    return max(0, free - base_bytes - ROOM_MARGIN)
+
+
+def second_slots_of(engine) -> SecondSlots:
+    """The disk tier's speculated units, fitted into the disk's room (before any swap file exists)."""
+    oo = engine.zero.offload_optimizer
+    if oo.device != "nvme" or not speculates(oo, engine.device, "nvme"):
+        return SecondSlots()
+    grads = grad_disk_bytes(engine.plan, engine.policy, engine.split, engine.grad_accum > 1, engine.precision)
+    base = disk_bytes(engine.plan, engine.policy, engine.precision, grads)
+    room = disk_room(oo, base)
+    return second_slots(engine.plan, engine.policy, engine.zero, engine.precision, engine.split, room)
+
+
+def speculation_of(engine) -> Speculation | None:
+    """The engine's Speculation, or None where it never speculates."""
+    oo = engine.zero.offload_optimizer
+    tier = engine.optimizer.tier.kind
+    if tier not in ("host", "disk") or not speculates(oo, engine.device, "nvme" if tier == "disk" else "cpu"):
+        return None
+    units = engine.second.units if tier == "disk" else frozenset(range(len(engine.plan.units)))
+    if not units:
+        return None
+    grads, buffer = engine.grads, None
+    if isinstance(grads, DiskGrads):  # a final gradient read back from its file, one unit at a time
+        buffer = AlignedBuffer(max(u.shard for u in engine.plan.units) * grads.dtype.itemsize)
+    return Speculation(engine.optimizer, grads, engine.publication.speculated_piece, units, oo.speculate, buffer)
+
+
+class EngineSpeculation:
+    """ZeroEngine's speculation moments (a part of the engine class, as report.py and engine_state.py are)."""
+
+    def _begin_speculation(self, lr: float | None) -> bool:
+        """At the last micro-batch's backward: start the worker if this step speculates (the lr is known)."""
+        spec = self.speculation
+        if spec is None or lr is None or not spec.wanted():
+            return False
+        step = self.optimizer.step_count + 1
+        if any(self.skipped_steps):  # parameters that missed earlier steps keep their own Adam step
+            runs = step_runs(self.plan, self.rank, set(), self.skipped_steps, step)
+        else:
+            runs = all_runs(self.optimizer.runs, step)
+        spec.begin(lr, 1.0 / self.scaler.scale, runs)
+        return True
+
+    def _commit_speculation(self, lr: float, base: float, exact: bool, runs: list | None) -> frozenset[int]:
+        """After the norm: the units whose speculative update is the step's (`exact`: factor 1, no overflow)
+        become the step's, published; the rest is discarded. Returns the committed units."""
+        spec = self.speculation
+        if spec is None:
+            return frozenset()
+        spec.last_unclipped = exact
+        if not spec.active:
+            return frozenset()
+        try:
+            done = spec.stop(commit=exact)
+        except SpeculationError:
+            self._end_speculation(frozenset())
+            raise
+        step_runs_ = runs or all_runs(self.optimizer.runs, self.optimizer.step_count + 1)
+        units = spec.committable(done, lr, base, step_runs_) if exact else frozenset()
+        self._end_speculation(units)
+        spec.record(len(units))
+        return units
+
+    def _discard_speculation(self, quiet: bool = False) -> None:
+        """A step that will not use the speculation (overflow, a failed landing, a backward that raised)."""
+        spec = self.speculation
+        if spec is None:
+            return
+        spec.last_unclipped = False
+        if not spec.active:
+            return
+        try:
+            spec.stop(commit=False)
+        except SpeculationError:
+            if not quiet:
+                self._end_speculation(frozenset())
+                raise
+        self._end_speculation(frozenset())
+        spec.record(0)
+
+    def _end_speculation(self, units: frozenset[int]) -> None:
+        """Commit `units` (their states, then their parameters), forget the rest."""
+        states = self.optimizer.states
+        for u in units:
+            for k, _, _ in states.spans(u):
+                states.commit(k)
+        states.end_speculation()
+        handles = []
+        self.publication.commit(units, handles)
+        for h in handles:
+            h.wait()

@@ -53,7 +53,8 @@ class Speculation:
         self.buffer = buffer  # where a gradient on disk is read to (swapfile.AlignedBuffer; None: in memory)
         self.last_unclipped = False  # auto: the last step's factor was 1 and nothing overflowed
         self.active = False
-        self.counts = {"steps": 0, "committed_units": 0, "speculated_units": 0}  # run totals, for the records
+        # run totals, for the records (tainted: units a late correction changed after their final landing)
+        self.counts = {"steps": 0, "committed_units": 0, "speculated_units": 0, "tainted_units": 0}
         self.last: dict[str, int] = {}  # the last step's: speculated, committed, units (the trainable ones)
 
     def wanted(self) -> bool:
@@ -141,3 +142,4 @@ class Speculation:
         self.counts["steps"] += 1
         self.counts["speculated_units"] += speculated
         self.counts["committed_units"] += committed
+        self.counts["tainted_units"] += len(getattr(self, "tainted", ()))

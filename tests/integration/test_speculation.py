@@ -1,0 +1,243 @@
+"""Exact speculation (zero.offload_optimizer.speculate, engine/step/speculate.py): the update computed beside the
+last backward and committed only where it is the step. Speculation on equals speculation off, bit for bit
+(parameters, optimizer states, losses, gradient norms), whether the clip never triggers, always triggers or
+alternates, under fp16 overflow, accumulation, stages 1-3 on the host and disk tiers with and without the
+overlapped step, a late gradient correction, a checkpoint taken and resumed; a failing worker names itself
+and applies nothing. Each case also checks that speculation really ran and committed (or discarded) what it
+should, so that a broken speculation that never commits cannot pass as "equal"."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.patterns import models
+from zoff.config import (
+    IoConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimConfig,
+    OptimizerIoConfig,
+    ZeroConfig,
+    config_from_dict,
+)
+from zoff.engine import build_engine
+from zoff.engine.step.speculate import SpeculationError
+from zoff.errors import ConfigError
+from zoff.models.gpt import GPT
+
+NEVER, ALWAYS = 100.0, 0.05  # clip thresholds: far above every step's norm, and below every one
+ALTERNATE = 1.9  # between the norms of this model's steps (asserted: the run both clips and does not)
+
+
+def _engine(
+    spec, swap: Path, stage: int = 3, opt: str = "nvme", par: str = "nvme", precision: str = "bf16",
+    clip: float = NEVER, accum: int = 1, overlap: bool = False, model=None,
+):  # fmt: skip
+    torch.manual_seed(0)
+    zero = ZeroConfig(
+        stage=stage, reduce_bucket_size=1500, param_persistence_threshold=64,
+        offload_optimizer=OffloadOptimizerConfig(
+            device=opt, nvme_path=str(swap) if opt == "nvme" else None, io=OptimizerIoConfig(threads=2, request_mb=1),
+            host_budget="min", overlap_step=overlap, speculate=spec,
+        ),
+        offload_param=OffloadParamConfig(device=par if stage == 3 else "none", io=IoConfig(threads=2, request_mb=1)),
+    )  # fmt: skip
+    model = model if model is not None else GPT(4, 2, 32, 64, 16)
+    return build_engine(
+        model, zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision=precision, grad_clip=clip, grad_accum=accum
+    )
+
+
+def _train(eng, steps: int = 4, accum: int = 1, blow_up: int | None = None, seed: int = 1) -> dict:
+    """`steps` steps on fixed batches; `blow_up`: the step whose loss is multiplied by inf (fp16 overflow)."""
+    gen = torch.Generator().manual_seed(seed)
+    losses, norms, commits = [], [], []
+    for step in range(steps):
+        eng.zero_grad()
+        for micro in range(accum):
+            x = torch.randint(0, 64, (2, 16), generator=gen)
+            loss = eng.model(x).float().logsumexp(-1).mean() / accum
+            if step == blow_up:
+                loss = loss * float("inf")
+            eng.backward(loss, sync=micro == accum - 1, lr=1e-2)
+        result = eng.step(1e-2)
+        losses.append(loss.item())
+        norms.append(result.grad_norm)
+        commits.append(dict(eng.speculation.last) if eng.speculation is not None else None)
+    return {"losses": losses, "norms": norms, "commits": commits}
+
+
+def _states(eng) -> dict:
+    out = {f"p.{k}": v for k, v in eng.gathered_params().items()}
+    for u in range(len(eng.plan.units)):
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            out[f"u{u}.{kind}"] = eng.optimizer.read(u, kind).clone()
+    return out
+
+
+def _pair(swap: Path, steps: int = 4, accum: int = 1, blow_up: int | None = None, **kw) -> tuple[dict, dict]:
+    """The same run with speculation off and forced on; asserts every bit equal; returns both runs."""
+    runs = []
+    for spec in (False, True):
+        eng = _engine(spec, swap / str(spec), accum=accum, **kw)
+        run = _train(eng, steps, accum, blow_up)
+        run["states"] = _states(eng)
+        eng.close()
+        runs.append(run)
+    off, on = runs
+    assert on["losses"] == off["losses"] or _same_nan(on["losses"], off["losses"])
+    assert on["norms"] == off["norms"] or _same_nan(on["norms"], off["norms"])
+    for name, t in off["states"].items():
+        assert torch.equal(on["states"][name], t), name
+    return off, on
+
+
+def _same_nan(a: list[float], b: list[float]) -> bool:
+    return all(x == y or (x != x and y != y) for x, y in zip(a, b, strict=True))
+
+
+def _committed(run: dict) -> list[int]:
+    return [c["committed"] for c in run["commits"]]
+
+
+def _speculated(run: dict) -> list[int]:
+    return [c["speculated"] for c in run["commits"]]
+
+
+# stage, optimizer tier, parameter tier, precision, overlap_step, accumulation
+CELLS = [
+    (3, "nvme", "nvme", "bf16", False, 1),
+    (3, "nvme", "nvme", "bf16", True, 3),
+    (3, "nvme", "none", "fp32", True, 1),
+    (2, "nvme", "none", "bf16", False, 3),
+    (1, "nvme", "none", "fp32", False, 1),
+    (3, "cpu", "cpu", "bf16", True, 1),
+    (3, "cpu", "none", "fp32", False, 3),
+    (2, "cpu", "none", "bf16", False, 1),
+    (1, "cpu", "none", "fp16", False, 3),
+]
+
+
+@pytest.mark.parametrize(("stage", "opt", "par", "precision", "overlap", "accum"), CELLS)
+def test_speculation_is_the_step_bit_for_bit_when_the_clip_never_triggers(
+    stage: int, opt: str, par: str, precision: str, overlap: bool, accum: int, swap: Path
+) -> None:
+    _, on = _pair(
+        swap, stage=stage, opt=opt, par=par, precision=precision, overlap=overlap, accum=accum, clip=NEVER
+    )
+    assert sum(_committed(on)) > 0  # speculation really committed updates
+    assert _committed(on) == _speculated(on)  # and every one it finished (nothing clipped)
+
+
+@pytest.mark.parametrize(("opt", "par"), [("nvme", "nvme"), ("cpu", "none")])
+def test_a_clip_on_every_step_discards_every_speculation(opt: str, par: str, swap: Path) -> None:
+    _, on = _pair(swap, opt=opt, par=par, clip=ALWAYS)
+    assert sum(_speculated(on)) > 0 and sum(_committed(on)) == 0
+
+
+def test_a_clip_on_some_steps_commits_the_others(swap: Path) -> None:
+    off, on = _pair(swap, steps=6, clip=ALTERNATE, overlap=True)
+    clipped = [n > ALTERNATE for n in off["norms"]]
+    assert any(clipped) and not all(clipped)  # the regime this test is about
+    for c, was_clipped in zip(on["commits"], clipped, strict=True):
+        assert (c["committed"] == 0) if was_clipped else (c["committed"] == c["speculated"]), (c, was_clipped)
+
+
+def test_an_fp16_overflow_discards_the_speculation_and_skips_the_step(swap: Path) -> None:
+    off, on = _pair(swap, steps=4, precision="fp16", blow_up=1, opt="cpu", par="none", stage=2)
+    assert off["norms"][1] == float("inf")  # the step was skipped
+    assert _committed(on)[1] == 0 and _speculated(on)[1] > 0
+    assert _committed(on)[2] > 0 or _committed(on)[3] > 0
+
+
+def test_a_late_gradient_correction_taints_its_unit(swap: Path) -> None:
+    cfg = SimpleNamespace(vocab_size=64, d_model=32, n_layer=2)
+    runs = []
+    for spec in (False, True):
+        torch.manual_seed(0)
+        eng = _engine(spec, swap / str(spec), model=models.ckpt_shared_reentrant(cfg), stage=2, par="none")
+        run = _train(eng, steps=3)
+        run["states"], run["corrections"] = _states(eng), eng.reducer.corrections
+        run["tainted"] = eng.speculation.counts["tainted_units"] if eng.speculation is not None else 0
+        eng.close()
+        runs.append(run)
+    off, on = runs
+    assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
+    assert all(torch.equal(on["states"][k], v) for k, v in off["states"].items())
+    assert on["corrections"] > 0 and on["tainted"]  # a unit's gradient changed after it was final
+
+
+def test_a_failing_worker_is_named_and_applies_nothing(swap: Path) -> None:
+    eng = _engine(True, swap, clip=NEVER)
+    _train(eng, steps=1)  # (auto would wait for a step that did not clip; true speculates at once)
+    before = _states(eng)
+
+    def broken(*args, **kwargs):
+        raise OSError("the disk went away")
+
+    eng.optimizer.speculate_unit = broken
+    eng.zero_grad()
+    loss = eng.model(torch.randint(0, 64, (2, 16))).float().logsumexp(-1).mean()
+    eng.backward(loss, lr=1e-2)
+    with pytest.raises(SpeculationError, match=r"failed on unit \d+: OSError: the disk went away; no update"):
+        eng.step(1e-2)
+    after = _states(eng)
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # no update of the step applied
+    eng.close()
+
+
+def test_auto_speculates_only_after_a_step_that_did_not_clip(swap: Path) -> None:
+    for clip, want in ((NEVER, [False, True, True]), (ALWAYS, [False, False, False])):
+        eng = _engine("auto", swap / str(clip), clip=clip)
+        started = []
+        begin = eng.speculation.begin
+        eng.speculation.begin = lambda *a, **k: (started.append(len(started)), begin(*a, **k))[1]
+        ran = []
+        for _ in range(3):
+            n = len(started)
+            _train(eng, steps=1)
+            ran.append(len(started) > n)
+        eng.close()
+        assert ran == want, (clip, ran)
+
+
+def _sha(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def test_a_checkpoint_holds_no_speculative_bytes_and_resumes_the_same_run(swap: Path) -> None:
+    from zoff.checkpoint import load_checkpoint, save_checkpoint
+
+    shards, cont, saved = [], [], None
+    for spec in (False, True):
+        eng = _engine(spec, swap / f"run{spec}", clip=NEVER)
+        _train(eng, steps=3)
+        if spec:  # some pieces live in their second slot now: the save must bring them home
+            assert any(eng.optimizer.states.where)
+        ckpt = save_checkpoint(eng, swap / f"ckpt{spec}", 3, {"step": 3}, "{}")
+        shards.append(_sha(ckpt / "shard_00000.safetensors"))
+        saved = ckpt
+        cont.append(_train(eng, steps=2, seed=7)["losses"])
+        eng.close()
+    assert shards[0] == shards[1]  # byte for byte the checkpoint of the run without speculation
+    assert cont[0] == cont[1]
+    resumed = _engine(True, swap / "resumed", clip=NEVER)
+    load_checkpoint(resumed, saved)
+    assert _train(resumed, steps=2, seed=7)["losses"] == cont[0]
+    resumed.close()
+
+
+def test_the_config_refuses_speculate_true_where_it_cannot_run() -> None:
+    base = {"model": {"name": "gpt", "n_layer": 1, "n_head": 1, "d_model": 8, "vocab_size": 256, "seq_len": 8},
+            "data": {"name": "synthetic", "seq_len": 8}}  # fmt: skip
+    for oo, why in (({"device": "none"}, "device cpu or nvme"), ({"device": "cpu", "delay_update": True}, "DPU")):
+        with pytest.raises(ConfigError, match=rf"zero.offload_optimizer.speculate: true .*{why}"):
+            config_from_dict(base | {"zero": {"stage": 2, "offload_optimizer": oo | {"speculate": True}}})
+    with pytest.raises(ConfigError, match="zero.offload_optimizer.speculate: expected one of auto, True, False"):
+        config_from_dict(base | {"zero": {"stage": 2, "offload_optimizer": {"device": "cpu", "speculate": "yes"}}})

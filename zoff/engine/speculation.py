@@ -65,7 +65,9 @@ def speculation_of(engine) -> Speculation | None:
     grads, buffer = engine.grads, None
     if isinstance(grads, DiskGrads):  # a final gradient read back from its file, one unit at a time
         buffer = AlignedBuffer(max(u.shard for u in engine.plan.units) * grads.dtype.itemsize)
-    return Speculation(engine.optimizer, grads, engine.publication.speculated_piece, units, oo.speculate, buffer)
+    return Speculation(
+        engine.optimizer, grads, engine.publication.speculated_piece, units, oo.speculate, buffer
+    )
 
 
 class EngineSpeculation:

@@ -282,7 +282,11 @@ class SwappedShards:
 
 
 def param_file(
-    zero: ZeroConfig, policy: Policy, plan: PartitionPlan, dtype: torch.dtype, second: frozenset[int] = frozenset()
+    zero: ZeroConfig,
+    policy: Policy,
+    plan: PartitionPlan,
+    dtype: torch.dtype,
+    second: frozenset[int] = frozenset(),
 ) -> SwappedShards | None:
     """Parameter offload to nvme: every non-persistent unit's shard (frozen ones too) in a swap file; under DPU
     the trainable shards in two slots, under speculation the `second` units' (second_slots). None without it."""

@@ -47,7 +47,11 @@ class SecondSlots:
         if not self.candidates:
             return "speculation: no unit streams its states (every one is in RAM: the walk needs no disk)"
         short = len(self.units) < self.candidates
-        room = f" (the disk's room, {human(self.room)}, holds only these)" if short and self.room is not None else ""
+        room = (
+            f" (the disk's room, {human(self.room)}, holds only these)"
+            if short and self.room is not None
+            else ""
+        )
         return (
             f"speculation: second slots for {len(self.units)} of {self.candidates} streamed units, "
             f"{human(self.disk_bytes)} of disk ({human(self.state_bytes)} of states, {human(self.param_bytes)} of "

@@ -127,7 +127,9 @@ class SwappedStates(States):
 
     def _second_slots(self, folder: Path, speculated: frozenset[int], threads: int, request: int) -> None:
         """The speculated streamed pieces' second slots: back to back in a file of their own."""
-        self.speculated = frozenset(k for k in speculated if 0 <= k < len(self.pieces) and k not in self.resident)
+        self.speculated = frozenset(
+            k for k in speculated if 0 <= k < len(self.pieces) and k not in self.resident
+        )
         self.where = [0] * len(self.pieces)  # the slot holding piece k's states: 0 this file, 1 the second
         self.second: dict[int, list[int]] = {}
         end = 0
@@ -263,7 +265,9 @@ class SwappedStates(States):
         from; `after`: the next piece the speculation will take, read meanwhile."""
         b = self._take(k)
         if after is not None and after not in self.holds and after not in self.resident:
-            idle = [x for x in range(self.n_buffers) if x != b and x not in self.holds.values() and self._idle(x)]
+            idle = [
+                x for x in range(self.n_buffers) if x != b and x not in self.holds.values() and self._idle(x)
+            ]
             if idle:
                 self._read_into(min(idle, key=lambda x: self.used[x]), after)
         try:

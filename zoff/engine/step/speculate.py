@@ -128,7 +128,9 @@ class Speculation:
             ) from err
         return set(self.done)
 
-    def committable(self, done: set[int], lr: float, coef: float, runs: list[list[StepRun]]) -> frozenset[int]:
+    def committable(
+        self, done: set[int], lr: float, coef: float, runs: list[list[StepRun]]
+    ) -> frozenset[int]:
         """Of the completed units, those whose update is the step's: the same lr, coefficient and runs, and a
         gradient final once (the engine has checked the factor and overflow)."""
         if lr != self.lr or coef != self.coef:

@@ -135,7 +135,10 @@ class HostTier:
 
     def make_states(self, shards: list[torch.Tensor]) -> ResidentStates:
         return ResidentStates(
-            [self.master(s) for s in shards], self.zeros, aliased=self.alias_masters, speculable=self.speculate
+            [self.master(s) for s in shards],
+            self.zeros,
+            aliased=self.alias_masters,
+            speculable=self.speculate,
         )
 
     def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards:

@@ -83,3 +83,38 @@ def second_slots(
         chosen.update(ks)
         states, params = states + s, params + p
     return SecondSlots(frozenset(units), frozenset(chosen), states, params, candidates, room)
+
+
+def room_left(free: int | None, base: int) -> int | None:
+    """The second slots' room in `free` bytes at nvme_path (None: not known, so not limited) beside `base`,
+    the swap files to be made there, less ROOM_MARGIN."""
+    return None if free is None else max(0, free - base - ROOM_MARGIN)
+
+
+def speculation_ram_bytes(
+    plan: PartitionPlan, policy: Policy, precision: str, slots: SecondSlots, grads_on_disk: bool,
+    accumulating: bool,
+) -> int:  # fmt: skip
+    """The disk tier's RAM for speculating `slots` beside what its split holds: each speculated unit whose
+    parameters are not in the parameter swap file (stages 1-2, parameters offloaded to CPU or kept on the
+    device, stage 3's persistent units) keeps its new shard in the compute dtype until commit
+    (Publication.speculated_piece); with the gradient shard in its swap file, the worker reads each final
+    gradient back into one buffer of the largest unit's (speculation_of). 0 where nothing is speculated."""
+    if not slots.units:
+        return 0
+    c = DTYPES[precision].itemsize
+    file = policy.params_on_disk  # (every non-persistent unit's shard is in the parameter swap file)
+    copies = sum(
+        c * u.shard for u in plan.units if u.index in slots.units and not (file and not u.persistent)
+    )
+    if not grads_on_disk:
+        return copies
+    # (in the gradient file's dtype: grad_disk_bytes)
+    itemsize = 4 if policy.shard_accum_fp32(accumulating) else c
+    return copies + aligned(max(1, max(u.shard for u in plan.units) * itemsize))  # (AlignedBuffer's bytes)
+
+
+def second_buffer_bytes(plan: PartitionPlan) -> int:
+    """The host tier's second buffers (step/states.ResidentStates): every trainable unit's fp32 master and
+    moments once more, 12 B per element of the rank's shard, allocated at the first speculated step."""
+    return 12 * sum(u.shard for u in plan.units)

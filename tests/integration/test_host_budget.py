@@ -117,7 +117,11 @@ def test_the_estimate_shows_the_split_and_the_disk_bytes_it_leaves(swap: Path) -
     # on a CPU host the budget holds the rank's "device" bytes too (parameters, buffers, activations)
     reserved = memory.host_reserved(at_min.gpu, at_min.cpu, "cpu")
     assert reserved >= sum(at_min.gpu.values()) > 0
-    part = f"{_partial_budget(plan, base.zero, 'fp32', True) + reserved}B"
+    # speculate auto: the streamed units' new shards and the gradient read buffer, RAM the budget holds too
+    # (at min every unit is streamed: the most it can be)
+    spec = at_min.speculation.ram
+    assert spec == at_min.cpu["speculation"] > 0
+    part = f"{_partial_budget(plan, base.zero, 'fp32', True) + reserved + spec}B"
     rows = {}
     for budget in ("min", part, "auto"):
         cfg = config_from_dict(
@@ -133,7 +137,10 @@ def test_the_estimate_shows_the_split_and_the_disk_bytes_it_leaves(swap: Path) -
         assert row.cpu["optimizer_states"] == eng.memory_report()["cpu_optimizer_states"]
         eng.close()
         rows[budget] = row
-    assert rows[part].split.reserved == rows["auto"].split.reserved == reserved
+    # auto keeps every state in RAM: nothing streams, nothing is speculated
+    assert rows["auto"].split.reserved == reserved and "speculation" not in rows["auto"].cpu
+    assert rows[part].split.reserved == reserved + rows[part].speculation.ram
+    assert 0 < rows[part].speculation.ram < spec  # (the resident units are not speculated)
     assert rows["min"].split.resident_pieces == 0
     assert 0 < rows[part].split.resident_pieces < rows[part].split.pieces
     assert rows["min"].disk_read > rows[part].disk_read > rows["auto"].disk_read == 0

@@ -385,7 +385,9 @@ def test_the_estimates_nvme_row_is_what_a_run_measures(swap: Path) -> None:
     )
     mem = eng.memory_report()
     assert row.disk == mem["disk_optimizer_states"] + mem["disk_grads"]
-    assert mem["disk_optimizer_states"] == eng.optimizer.states.file.nbytes
+    # (speculate auto: the second slots' file beside the swap file, as the estimate's row counts them)
+    assert mem["disk_optimizer_states"] == sum(f.nbytes for f in eng.optimizer.states.files)
+    assert row.speculation.second.disk_bytes == eng.second.disk_bytes > 0
     assert row.disk_grads == mem["disk_grads"] == eng.grads.file.nbytes  # the gradient shard, on disk too
     assert row.cpu["grads"] == mem["cpu_grads"] == sum(b.nbytes for b in eng.grads.buffers)
     assert (
@@ -410,7 +412,9 @@ def test_the_estimates_disk_traffic_is_what_a_step_reads_and_writes(micro: int, 
     )
     torch.manual_seed(0)
     eng = build_engine(memory.meta_model(cfg.model), cfg.zero, cfg.optim, grad_clip=0.5, grad_accum=micro)
-    files = (eng.optimizer.states.file, eng.param_disk.file, eng.grads.file)  # the gradient swap file too
+    # the gradient swap file too, and speculate auto's second slots (the states' second file, the parameter
+    # file's second regions: a part of param_disk's file)
+    files = (*eng.optimizer.states.files, eng.param_disk.file, eng.grads.file)
     assert row.disk == sum(f.nbytes for f in files)
     x = torch.randint(0, 256, (2, 16))
     for _step in range(2):  # the second step is the steady state (the first records the gather order)

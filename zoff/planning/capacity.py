@@ -115,7 +115,8 @@ def max_model(
     The rungs are walked from the largest down, and each policy takes the first that fits: the largest one by
     construction, with no assumption that needs grow with size. The walk stops once every policy has its answer.
     memo ((rung label, host bytes[, the fallback's zero changes]) -> Estimate) lets callers that vary only the device budget reuse the
-    estimates (the host's memory sets the disk tier's host budget: part of the key).
+    estimates (the host's memory sets the disk tier's host budget: part of the key; the disk's free bytes,
+    where speculation's second slots fit, only the RAM of a disk too short for them all: keep it too).
     """
     memo = {} if memo is None else memo
     found: dict[Policy, Fit] = {}
@@ -127,7 +128,10 @@ def max_model(
             # (the configured zero section: the key the memo's callers give; fit_gathering's changes added)
             key = (label, budget.cpu, *z.block_classes, z.overlap_comm)[: 2 if z == zero else None]
             if key not in memo:
-                memo[key] = estimate(m, data, train, z, gpus_per_node, nodes, device_type, budget.cpu)
+                memo[key] = estimate(
+                    m, data, train, z, gpus_per_node, nodes, device_type, budget.cpu,
+                    disk_free=budget.disk or None,
+                )  # fmt: skip
             return memo[key]
 
         # stage 3 part by part where whole layers do not fit

@@ -4,13 +4,11 @@ chose."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.policy import Policy
 from zoff.errors import UserError
 from zoff.planning.memory import Budget, Estimate, PolicyEstimate, changes_text, estimate_to_fit
+from zoff.planning.speculation_costs import swap_free_bytes
 from zoff.units import human
 
 # Fastest first. Stages 0-2 move the same 2 psi per step, so all three without recompute beat any of them with
@@ -102,12 +100,6 @@ def resolve_auto(
         reason,
         dict(pe.zero_changes),
     )
-
-
-def swap_free_bytes(zero_cfg: ZeroConfig) -> int:
-    """Free bytes at the disk tier's folder (zero.offload_optimizer.nvme_path); 0 without one."""
-    path = zero_cfg.offload_optimizer.nvme_path
-    return shutil.disk_usage(path).free if path and Path(path).expanduser().is_dir() else 0
 
 
 def _budget_text(b: Budget) -> str:

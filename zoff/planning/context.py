@@ -79,7 +79,10 @@ def max_context(
             d = dataclasses.replace(data, seq_len=seq)
 
             def at(z: ZeroConfig, m=m, d=d) -> Estimate:
-                return estimate(m, d, train, z, gpus_per_node, nodes, device_type, budget.cpu)
+                return estimate(
+                    m, d, train, z, gpus_per_node, nodes, device_type, budget.cpu,
+                    disk_free=budget.disk or None,
+                )  # fmt: skip
 
             # stage 3 part by part where whole layers do not fit
             memo[seq] = fit_gathering(at(zero), budget, m, zero, at, mlp_tiles(train, d))

@@ -18,7 +18,7 @@ from zoff.config import Config, TrainConfig, ZeroConfig
 from zoff.engine.disk.budget import mem_total
 from zoff.errors import UserError
 from zoff.planning.bench_io import disk_bandwidth
-from zoff.planning.choice import policy_label, resolve_auto, suggest_policy, swap_free_bytes
+from zoff.planning.choice import policy_label, resolve_auto, suggest_policy
 from zoff.planning.memory import (
     GPU_KEYS,
     Budget,
@@ -29,6 +29,7 @@ from zoff.planning.memory import (
     changes_text,
     estimate_to_fit,
 )
+from zoff.planning.speculation_costs import spending_json, spending_notes, swap_free_bytes
 from zoff.units import human
 from zoff.units import parse_size as _parse_size
 
@@ -120,6 +121,7 @@ def to_json(
                              "pieces": pe.split.pieces, "resident_state_bytes": pe.split.resident_bytes,
                              "state_bytes": pe.split.states_bytes, "grads_on_disk": pe.split.grads_on_disk}
              if pe.policy.offload_optimizer == "nvme" else None,
+             "speculation": spending_json(pe.speculation, pe.local_ranks),
              "step_time": _step_json(steps.get(pe.policy)),
              "fits": pe.fits(budget), "configured": _is_configured(pe.policy, zero, train),
              "zero_changes": changes_config(pe.zero_changes)}
@@ -192,6 +194,7 @@ def render(
         *(f"note: {note}" for note in est.notes),
         *_disk_note(est, disk_bandwidth(zero.offload_optimizer.nvme_path)),
         *_budget_note(est),
+        *spending_notes([(pe.policy.name, pe.speculation) for pe in _unrecomputed(est)]),
         *_parts_note(est),
         *(_timing_note(timing[0]) if timing else []),
         *([f"suggested: {suggestion[1]}"] if suggestion else []),
@@ -248,12 +251,17 @@ def _timing_note(rates) -> list[str]:
     ]
 
 
+def _unrecomputed(est: Estimate) -> list[PolicyEstimate]:
+    """The rows without activation checkpointing: the notes' (a row with it has the same split and costs)."""
+    return [pe for pe in est.policies if not pe.policy.activation_checkpointing]
+
+
 def _budget_note(est: Estimate) -> list[str]:
     """The disk tier's host budget on the nvme rows (zero.offload_optimizer.host_budget): the same split for
     every row of one stage's plan, so one line per distinct split."""
     lines: dict[str, list[str]] = {}
-    for pe in est.policies:
-        if pe.policy.offload_optimizer == "nvme" and not pe.policy.activation_checkpointing:
+    for pe in _unrecomputed(est):
+        if pe.policy.offload_optimizer == "nvme":
             lines.setdefault(pe.split.describe(), []).append(pe.policy.name)
     return [f"{', '.join(names)}: {text}" for text, names in lines.items()]
 

@@ -18,14 +18,7 @@ from torch import nn
 
 from zoff.config import Config, DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.disk.budget import host_budget_bytes, mem_total
-from zoff.engine.disk.placement import (
-    DiskSplit,
-    disk_bytes,
-    disk_split,
-    grad_disk_bytes,
-    next_params_bytes,
-    subgroup_of,
-)
+from zoff.engine.disk.placement import DiskSplit, disk_bytes, grad_disk_bytes, next_params_bytes, subgroup_of
 from zoff.engine.disk.traffic import disk_traffic, held_write_back_bytes
 from zoff.engine.footprint import frozen_param_bytes, host_staging, model_states, pinned_host_bytes
 from zoff.engine.partition import PartitionPlan
@@ -36,6 +29,7 @@ from zoff.planning.activations import Activations, activations
 from zoff.planning.buffers import device_buffers, finer_gathering
 from zoff.planning.buffers import pending_gradients as pending_gradients  # (re-exported: tests read it here)
 from zoff.planning.buffers import stage3_working_set as stage3_working_set
+from zoff.planning.speculation_costs import Spending, spending, swap_free_bytes
 
 GPU_KEYS = ("params", "grads", "optimizer_states", "buffers", "activations")
 CPU_KEYS = ("params", "grads", "optimizer_states")
@@ -67,6 +61,8 @@ class PolicyEstimate:
     split: DiskSplit = DiskSplit()  # nvme: what the host budget keeps in RAM (policy.disk_split)
     grad_files: int = 1  # disk_grads is this many files, one read and written a step: two under delay_update
     disk_publish: int = 0  # DPU, parameters in memory: the new shards' file, read back after the step
+    # exact speculation: the second slots (a part of `disk`) and its RAM per rank (cpu["speculation"] per node)
+    speculation: Spending = Spending()
     # zero-section settings this stage-3 row assumes beyond the config's, where it does not fit as configured
     # (fit_gathering): ((key, value), ...), block_classes as a tuple
     zero_changes: tuple[tuple[str, object], ...] = ()
@@ -80,7 +76,8 @@ class PolicyEstimate:
         return sum(self.cpu.values())
 
     def fits(self, budget: Budget) -> bool:
-        if self.disk * self.local_ranks > budget.disk:  # an nvme policy needs a path with room for it
+        # an nvme policy needs a path with room for its swap files (the second slots take what is left)
+        if (self.disk - self.speculation.second.disk_bytes) * self.local_ranks > budget.disk:
             return False
         if budget.shared:
             return self.local_ranks * self.gpu_bytes + self.cpu_bytes_per_node <= budget.cpu
@@ -142,12 +139,14 @@ def estimate(
     device_type: str = "cuda",
     host_bytes: int | None = None,
     only: Policy | None = None,
+    disk_free: int | None = None,
 ) -> Estimate:
     """Every policy's per-rank device bytes and per-node host bytes for this config on gpus_per_node x nodes
     (`only`: that one policy's, for a run's start-up).
 
     host_bytes: a node's memory, which zero.offload_optimizer.host_budget auto divides among its ranks for
-    the disk tier (default: this host's MemTotal)."""
+    the disk tier (default: this host's MemTotal). disk_free: a node's free bytes at nvme_path, shared by its
+    ranks, where the disk tier's second slots for speculation fit beside the swap files (None: not limited)."""
     train_cfg = _as_computed(train_cfg, device_type)
     world, precision = gpus_per_node * nodes, train_cfg.precision
     gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
@@ -170,7 +169,8 @@ def estimate(
     }
     host = mem_total() if host_bytes is None else host_bytes
     budget = host_budget_bytes(zero_cfg.offload_optimizer, host, gpus_per_node)
-    rows = _Rows(model, train_cfg, zero_cfg, device_type, gpus_per_node, micro_batches, acts, budget)
+    free = None if disk_free is None else disk_free // gpus_per_node
+    rows = _Rows(model, train_cfg, zero_cfg, device_type, gpus_per_node, micro_batches, acts, budget, free)
     policies = (only,) if only is not None else POLICIES
     # stages 1 and 2 share one plan
     out = [rows.row(plans[{2: 1}.get(p.stage, p.stage)], p) for p in policies]
@@ -202,6 +202,7 @@ class _Rows:
     micro_batches: int
     acts: dict[bool, Activations]
     budget: int
+    disk_free: int | None  # a rank's share of the free bytes at nvme_path (None: not limited)
     # (plan's stage, params offloaded) -> the frozen weights' bytes: one walk of the model each
     frozen: dict[tuple[int, bool], int] = field(default_factory=dict)
 
@@ -234,28 +235,32 @@ class _Rows:
         return gpu, cpu
 
     def row(self, plan: PartitionPlan, pol: Policy) -> PolicyEstimate:
-        """`pol`'s row: its bytes with the disk tier's split of the host budget, its swap files and traffic."""
+        """`pol`'s row: its bytes with the disk tier's split of the host budget, its swap files and traffic,
+        and what speculating costs (in RAM, which the budget holds too, and on disk)."""
         zero_cfg, precision, accumulating = self.zero_cfg, self.train_cfg.precision, self.micro_batches > 1
         gpu, cpu = self.states(plan, pol, DiskSplit())
-        split = disk_split(
-            plan, pol, zero_cfg, precision, accumulating, self.budget,
-            host_reserved(gpu, cpu, self.device_type), clipping=self.train_cfg.grad_clip > 0,
+        spec = spending(
+            plan, pol, zero_cfg, precision, accumulating, self.budget, host_reserved(gpu, cpu, self.device_type),
+            self.train_cfg.grad_clip > 0, self.device_type, self.disk_free,
         )  # fmt: skip
+        split = spec.split
         if split != DiskSplit():
             gpu, cpu = self.states(plan, pol, split)
+        if spec.ram:
+            cpu["speculation"] = spec.ram
         pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, self.device_type)
         per_node = {k: v * self.gpus_per_node for k, v in cpu.items()}
         delayed = zero_cfg.offload_optimizer.delay_update  # DPU: two gradient files, one used a step
         grad_file = grad_disk_bytes(plan, pol, split, accumulating, precision)
         files = 2 if delayed else 1
-        disk = disk_bytes(plan, pol, precision, grad_file * files, delayed)
+        disk = disk_bytes(plan, pol, precision, grad_file * files, delayed) + spec.second.disk_bytes
         traffic = disk_traffic(
             plan, pol, subgroup_of(zero_cfg), precision, self.micro_batches, grad_file, split,
             overlap=zero_cfg.offload_optimizer.overlap_step, delay_update=delayed,
         )  # fmt: skip
         return PolicyEstimate(
             pol, gpu, per_node, self.gpus_per_node, pinned, disk, *traffic, grad_file * files, split,
-            grad_files=files, disk_publish=next_params_bytes(plan, pol, precision, delayed),
+            grad_files=files, disk_publish=next_params_bytes(plan, pol, precision, delayed), speculation=spec,
         )  # fmt: skip
 
 
@@ -366,7 +371,10 @@ def estimate_to_fit(
     """estimate() on `budget`'s host memory, finer gathering chosen where whole layers do not fit (fit_gathering)."""
 
     def at(zero: ZeroConfig) -> Estimate:
-        return estimate(model_cfg, data_cfg, train_cfg, zero, gpus_per_node, nodes, device_type, budget.cpu)
+        return estimate(
+            model_cfg, data_cfg, train_cfg, zero, gpus_per_node, nodes, device_type, budget.cpu,
+            disk_free=budget.disk or None,
+        )  # fmt: skip
 
     return fit_gathering(at(zero_cfg), budget, model_cfg, zero_cfg, at, mlp_tiles(train_cfg, data_cfg))
 
@@ -375,17 +383,20 @@ def host_reserved(gpu: dict[str, int], cpu: dict[str, int], device_type: str) ->
     """A rank's host memory besides the disk tier's, which zero.offload_optimizer.host_budget holds too:
     on a CPU-only host its "device" bytes (parameters, gather buffers, activations: the host is the device),
     and everywhere the parameter shards offloaded to CPU and the pinned staging buffers (per-rank dicts of
-    one policy's estimate, before the split)."""
+    one policy's estimate, before the split). The split holds the disk tier's speculation RAM beside it
+    (speculation_costs.spending: the split's `reserved` is both)."""
     device = sum(gpu.values()) if device_type == "cpu" else 0
     return device + cpu.get("params", 0) + cpu.get("staging", 0)
 
 
 def rank_split(cfg: Config, world: int, local_ranks: int, device_type: str) -> DiskSplit:
     """The split `zoff estimate` prints for cfg's policy at this world: what the engine of a rank of the run
-    gets (build_engine's host_reserved is its .reserved), so train and estimate place the same bytes."""
+    gets (build_engine's host_reserved is its .reserved), so train and estimate place the same bytes (the
+    speculation's RAM counted for the second slots the disk's free room holds now, as the engine fits them)."""
     nodes = max(1, world // max(1, local_ranks))
     policy = Policy.of(cfg.zero, cfg.train.activation_checkpointing)
     est = estimate(
-        cfg.model, cfg.data, cfg.train, cfg.zero, max(1, local_ranks), nodes, device_type, only=policy
-    )
+        cfg.model, cfg.data, cfg.train, cfg.zero, max(1, local_ranks), nodes, device_type, only=policy,
+        disk_free=swap_free_bytes(cfg.zero) or None,
+    )  # fmt: skip
     return est.get(policy).split

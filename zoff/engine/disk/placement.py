@@ -270,8 +270,9 @@ def disk_split(
     estimate then says whether that fits).
 
     `clipping`: train.grad_clip > 0 (DPU's RAM snapshot is fp32 then). `reserved`: the rank's other host memory, which the budget holds as well (planning.memory's
-    host_reserved: on a CPU-only host the "device" working set, parameters offloaded to CPU, pinned staging),
-    so that the whole rank stays within the budget; the tier keeps what is left, and only its working set
+    host_reserved: on a CPU-only host the "device" working set, parameters offloaded to CPU, pinned staging;
+    and what speculation holds in RAM beside the split: planning/speculation_costs.spending, with
+    second_slots.speculation_ram_bytes), so that the whole rank stays within the budget; the tier keeps what is left, and only its working set
     when that is less. Placement only: every tier computes the same numbers."""
     oo = zero.offload_optimizer
     if policy.offload_optimizer != "nvme":

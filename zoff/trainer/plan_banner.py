@@ -8,6 +8,7 @@ import torch
 
 from zoff.data import GlobalBatches
 from zoff.engine import ZeroEngine
+from zoff.engine.disk.second_slots import second_buffer_bytes, speculation_ram_bytes
 from zoff.engine.disk.traffic import held_write_back_bytes
 from zoff.engine.footprint import data_parallel_bytes
 from zoff.trainer.session import Session
@@ -50,6 +51,7 @@ def _engine_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, th
             else []
         ),
         *([f"  disk tier: {engine.split.describe()}"] if engine.policy.offload_optimizer == "nvme" else []),
+        *_speculation_line(engine, gib),
         f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
         f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
     ] + _stage3_line(plan, engine.zero.block_classes)
@@ -61,6 +63,28 @@ def _held_text(engine: ZeroEngine, gib) -> str:
     held = held_write_back_bytes(engine.plan, engine.policy, engine.zero, engine.precision, engine.split)
     which = "delayed" if engine.zero.offload_optimizer.delay_update else "overlapped"
     return f" (+ up to {gib(held)} of held write-backs while the {which} step runs)" if held else ""
+
+
+def _speculation_line(engine: ZeroEngine, gib) -> list[str]:
+    """Whether the offloaded optimizer speculates (zero.offload_optimizer.speculate) and what that costs: the
+    disk tier's second slots and RAM until commit, the host tier's second buffers; or why it does not."""
+    if not engine.offload:
+        return []
+    oo, tier = engine.zero.offload_optimizer, engine.optimizer.tier.kind
+    if oo.speculate is False or oo.delay_update:
+        return [f"  speculation: off ({'speculate: false' if oo.speculate is False else 'delay_update'})"]
+    if tier == "disk":  # (second_slots' line says why no unit is, where none is)
+        ram = speculation_ram_bytes(
+            engine.plan, engine.policy, engine.precision, engine.second, engine.split.grads_on_disk,
+            engine.grad_accum > 1,
+        )  # fmt: skip
+        return [f"  {engine.second.describe()}" + (f"; {gib(ram)} of RAM until commit" if ram else "")]
+    if engine.speculation is None:
+        return ["  speculation: off (host tier on a host-only machine: auto leaves it off)"]
+    return [
+        f"  speculation: second buffers for {len(engine.plan.units)} unit(s)' optimizer states, "
+        f"{gib(second_buffer_bytes(engine.plan))} of RAM from the first speculated step"
+    ]
 
 
 def _frozen_text(engine: ZeroEngine) -> str:

@@ -240,7 +240,8 @@ def test_the_disk_tier_holds_its_buffers_in_ram_not_the_shard(swap: Path) -> Non
     path = save_checkpoint(eng, swap / "ckpt", 2, {"step": 2}, "{}")
     grew = _status("VmHWM") - before
     largest = 4 * max(u.shard for u in eng.plan.units)
-    assert (path / "shard_00000.safetensors").stat().st_size > disk * 0.99
+    # (the checkpoint holds the states, not speculate auto's second slots beside them)
+    assert (path / "shard_00000.safetensors").stat().st_size > (disk - eng.second.state_bytes) * 0.99
     assert grew <= 3 * largest + 32 * 2**20, (grew, largest)
     eng.close()
 

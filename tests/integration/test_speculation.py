@@ -43,7 +43,8 @@ def _engine(
         stage=stage, reduce_bucket_size=1500, param_persistence_threshold=64,
         offload_optimizer=OffloadOptimizerConfig(
             device=opt, nvme_path=str(swap) if opt == "nvme" else None, io=OptimizerIoConfig(threads=2, request_mb=1),
-            host_budget="min", overlap_step=overlap, speculate=spec,
+            # (disk: every state streamed; host: the budget leaves room for every unit's second buffers)
+            host_budget="min" if opt == "nvme" else "1GiB", overlap_step=overlap, speculate=spec,
         ),
         offload_param=OffloadParamConfig(device=par if stage == 3 else "none", io=IoConfig(threads=2, request_mb=1)),
     )  # fmt: skip

@@ -152,7 +152,7 @@ def test_the_estimate_counts_what_a_speculating_disk_tier_allocates(stage: int, 
 def test_the_estimate_counts_the_host_tiers_second_buffers() -> None:
     """The host tier's second buffers (12 B per element of the shard): what memory_report's optimizer
     states grow by at the first speculated step."""
-    cfg = _cfg(None, 2, opt="cpu", speculate=True)
+    cfg = _cfg(None, 2, opt="cpu", speculate=True, host_budget="1GiB")
     row = memory.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 1, 1, "cpu").get(Policy(2, "cpu"))
     eng = _engine(cfg)
     try:
@@ -161,19 +161,35 @@ def test_the_estimate_counts_the_host_tiers_second_buffers() -> None:
         _steps(eng, 1)
         grown = eng.memory_report()["cpu_optimizer_states"] - before
         assert eng.speculation.last["speculated"] == len(eng.plan.units)
-        assert row.cpu["speculation"] == row.speculation.ram == grown == second_buffer_bytes(eng.plan)
+        assert row.speculation.ram == grown == second_buffer_bytes(eng.plan)
+        assert "speculation" not in row.cpu  # (what the budget leaves: not a need the CPU column adds)
+        n = len(eng.plan.units)
         assert _speculation_line(eng, human) == [
-            f"  speculation: second buffers for {len(eng.plan.units)} unit(s)' optimizer states, {human(grown)} "
-            "of RAM from the first speculated step"
+            f"  speculation: second buffers for {n} of {n} unit(s)' optimizer states (what the host budget "
+            f"leaves), {human(grown)} of RAM from the first speculated step"
         ]
     finally:
         eng.close()
+    # the host budget min leaves no room: nothing speculated, nothing counted, and the plan says why
+    tight = _cfg(None, 2, opt="cpu", speculate=True)
+    eng = _engine(tight)
+    try:
+        assert eng.speculation is None
+        assert _speculation_line(eng, human) == [
+            "  speculation: off (the host budget leaves no room for a unit's second buffers)"
+        ]
+    finally:
+        eng.close()
+    row_min = memory.estimate(tight.model, tight.data, tight.train, tight.zero, 1, 1, "cpu").get(
+        Policy(2, "cpu")
+    )
+    assert "speculation" not in row_min.cpu
     # auto on a host-only machine leaves the host tier alone: nothing counted; on a GPU it speculates
-    auto = _cfg(None, 2, opt="cpu")
+    auto = _cfg(None, 2, opt="cpu", host_budget="1GiB")
     on_cpu = memory.estimate(auto.model, auto.data, auto.train, auto.zero, 1, 1, "cpu").get(Policy(2, "cpu"))
     on_gpu = memory.estimate(auto.model, auto.data, auto.train, auto.zero, 1, 1, "cuda").get(Policy(2, "cpu"))
     assert "speculation" not in on_cpu.cpu and not on_cpu.speculation.on
-    assert on_gpu.cpu["speculation"] == row.speculation.ram
+    assert on_gpu.speculation.on and on_gpu.speculation.ram == row.speculation.ram
 
 
 def test_zoff_estimate_prints_the_cost_and_a_short_disk(swap: Path, tmp_path: Path, capsys) -> None:

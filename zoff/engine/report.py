@@ -16,6 +16,29 @@ from zoff.engine.step.publish import on_host
 
 
 class EngineReports:
+    def _disk_bytes_now(self) -> tuple[float, float]:
+        """(read, written) bytes of every swap file of this rank so far."""
+        c = self._disk_counters()
+        total = lambda end: sum(v for k, v in c.items() if k.endswith(end))  # noqa: E731
+        return total("_read_bytes"), total("_written_bytes")
+
+    def _backward_disk(self, start: tuple[float, float] | None) -> None:
+        """The last backward's swap I/O (`start`: the counters as it began), for the step's record: what the
+        speculation moved while backward computed (the disk's busy share of backward, scripts/bench_speculation.py)."""
+        if start is not None:
+            read, written = self._disk_bytes_now()
+            self._backward_io = {"backward_disk_read_bytes": read - start[0],
+                                 "backward_disk_written_bytes": written - start[1]}  # fmt: skip
+
+    def _step_extras(self) -> dict[str, float]:
+        """Per-step record fields beside the times: the last backward's disk bytes; the speculation's units."""
+        out = dict(getattr(self, "_backward_io", {}))
+        if self.speculation is not None:
+            last = self.speculation.last
+            out |= {"spec_speculated_units": last.get("speculated", 0),
+                    "spec_committed_units": last.get("committed", 0), "spec_units": len(self.plan.units)}  # fmt: skip
+        return out
+
     def _disk_counters(self) -> dict[str, float]:
         """This rank's swap-file I/O so far, per file: bytes read and written, seconds blocked waiting."""
         files = {
@@ -88,8 +111,10 @@ class EngineReports:
         )  # fmt: skip
         delayed = self.zero.offload_optimizer.delay_update
         disk = {
-            "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy),
+            # (with the speculation's second slots: disk/second_slots.py)
+            "disk_optimizer_states": optimizer_disk_bytes(self.plan, self.policy) + self.second.state_bytes,
             "disk_params": param_disk_bytes(self.plan, self.policy, self.precision, delayed)
+            + self.second.param_bytes
             + next_params_bytes(self.plan, self.policy, self.precision, delayed),
             "disk_grads": grad_disk_bytes(
                 self.plan, self.policy, self.split, self.grad_accum > 1, self.precision, delayed

@@ -11,15 +11,17 @@ clipping pays one step's speculation each time it clips again. `true` speculates
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from zoff.config import OffloadOptimizerConfig
+from zoff.engine.disk.budget import host_budget_bytes, mem_total
 from zoff.engine.disk.grad_swap import DiskGrads
 from zoff.engine.disk.placement import disk_bytes, grad_disk_bytes
-from zoff.engine.disk.second_slots import ROOM_MARGIN, SecondSlots, second_slots
+from zoff.engine.disk.second_slots import SecondSlots, host_second_units, room_left, second_slots
 from zoff.engine.disk.swapfile import AlignedBuffer
 from zoff.engine.step.optimizer import all_runs, step_runs
 from zoff.engine.step.speculate import Speculation, SpeculationError
@@ -32,14 +34,15 @@ def speculates(oo: OffloadOptimizerConfig, device: torch.device, tier: str) -> b
     return oo.speculate is True or tier == "nvme" or device.type == "cuda"
 
 
-def disk_room(oo: OffloadOptimizerConfig, base_bytes: int) -> int | None:
-    """Free bytes at nvme_path for the second slots: the free space less the swap files to be made there and a
-    margin (None: the folder does not exist yet, so nothing is limited here; the swap files will say)."""
+def disk_room(oo: OffloadOptimizerConfig, base_bytes: int, local_ranks: int) -> int | None:
+    """This rank's room for second slots at nvme_path: its share of the free space (the node's ranks share the
+    disk, as the estimate divides it) less the swap files to be made there and a margin (None: the folder does
+    not exist yet, so nothing is limited here; the swap files will say)."""
     try:
         free = shutil.disk_usage(Path(oo.nvme_path)).free
     except OSError:
         return None
-    return max(0, free - base_bytes - ROOM_MARGIN)
+    return room_left(free // max(1, local_ranks), base_bytes)
 
 
 def second_slots_of(engine) -> SecondSlots:
@@ -49,7 +52,7 @@ def second_slots_of(engine) -> SecondSlots:
         return SecondSlots()
     grads = grad_disk_bytes(engine.plan, engine.policy, engine.split, engine.grad_accum > 1, engine.precision)
     base = disk_bytes(engine.plan, engine.policy, engine.precision, grads)
-    room = disk_room(oo, base)
+    room = disk_room(oo, base, local_ranks(engine.comm.world))
     return second_slots(engine.plan, engine.policy, engine.zero, engine.precision, engine.split, room)
 
 
@@ -59,7 +62,7 @@ def speculation_of(engine) -> Speculation | None:
     tier = engine.optimizer.tier.kind
     if tier not in ("host", "disk") or not speculates(oo, engine.device, "nvme" if tier == "disk" else "cpu"):
         return None
-    units = engine.second.units if tier == "disk" else frozenset(range(len(engine.plan.units)))
+    units = engine.second.units if tier == "disk" else host_second_units(engine.plan, host_room(engine))
     if not units:
         return None
     grads, buffer = engine.grads, None
@@ -70,12 +73,37 @@ def speculation_of(engine) -> Speculation | None:
     )
 
 
+def host_room(engine) -> int | None:
+    """The host tier's room for second buffers: the host budget (zero.offload_optimizer.host_budget, per rank)
+    less what the rank holds in host memory: its other host bytes (host_reserved) and the tier's states,
+    gradient shards and buffers (None: the budget is min)."""
+    oo = engine.zero.offload_optimizer
+    budget = host_budget_bytes(oo, mem_total(), local_ranks(engine.comm.world))
+    if budget is None:
+        return None
+    opt = engine.optimizer
+    return (
+        budget
+        - engine.host_reserved
+        - opt.resident_bytes()
+        - engine.grads.host_bytes()
+        - opt.tier.buffer_bytes()
+    )
+
+
+def local_ranks(world: int) -> int:
+    """The ranks sharing this host (torch elastic's LOCAL_WORLD_SIZE; else, a single-node world)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
 class EngineSpeculation:
     """ZeroEngine's speculation moments (a part of the engine class, as report.py and engine_state.py are)."""
 
     def _begin_speculation(self, lr: float | None) -> bool:
         """At the last micro-batch's backward: start the worker if this step speculates (the lr is known)."""
         spec = self.speculation
+        if spec is not None:
+            spec.last = {}  # (this step's counts, if it speculates)
         if spec is None or lr is None or not spec.wanted():
             return False
         step = self.optimizer.step_count + 1

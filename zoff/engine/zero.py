@@ -9,7 +9,6 @@ stage 3  + parameters partitioned: units are gathered around the modules that us
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,13 @@ from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.policy import Policy, engine_plan
 from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads
 from zoff.engine.report import EngineReports
-from zoff.engine.speculation import EngineSpeculation, second_slots_of, speculates, speculation_of
+from zoff.engine.speculation import (
+    EngineSpeculation,
+    local_ranks,
+    second_slots_of,
+    speculates,
+    speculation_of,
+)
 from zoff.engine.staging import Staging, needs_staging
 from zoff.engine.step.grad_store import GradShards, ResidentGrads
 from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
@@ -74,6 +79,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         self.accum_dtype = torch.float32 if policy.shard_accum_fp32(grad_accum > 1) else self.dtype
         self.rank = policy.rank_in_partition(self.comm.rank)  # stage 0: one partition that every rank owns
         self.plan = engine_plan(model, self.stage, self.comm.world, zero)
+        self.host_reserved = host_reserved
         self.split = self._disk_split(host_reserved)
         self.model, self.deferred = prepare_model(model, self.device, self.dtype)
         self.scaler = LossScaler(enabled=precision == "fp16")
@@ -131,7 +137,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         """The disk tier's host budget: what of its states (and gradients) stays in RAM (a pure value);
         host_reserved is the rest of the rank's host memory, which the budget holds too (the trainer passes
         what `zoff estimate` computes: planning.memory.rank_split)."""
-        budget = host_budget_bytes(self.zero.offload_optimizer, mem_total(), _local_ranks(self.comm.world))
+        budget = host_budget_bytes(self.zero.offload_optimizer, mem_total(), local_ranks(self.comm.world))
         return disk_split(
             self.plan, self.policy, self.zero, self.precision, self.grad_accum > 1, budget, host_reserved,
             clipping=self.grad_clip > 0,
@@ -219,6 +225,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         speculating = self._begin_speculation(lr) if sync and not self.optimizer.running else False
         if sync and not self.optimizer.running and not speculating:
             self.optimizer.states.prefetch()  # the disk tier reads the step's first pieces while backward computes
+        at_start = self._disk_bytes_now() if sync else None
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         except BaseException:
@@ -230,6 +237,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
                 self.gatherer.release_all()  # no gathered copy outlives backward: the step changes the shards
             self.blocks.reset()
         self.reducer.end_backward()  # autograd is done: every hook that will fire has fired
+        self._backward_disk(at_start)
         if self.gatherer is not None:
             self.gatherer.check_same_gathers()
 
@@ -340,6 +348,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         if times is not None:
             now = self._disk_counters()
             self.last_step_times = times | {k: v - self._disk_at_start.get(k, 0) for k, v in now.items()}
+            self.last_step_times |= self._step_extras()
         self.last_step_comm = dict(self.comm.stats.elements)
         return result
 
@@ -410,8 +419,3 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             for f in (self.param_disk, self.next_params):
                 if f is not None:
                     f.close()
-
-
-def _local_ranks(world: int) -> int:
-    """The ranks sharing this host (torch elastic's LOCAL_WORLD_SIZE; else, a single-node world)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))

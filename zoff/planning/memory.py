@@ -241,13 +241,15 @@ class _Rows:
         gpu, cpu = self.states(plan, pol, DiskSplit())
         spec = spending(
             plan, pol, zero_cfg, precision, accumulating, self.budget, host_reserved(gpu, cpu, self.device_type),
-            self.train_cfg.grad_clip > 0, self.device_type, self.disk_free,
+            self.train_cfg.grad_clip > 0, self.device_type, self.disk_free, host_used=_host_used(gpu, cpu, self.device_type),
         )  # fmt: skip
         split = spec.split
         if split != DiskSplit():
             gpu, cpu = self.states(plan, pol, split)
-        if spec.ram:
+        if spec.ram and split.pieces:  # the disk tier's, which its host budget holds (the split's reserved)
             cpu["speculation"] = spec.ram
+        # (the host tier's second buffers take only what the host budget leaves: not a need, so not in the
+        # CPU column or what must fit; the speculation line and --json say them)
         pinned = pinned_host_bytes(plan, pol, zero_cfg, precision, self.device_type)
         per_node = {k: v * self.gpus_per_node for k, v in cpu.items()}
         delayed = zero_cfg.offload_optimizer.delay_update  # DPU: two gradient files, one used a step
@@ -377,6 +379,12 @@ def estimate_to_fit(
         )  # fmt: skip
 
     return fit_gathering(at(zero_cfg), budget, model_cfg, zero_cfg, at, mlp_tiles(train_cfg, data_cfg))
+
+
+def _host_used(gpu: dict[str, int], cpu: dict[str, int], device_type: str) -> int:
+    """Everything a rank holds in host memory (on a CPU-only host its "device" bytes too): what the host tier's
+    speculation buffers come after (speculation_costs.spending)."""
+    return sum(cpu.values()) + (sum(gpu.values()) if device_type == "cpu" else 0)
 
 
 def host_reserved(gpu: dict[str, int], cpu: dict[str, int], device_type: str) -> int:

@@ -18,6 +18,7 @@ from zoff.config import ZeroConfig
 from zoff.engine.disk.placement import DiskSplit, disk_bytes, disk_split, grad_disk_bytes
 from zoff.engine.disk.second_slots import (
     SecondSlots,
+    host_second_units,
     room_left,
     second_buffer_bytes,
     second_slots,
@@ -52,6 +53,7 @@ class Spending:
     second: SecondSlots = SecondSlots()  # the disk tier's speculated units and their second slots
     ram: int = 0  # bytes per rank speculation holds in RAM (speculation_ram_bytes, second_buffer_bytes)
     on: bool = False  # the row speculates (row_speculates)
+    units: int = 0  # the host tier: units with second buffers (second_slots.host_second_units)
 
     def describe(self) -> str:
         """One line for `zoff estimate` (and the start-up plan): what speculating costs this row."""
@@ -59,14 +61,14 @@ class Spending:
             ram = f"; {human(self.ram)} of RAM per rank until commit" if self.ram else ""
             return self.second.describe() + ram
         return (
-            f"speculation: second buffers for every unit's optimizer states (12 B/param/N), {human(self.ram)} "
-            "of RAM per rank from the first speculated step"
+            f"speculation: second buffers (12 B/param/N) for {self.units} units, what the host budget leaves: "
+            f"{human(self.ram)} of RAM per rank from the first speculated step"
         )
 
 
 def spending(
     plan: PartitionPlan, policy: Policy, zero: ZeroConfig, precision: str, accumulating: bool,
-    budget: int | None, reserved: int, clipping: bool, device_type: str, free: int | None,
+    budget: int | None, reserved: int, clipping: bool, device_type: str, free: int | None, host_used: int = 0,
 ) -> Spending:  # fmt: skip
     """`policy`'s split of the disk tier's host budget (placement.disk_split) and its speculation's costs.
     `free`: bytes at nvme_path for this rank (None: not known, not limited), where the second slots take what
@@ -80,7 +82,9 @@ def spending(
     on = row_speculates(zero, policy, device_type)
     if policy.offload_optimizer != "nvme" or not on:  # (no disk tier: DiskSplit())
         split = disk_split(plan, policy, zero, precision, accumulating, budget, reserved, clipping)
-        return Spending(split, ram=second_buffer_bytes(plan) if on else 0, on=on)
+        # the host tier: second buffers for what the host budget leaves beside `host_used`, the rank's host bytes
+        units = host_second_units(plan, None if budget is None else budget - host_used) if on else frozenset()
+        return Spending(split, ram=second_buffer_bytes(plan, units), on=on, units=len(units))
     counted, tried, holding = 0, set(), None
     while counted not in tried:
         tried.add(counted)

@@ -11,6 +11,7 @@ from zoff.engine import ZeroEngine
 from zoff.engine.disk.second_slots import second_buffer_bytes, speculation_ram_bytes
 from zoff.engine.disk.traffic import held_write_back_bytes
 from zoff.engine.footprint import data_parallel_bytes
+from zoff.engine.speculation import speculates
 from zoff.trainer.session import Session
 
 
@@ -80,10 +81,14 @@ def _speculation_line(engine: ZeroEngine, gib) -> list[str]:
         )  # fmt: skip
         return [f"  {engine.second.describe()}" + (f"; {gib(ram)} of RAM until commit" if ram else "")]
     if engine.speculation is None:
-        return ["  speculation: off (host tier on a host-only machine: auto leaves it off)"]
+        if not speculates(oo, engine.device, "cpu"):
+            return ["  speculation: off (host tier on a host-only machine: auto leaves it off)"]
+        return ["  speculation: off (the host budget leaves no room for a unit's second buffers)"]
+    units = engine.speculation.units
     return [
-        f"  speculation: second buffers for {len(engine.plan.units)} unit(s)' optimizer states, "
-        f"{gib(second_buffer_bytes(engine.plan))} of RAM from the first speculated step"
+        f"  speculation: second buffers for {len(units)} of {len(engine.plan.units)} unit(s)' optimizer states "
+        f"(what the host budget leaves), {gib(second_buffer_bytes(engine.plan, units))} of RAM from the first "
+        "speculated step"
     ]
 
 

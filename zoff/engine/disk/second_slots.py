@@ -114,7 +114,20 @@ def speculation_ram_bytes(
     return copies + aligned(max(1, max(u.shard for u in plan.units) * itemsize))  # (AlignedBuffer's bytes)
 
 
-def second_buffer_bytes(plan: PartitionPlan) -> int:
-    """The host tier's second buffers (step/states.ResidentStates): every trainable unit's fp32 master and
-    moments once more, 12 B per element of the rank's shard, allocated at the first speculated step."""
-    return 12 * sum(u.shard for u in plan.units)
+def host_second_units(plan: PartitionPlan, room: int | None) -> frozenset[int]:
+    """The host tier's speculated units: the last first (backward finishes them first) while their second
+    buffers (12 B per element of the shard: fp32 master and moments once more) fit `room`, the host budget
+    left beside everything else the rank holds (None: the budget is min, nothing is left)."""
+    units, used = set(), 0
+    for u in reversed(plan.units):
+        if room is None or used + 12 * u.shard > room:
+            continue
+        units.add(u.index)
+        used += 12 * u.shard
+    return frozenset(units)
+
+
+def second_buffer_bytes(plan: PartitionPlan, units: frozenset[int] | None = None) -> int:
+    """The host tier's second buffers (step/states.ResidentStates) of `units` (None: every trainable unit),
+    12 B per element of the rank's shard, allocated at their first speculated step."""
+    return 12 * sum(u.shard for u in plan.units if units is None or u.index in units)

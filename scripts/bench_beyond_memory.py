@@ -20,7 +20,7 @@ and writes it all to JSON.
     python scripts/bench_beyond_memory.py --preset 2g --steps 6      # a preset: its overrides, its own JSON
 
 --preset picks one of PRESETS below: its overrides go after the command line's, and it writes its own JSON
-(docs/results/bench_beyond_memory{,_2g,_dpu,_dpu_2g}.json), which the docs render in the region
+(docs/results/bench_beyond_memory{,_2g,_dpu,_dpu_2g,_unclipped,_unclipped_2g}.json), which the docs render in the region
 `<!-- render: bench_beyond_memory --preset NAME -->` (the default's: `render: bench_beyond_memory`):
   default   the config as it is
   2g        the rank's host budget forced to 2 GiB: on this CPU host the model's working memory (gathered
@@ -31,6 +31,10 @@ and writes it all to JSON.
             optimizer walk runs beside the next step's forward and backward (issue 32's "a mode that changes
             the math", off in every shipped recipe)
   dpu-2g    dpu with the host budget forced to 2 GiB
+  unclipped the clip above every norm of the run (train.grad_clip=1e9), as in a warmed-up run that does not
+            clip: speculate auto (the config's) computes each unit's update beside backward and commits it
+            (issue 53's regime a; the demo as configured clips every step from initialisation: regime b)
+  unclipped-2g  unclipped with the host budget forced to 2 GiB
 
 --size sets model.n_layer / n_head / d_model (an hf: model maps them onto its config); without it the config's
 own model is used. Trailing KEY.PATH=VALUE overrides go to `zoff estimate` and `zoff train` alike.
@@ -80,11 +84,18 @@ SIZES: dict[str, dict[str, int]] = {
 DEFAULT_CONFIG = CONFIGS_DIR / "gpt-3b-nvme.yaml"
 BUDGET_2G = "zero.offload_optimizer.host_budget=2GiB"
 DPU = ("zero.offload_optimizer.overlap_step=false", "zero.offload_optimizer.delay_update=true")
+# the clip far above the demo's norms (155-456 from initialisation), as in a warmed-up run whose norms stay under
+# its clip: exact speculation commits every update it computed beside backward (issue 53's regime a)
+UNCLIPPED = "train.grad_clip=1e9"
 PRESETS = {  # (the docstring says what each is for)
     "default": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory.json"),
     "2g": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_2g.json", (BUDGET_2G,)),
     "dpu": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_dpu.json", DPU),
     "dpu-2g": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_dpu_2g.json", (*DPU, BUDGET_2G)),
+    "unclipped": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_unclipped.json", (UNCLIPPED,)),
+    "unclipped-2g": benchlib.Preset(
+        benchlib.RESULTS / "bench_beyond_memory_unclipped_2g.json", (UNCLIPPED, BUDGET_2G)
+    ),
 }
 JSON = PRESETS["default"].json
 

@@ -77,6 +77,7 @@ def step_split(steps: list[dict], delayed: bool = False) -> dict:
     for key in ("forward_s", "backward_s"):  # (the trainer's record has them since this session)
         if all(key in x for x in steps):
             out[key] = statistics.median(x[key] for x in steps)
+    out |= _speculation_split(steps)
     if overlapped:
         out["walk_s"] = statistics.median(x["last_walk_s"] for x in steps)
         # the walk's bytes: the streamed states each way, the gradient shard read, the parameter shards written
@@ -90,6 +91,37 @@ def step_split(steps: list[dict], delayed: bool = False) -> dict:
                        "forward: compute is the step less the parameter reads (the forward's waits for the "
                        "walk included), and the walk's parts are within the walk")  # fmt: skip
     return out
+
+
+def _speculation_split(steps: list[dict]) -> dict:
+    """Exact speculation's share of the steps (zero.offload_optimizer.speculate): units speculated and committed
+    (medians per step, of spec_units), and the swap bytes moved while backward computed (medians)."""
+    out = {}
+    if all("spec_units" in x for x in steps):
+        out |= {"spec_units": steps[0]["spec_units"],
+                "spec_speculated": statistics.median(x["spec_speculated_units"] for x in steps),
+                "spec_committed": statistics.median(x["spec_committed_units"] for x in steps)}  # fmt: skip
+    if all("backward_disk_read_bytes" in x for x in steps):
+        out |= {"backward_read_bytes": statistics.median(x["backward_disk_read_bytes"] for x in steps),
+                "backward_written_bytes": statistics.median(x["backward_disk_written_bytes"] for x in steps)}  # fmt: skip
+    return out
+
+
+def speculation_rows(sp: dict, fl: dict | None) -> list[list[str]]:
+    """The table's rows for speculation: units committed per step, and the disk's busy share of backward (its
+    bytes then at the raw bandwidth the floor uses, over backward's time)."""
+    rows = []
+    if sp.get("spec_units"):
+        rows.append(["speculation: units speculated beside backward / committed / trainable units (medians a step)",
+                     f"{sp['spec_speculated']:.0f} / {sp['spec_committed']:.0f} / {sp['spec_units']}"
+                     f" ({sp['spec_committed'] / sp['spec_units']:.0%} committed)", "", ""])  # fmt: skip
+    if fl and "read_gbps" in fl and sp.get("backward_s") and "backward_read_bytes" in sp:
+        busy = (sp["backward_read_bytes"] / (fl["read_gbps"] * 1e9)
+                + sp["backward_written_bytes"] / (fl["write_gbps"] * 1e9)) / sp["backward_s"]  # fmt: skip
+        rows.append(["disk busy during backward: its bytes then (read "
+                     f"{sp['backward_read_bytes'] / 1e9:.1f} GB, written {sp['backward_written_bytes'] / 1e9:.1f} GB) "
+                     "at that bandwidth / backward", f"{min(busy, 1.0):.0%}", "", ""])  # fmt: skip
+    return rows
 
 
 def measure(s: Sampler, run_dir: Path, r: dict, baseline: int) -> dict:
@@ -271,6 +303,7 @@ def render(r: dict) -> str:
                 f"{ob['walk_disk_s']:.1f}); step / bound **{fl['step_to_overlapped_bound']:.2f}x**, bound / floor "
                 f"{ob['bound_s'] / fl['floor_s']:.2f}x", "", "",
             ])  # fmt: skip
+    rows += speculation_rows(sp or {}, fl if fl and "floor_s" in fl else None)
     pr = r.get("prediction")
     if pr and med is not None:
         first, second = (

@@ -72,6 +72,7 @@ from zoff.config import CONFIGS_DIR, Config, load_config
 from zoff.engine.footprint import data_parallel_bytes
 from zoff.planning.estimate import detect_budget, to_json
 from zoff.planning.memory import estimate
+from zoff.planning.speculation_costs import swap_free_bytes
 from zoff.units import human, parse_size
 
 # model.* of each --size (64-wide heads); parameters of the builtin GPT at vocab 256, seq_len 128
@@ -237,7 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     budget, device_type = detect_budget(None, None)
     # in the precision the ranks compute in: train.cpu_precision=fp32 builds them in fp32 (the swap files' bytes)
     run_train = dataclasses.replace(cfg.train, precision=cpu.computed)
-    est = estimate(cfg.model, cfg.data, run_train, cfg.zero, local, 1, device_type)
+    # (the free disk as the engine will see it: speculation's second slots take the room the swap files leave)
+    est = estimate(
+        cfg.model,
+        cfg.data,
+        run_train,
+        cfg.zero,
+        local,
+        1,
+        device_type,
+        disk_free=swap_free_bytes(cfg.zero) or None,
+    )
     est_json = to_json(est, budget, cfg.zero, run_train)
     row = configured_row(est_json)
     # no CUDA: the ranks' "GPU" bytes are host bytes too, so the node's RAM is both columns
@@ -267,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             d.mkdir(parents=True, exist_ok=True)
         # folders on one device share its free bytes (two devices: the smaller figure, conservatively)
         free = min(shutil.disk_usage(d).free for d in swap_dirs)
-        need = pred_disk + ckpt_bytes + parse_size(a.margin, "--margin")
+        second = (row.get("speculation") or {}).get("second_slot_bytes_per_node", 0)  # (only the room left)
+        need = pred_disk - second + ckpt_bytes + parse_size(a.margin, "--margin")
         result["disk_free_bytes"], result["disk_needed_bytes"] = free, need
         if free < need:
             msg = (

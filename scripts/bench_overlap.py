@@ -112,14 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides += cpu.overrides  # (fp32 where the config's 16-bit kernels are slow here)
     if a.steps < 4:
         ap.error("--steps: at least 4 (steps 2..N-1 are timed)")
-    rounds = []
-    for i in range(a.rounds):
-        order = ("off", "on") if i % 2 == 0 else ("on", "off")
-        t = {name: run(a.config, [*overrides, MODES[name]], a.steps) for name in order}
-        rounds.append({"round": i + 1, "order": " then ".join(order), **t,
-                       "ratio": t["on"]["step_s"] / t["off"]["step_s"]})  # fmt: skip
-        print(f"round {i + 1}: off {t['off']['step_s']:.2f} s (optimizer {t['off']['walk_s']:.2f}), on "
-              f"{t['on']['step_s']:.2f} s (walk {t['on']['walk_s']:.2f})", flush=True)  # fmt: skip
+    rounds = benchlib.interleaved_rounds(
+        ("off", "on"), a.rounds, lambda name: run(a.config, [*overrides, MODES[name]], a.steps)
+    )
     losses = [r[v]["losses"] for r in rounds for v in ("off", "on")]
     data = {
         **benchlib.provenance(),

@@ -290,6 +290,22 @@ def train_records(
         return step_records(run)
 
 
+def interleaved_rounds(
+    names: tuple[str, str], rounds: int, measure: Callable[[str], dict], ratio_key: str = "step_s"
+) -> list[dict]:
+    """`rounds` rounds of two variants measured in alternating order (A B, B A, ...: this host's memory
+    bandwidth switches modes and other work shares it), each round with the ratio of the second variant's
+    `ratio_key` to the first's; `measure(name)` runs one variant."""
+    out = []
+    for i in range(rounds):
+        order = names if i % 2 == 0 else names[::-1]
+        t = {name: measure(name) for name in order}
+        out.append({"round": i + 1, "order": " then ".join(order), **t,
+                    "ratio": t[names[1]][ratio_key] / t[names[0]][ratio_key]})  # fmt: skip
+        print(f"round {i + 1}: " + ", ".join(f"{n} {t[n][ratio_key]:.2f} s" for n in names), flush=True)
+    return out
+
+
 def print_rendered(path: Path, render: Callable[[dict], str]) -> int:
     """--render: the table(s) from the JSON, without measuring; 2 when there is no JSON yet."""
     if not path.is_file():

@@ -449,6 +449,7 @@ def test_dump_has_every_section_fully_resolved():
             "grad_device": "auto",
             "host_budget": "auto",
             "overlap_step": False,
+            "speculate": "auto",
             "delay_update": False,
             "delay_update_warmup": 0,
         },

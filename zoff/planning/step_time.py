@@ -31,6 +31,7 @@ from zoff.engine.policy import Policy
 from zoff.engine.precision import DTYPES
 from zoff.host.kernels import compute_precision, slow_dtype
 from zoff.planning.memory import Estimate, PolicyEstimate
+from zoff.planning.speculated_time import Speculated, speculated_work
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class StepTime:
     forward_backward_s: float  # micro-batches x compute, or the disk of that phase when it is longer
     optimizer_s: float  # the CPU Adam, or the disk of the step when it is longer
     bound: str  # what sets each phase: "compute|disk" + " / " + "adam|disk"
+    # a row that speculates (speculated_time.py): its step when the clip does not trigger, every speculated
+    # unit committed; this one is then its step when the clip triggers (nothing committed). None: it does not
+    speculated: StepTime | None = None
 
     @property
     def step_s(self) -> float:
@@ -66,8 +70,29 @@ def predict(
     14.2-14.3 s of it beside the forward, against 37.0-37.8 s serial. `delayed` (delay_update, past its
     warm-up): the update runs beside the next forward and backward, so the step is the longer of the cores'
     work (compute and Adam, one after the other on shared cores) and all of the step's disk I/O; where the
-    parameters live in memory the read-back of the new shards' file (`pe.disk_publish`) follows it."""
-    rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
+    parameters live in memory the read-back of the new shards' file (`pe.disk_publish`) follows it.
+    A row that speculates (speculated_time.speculated_work) gets its unclipped step as `.speculated`."""
+    if delayed:
+        rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
+        compute, adam = micro_batches * rates.compute_s, shard * rates.adam_s_per_param
+        cpu = compute + adam if shared_cores else max(compute, adam)
+        reread = pe.disk_publish / rbw  # (parameters in memory: their new shards' file, read back after it)
+        disk = pe.disk_read / rbw + pe.disk_written / wbw - reread
+        which = "cores" if cpu >= disk else "disk"
+        return StepTime(max(cpu, disk), reread, f"delayed update beside forward and backward: {which}")
+    phases = _phase_bytes(pe, plan_pieces, micro_batches)
+    overlap = overlap and pe.policy.stage == 3  # (stage 1-2 have no gathers for the walk to hide under)
+    plain = _schedule(phases, rates, micro_batches, shard, overlap, shared_cores)
+    spec = speculated_work(pe, shard)  # (delay_update never speculates: speculation.speculates)
+    if spec is None:
+        return plain
+    return dataclasses.replace(
+        plain, speculated=_schedule(phases, rates, micro_batches, shard, overlap, shared_cores, spec)
+    )
+
+
+def _phase_bytes(pe: PolicyEstimate, plan_pieces: list[int], micro_batches: int) -> tuple[int, int, int, int]:
+    """(forward and backward's disk bytes read, written; the step's read, written) of one rank's step."""
     resident = set(pe.split.resident)
     streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)
     streamed = streamed if pe.policy.offload_optimizer == "nvme" else 0
@@ -79,25 +104,41 @@ def predict(
         step_written += max(0, pe.disk_written - streamed - micro_batches * grads)
     fb_read = max(0, pe.disk_read - step_read)
     fb_written = max(0, pe.disk_written - step_written)
-    compute = micro_batches * rates.compute_s
-    fb_disk = fb_read / rbw + fb_written / wbw
+    return fb_read, fb_written, step_read, step_written
+
+
+def _schedule(
+    phases: tuple[int, int, int, int], rates: Rates, micro_batches: int, shard: int, overlap: bool,
+    shared_cores: bool, spec: Speculated | None = None,
+) -> StepTime:  # fmt: skip
+    """The exact step's two phases (predict's docstring) from `_phase_bytes`; with `spec`, a committed
+    speculation: its units' bytes and CPU Adam leave the walk for the last micro-batch's backward."""
+    rbw, wbw = rates.read_gbps * 1e9, rates.write_gbps * 1e9
+    fb_read, fb_written, step_read, step_written = phases
+    # overlap: a third of one micro-batch's forward + backward meets the walk, beside the next step's forward
+    forward = rates.compute_s / 3 if overlap else 0.0
+    cores = micro_batches * rates.compute_s - forward
+    fb_disk = fb_read / rbw + fb_written / wbw  # (the forward's own reads: within the walk's disk time)
     adam = shard * rates.adam_s_per_param
     opt_disk = step_read / rbw + step_written / wbw
-    if delayed:
-        cpu = compute + adam if shared_cores else max(compute, adam)
-        reread = pe.disk_publish / rbw  # (parameters in memory: their new shards' file, read back after it)
-        disk = pe.disk_read / rbw + pe.disk_written / wbw - reread
-        which = "cores" if cpu >= disk else "disk"
-        return StepTime(max(cpu, disk), reread, f"delayed update beside forward and backward: {which}")
-    if overlap and pe.policy.stage == 3:  # (with the states in RAM the walk is the CPU Adam alone)
-        forward = rates.compute_s / 3  # (a third of one micro-batch's forward + backward: the walk meets one)
+    if spec is not None:
+        moved = spec.read / rbw + spec.written / wbw
+        spec_adam = spec.params * rates.adam_s_per_param
+        last = 2 * rates.compute_s / 3  # the last backward: the gradients become final (and the worker runs)
+        # the disk serves backward's own bytes and the worker's one after the other, the worker's from the
+        # last backward on; its Adam takes backward's own cores on a CPU-only host, on a GPU host the host's
+        # (idle then), where only what outlasts the last backward lengthens the phase
+        fb_disk = max(fb_disk, cores - last) + moved
+        cores += spec_adam if shared_cores else max(0.0, spec_adam - last)
+        adam, opt_disk = adam - spec_adam, opt_disk - moved
+    backward = max(cores, fb_disk)
+    if overlap:  # (with the states in RAM the walk is the CPU Adam alone)
         cpu = forward + adam if shared_cores else max(forward, adam)
-        backward = max(compute - forward, fb_disk)  # (the forward's own reads: within the walk's disk time)
         which = "cores" if cpu >= opt_disk else "disk"
         return StepTime(backward, max(cpu, opt_disk), f"backward, then forward with the step: {which}")
     return StepTime(
-        max(compute, fb_disk), max(adam, opt_disk),
-        f"{'compute' if compute >= fb_disk else 'disk'} / {'adam' if adam >= opt_disk else 'disk'}",
+        backward, max(adam, opt_disk),
+        f"{'compute' if cores >= fb_disk else 'disk'} / {'adam' if adam >= opt_disk else 'disk'}",
     )  # fmt: skip
 
 

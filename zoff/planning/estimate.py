@@ -174,7 +174,7 @@ def render(
             human(pe.pinned * pe.local_ranks), human(pe.disk * pe.local_ranks) if pe.disk else "-",
             human(pe.disk_grads * pe.local_ranks) if pe.disk_grads else "-",
             "yes" if fits else "no",
-            *([f"{steps[pe.policy].step_s:,.1f}" if pe.policy in steps else "-"] if timing else []),
+            *([_step_cell(steps.get(pe.policy))] if timing else []),
             style="bold" if configured else (None if fits else "dim"),
         )  # fmt: skip
     console.print(table)
@@ -196,7 +196,7 @@ def render(
         *_budget_note(est),
         *spending_notes([(pe.policy.name, pe.speculation) for pe in _unrecomputed(est)]),
         *_parts_note(est),
-        *(_timing_note(timing[0]) if timing else []),
+        *(_timing_note(timing[0], steps) if timing else []),
         *([f"suggested: {suggestion[1]}"] if suggestion else []),
     ]
     for line in lines:
@@ -237,18 +237,35 @@ def _disk_note(est: Estimate, bandwidth: tuple[float, float, str]) -> list[str]:
 
 
 def _step_json(st) -> dict | None:
+    """A row's StepTime; `speculated`: its step when the clip does not trigger (None: it does not speculate)."""
     if st is None:
         return None
     return {"forward_backward_s": st.forward_backward_s, "optimizer_s": st.optimizer_s, "step_s": st.step_s,
-            "bound": st.bound}  # fmt: skip
+            "bound": st.bound, "speculated": _step_json(st.speculated)}  # fmt: skip
 
 
-def _timing_note(rates) -> list[str]:
-    return [
+def _step_cell(st) -> str:
+    """The step s column: a row that speculates shows its step when the clip triggers / when it does not."""
+    if st is None:
+        return "-"
+    return f"{st.step_s:,.1f}" + (f" / {st.speculated.step_s:,.1f}" if st.speculated else "")
+
+
+def _timing_note(rates, steps: dict) -> list[str]:
+    lines = [
         f"step s (--time): forward and backward at {rates.compute_s:.2f} s per micro-batch, overlapping the "
         f"disk tier's parameter reads and gradient writes; then the CPU Adam overlapping the step's disk I/O "
         f"(offload rows with the configured activation checkpointing; {'; '.join(rates.sources)})"
     ]
+    if any(st.speculated for st in steps.values()):
+        lines.append(
+            "step s, A / B on the rows that speculate (zero.offload_optimizer.speculate): A when the clip "
+            "triggers (nothing committed: the walk steps every unit); B when the clip does not trigger (every "
+            "speculated unit committed: their states, gradients and new shards move on the disk and their CPU "
+            "Adam runs during the last backward, on backward's own cores on a CPU-only host; only the rest "
+            "walks after it)"
+        )
+    return lines
 
 
 def _unrecomputed(est: Estimate) -> list[PolicyEstimate]:

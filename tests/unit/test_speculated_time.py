@@ -130,3 +130,21 @@ def test_the_host_tier_moves_only_its_adam() -> None:
     clipped, unclipped = _both(pe, _rates(6.0, adam_ns=4.0), shared_cores=False)
     assert unclipped.forward_backward_s == clipped.forward_backward_s == 6.0
     assert clipped.optimizer_s - unclipped.optimizer_s == pytest.approx(1.0)
+
+
+def test_zoff_estimate_time_says_both_steps_of_a_row_that_speculates() -> None:
+    """The step s column stays the step when the clip triggers; a line gives each speculating row's other
+    step, and --json has it as step_time.speculated (None for a row that does not speculate)."""
+    from zoff.planning.estimate import _step_json, _timing_note
+
+    rates = _rates(6.0)
+    plain = StepTime(6.0, 10.0, "compute / disk")
+    steps = {
+        Policy(3, "nvme", "nvme"): dataclasses.replace(plain, speculated=StepTime(9.0, 2.0, "disk / disk"))
+    }
+    lines = _timing_note(rates, steps)
+    assert len(lines) == 2 and "when the clip triggers (nothing committed" in lines[1]
+    assert lines[1].endswith("zero3-nvme 11.0 s (backward 9.0 s, then 2.0 s)")
+    assert len(_timing_note(rates, {Policy(3, "cpu", "cpu"): plain})) == 1
+    assert _step_json(steps[Policy(3, "nvme", "nvme")])["speculated"]["step_s"] == 11.0
+    assert _step_json(plain)["speculated"] is None

@@ -174,7 +174,7 @@ def render(
             human(pe.pinned * pe.local_ranks), human(pe.disk * pe.local_ranks) if pe.disk else "-",
             human(pe.disk_grads * pe.local_ranks) if pe.disk_grads else "-",
             "yes" if fits else "no",
-            *([_step_cell(steps.get(pe.policy))] if timing else []),
+            *([f"{steps[pe.policy].step_s:,.1f}" if pe.policy in steps else "-"] if timing else []),
             style="bold" if configured else (None if fits else "dim"),
         )  # fmt: skip
     console.print(table)
@@ -244,26 +244,22 @@ def _step_json(st) -> dict | None:
             "bound": st.bound, "speculated": _step_json(st.speculated)}  # fmt: skip
 
 
-def _step_cell(st) -> str:
-    """The step s column: a row that speculates shows its step when the clip triggers / when it does not."""
-    if st is None:
-        return "-"
-    return f"{st.step_s:,.1f}" + (f" / {st.speculated.step_s:,.1f}" if st.speculated else "")
-
-
 def _timing_note(rates, steps: dict) -> list[str]:
     lines = [
         f"step s (--time): forward and backward at {rates.compute_s:.2f} s per micro-batch, overlapping the "
         f"disk tier's parameter reads and gradient writes; then the CPU Adam overlapping the step's disk I/O "
         f"(offload rows with the configured activation checkpointing; {'; '.join(rates.sources)})"
     ]
-    if any(st.speculated for st in steps.values()):
+    # (a line, not a second figure in the step s column: the table is already at its width)
+    speculated = [f"{p.name} {st.speculated.step_s:,.1f} s (backward {st.speculated.forward_backward_s:,.1f} s, "
+                  f"then {st.speculated.optimizer_s:,.1f} s)" for p, st in steps.items() if st.speculated]  # fmt: skip
+    if speculated:
         lines.append(
-            "step s, A / B on the rows that speculate (zero.offload_optimizer.speculate): A when the clip "
-            "triggers (nothing committed: the walk steps every unit); B when the clip does not trigger (every "
+            "step s on the rows that speculate (zero.offload_optimizer.speculate) is the step when the clip "
+            "triggers (nothing committed: the walk steps every unit); when the clip does not trigger (every "
             "speculated unit committed: their states, gradients and new shards move on the disk and their CPU "
-            "Adam runs during the last backward, on backward's own cores on a CPU-only host; only the rest "
-            "walks after it)"
+            "Adam runs during the last backward, on backward's own cores on a CPU-only host; only the rest walks "
+            f"after it): {'; '.join(speculated)}"
         )
     return lines
 

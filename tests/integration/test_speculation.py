@@ -251,3 +251,24 @@ def test_the_config_refuses_speculate_true_where_it_cannot_run() -> None:
         config_from_dict(
             base | {"zero": {"stage": 2, "offload_optimizer": {"device": "cpu", "speculate": "yes"}}}
         )
+
+
+def test_a_window_that_never_steps_discards_its_speculation(swap: Path) -> None:
+    """A last backward whose step never comes (zero_grad, or another backward, first): its worker is stopped
+    and nothing of it is committed; the run goes on as one that never speculated."""
+    runs = []
+    for spec in (False, True):
+        eng = _engine(spec, swap / str(spec))
+        _train(eng, steps=1)
+        eng.zero_grad()
+        loss = eng.model(torch.randint(0, 64, (2, 16))).float().logsumexp(-1).mean()
+        eng.backward(loss, lr=1e-2)  # speculates; no step follows
+        if spec:
+            assert eng.speculation.active
+        run = _train(eng, steps=2, seed=3)  # (zero_grad first: the speculation is discarded)
+        run["states"] = _states(eng)
+        eng.close()
+        runs.append(run)
+    off, on = runs
+    assert on["losses"] == off["losses"] and _committed(on) == [c["speculated"] for c in on["commits"]]
+    assert all(torch.equal(on["states"][k], v) for k, v in off["states"].items())

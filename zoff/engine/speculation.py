@@ -103,6 +103,8 @@ class EngineSpeculation:
         """At the last micro-batch's backward: start the worker if this step speculates (the lr is known)."""
         spec = self.speculation
         if spec is not None:
+            if spec.active:  # a sync backward whose step never came (nothing of it was committed)
+                self._discard_speculation(quiet=True)
             spec.last = {}  # (this step's counts, if it speculates)
         if spec is None or lr is None or not spec.wanted():
             return False
@@ -134,12 +136,14 @@ class EngineSpeculation:
         spec.record(len(units))
         return units
 
-    def _discard_speculation(self, quiet: bool = False) -> None:
-        """A step that will not use the speculation (overflow, a failed landing, a backward that raised)."""
+    def _discard_speculation(self, quiet: bool = False, overflowed: bool = False) -> None:
+        """A step that will not use the speculation (`overflowed`: fp16's, which auto counts as a clipped step;
+        a failed landing, a backward that raised, a window that never stepped)."""
         spec = self.speculation
         if spec is None:
             return
-        spec.last_unclipped = False
+        if overflowed:
+            spec.last_unclipped = False
         if not spec.active:
             return
         try:

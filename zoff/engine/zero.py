@@ -267,7 +267,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             self.param_disk.trim()  # the gathers' kept read buffers: not held through the step
         total_sq, bad, unused = self._global_norm_sq()
         if bad > 0 and self.scaler.enabled:
-            self._discard_speculation()
+            self._discard_speculation(overflowed=True)
             self.scaler.update(overflow=True)
             return self._end_step(StepResult(float("inf"), stepped=False), times=None)
         # Unscale with the scale these gradients were computed with; it may grow only afterwards (GradScaler).
@@ -400,6 +400,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
     def zero_grad(self) -> None:
         """Start an accumulation window: full-gradient buffers (stages 0-1 without offload) are zeroed,
         gradient shards are overwritten next time."""
+        self._discard_speculation(quiet=True)  # (only if a backward's speculation found no step)
         for g in self.gfull:
             g.zero_()
         for p in self._params:
@@ -412,6 +413,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
     def close(self) -> None:
         """Release what outlives the process's memory: the disk tier's swap files (removed at a clean exit)."""
         try:
+            self._discard_speculation(quiet=True)  # (a worker still running: stopped before its files close)
             self.optimizer.close()  # (re-raises a background step's error: the other files close all the same)
         finally:
             self.reducer.close()  # the landing thread, before the gradient file it writes closes

@@ -418,7 +418,9 @@ def predicted_step(cfg: Config, est, result: dict) -> dict:
     return {"forward_backward_s": st.forward_backward_s, "optimizer_s": st.optimizer_s, "step_s": st.step_s,
             "bound": st.bound, "compute_s_per_micro_batch": rates.compute_s,
             "adam_s_per_param": rates.adam_s_per_param, "read_gbps": rates.read_gbps,
-            "write_gbps": rates.write_gbps, "diff_pct": 100 * (st.step_s - med) / med if med else None}  # fmt: skip
+            "write_gbps": rates.write_gbps, "diff_pct": 100 * (st.step_s - med) / med if med else None,
+            # the row speculates: its step when the clip does not trigger (every speculated unit committed)
+            "speculated_step_s": st.speculated.step_s if st.speculated is not None else None}  # fmt: skip
 
 
 def _write(out: Path, result: dict, con: Console) -> None:

@@ -16,6 +16,9 @@ What each preset answers (the step against the floor, with speculation committin
                    Adam would share backward's two cores), so auto's step is false's; true shows what forcing it
                    costs or gains here
   offload-clipped  the same with the demo's clip, triggering every step: true computes and discards each update
+  disk-unclipped   8 of the demo's layers, every state on disk (host budget 2 GiB), one sequence a step, the clip
+                   above every norm: a disk-bound step, where speculation moves the walk's I/O into backward;
+                   auto (from step 2) against false
 
 Each round runs the config with each setting in alternating order (off on, on off, ...) and the result is the
 median over rounds of the per-round ratio of steady step times (on / off; steps 2..N-1: the first allocates,
@@ -39,6 +42,9 @@ import benchlib
 from zoff.config import CONFIGS_DIR, load_config
 
 UNCLIPPED = "train.grad_clip=1e9"
+# 8 of the demo's layers with every state on disk (the host budget at 2 GiB) and one sequence a step: the disk,
+# not this host's compute (fp32 where bf16 has no kernel: 100 s a step of the whole demo), bounds the step
+DISK_BOUND = ("model.n_layer=8", "zero.offload_optimizer.host_budget=2GiB", "data.batch_size=1")
 OFFLOAD = ("model.n_layer=6", "zero.offload_optimizer.device=cpu", "zero.offload_param.device=cpu")
 PRESETS = {  # (the docstring says what each is for); the "on" setting is the preset's last override
     "default": benchlib.Preset(
@@ -47,6 +53,10 @@ PRESETS = {  # (the docstring says what each is for); the "on" setting is the pr
     "offload": benchlib.Preset(
         benchlib.RESULTS / "bench_speculation_offload.json",
         (*OFFLOAD, UNCLIPPED, "zero.offload_optimizer.speculate=true"),
+    ),
+    "disk-unclipped": benchlib.Preset(
+        benchlib.RESULTS / "bench_speculation_disk_unclipped.json",
+        (*DISK_BOUND, UNCLIPPED, "zero.offload_optimizer.speculate=auto"),
     ),
     "offload-clipped": benchlib.Preset(
         benchlib.RESULTS / "bench_speculation_offload_clipped.json",

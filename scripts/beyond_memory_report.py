@@ -314,6 +314,12 @@ def render(r: dict) -> str:
         rows.append([f"step time predicted by `zoff estimate --time` ({pr['bound']}), s",
                      f"{med:.1f}", f"{pr['step_s']:.1f} ({first} {pr['forward_backward_s']:.1f}, "
                      f"{second} {pr['optimizer_s']:.1f})", p(pr["diff_pct"])])  # fmt: skip
+        if (
+            pr.get("speculated_step_s") is not None
+        ):  # (what --time predicts when every speculated unit commits)
+            rows.append(["... predicted when the clip does not trigger (every speculated unit committed), s",
+                         f"{med:.1f}", f"{pr['speculated_step_s']:.1f}",
+                         p(100 * (pr["speculated_step_s"] - med) / med)])  # fmt: skip
     losses = " ".join(f"{x['loss']:.2f}" for x in r["steps"])
     val = f" (val {r['val_loss']:.2f})" if r.get("val_loss") is not None else ""
     rows.append([f"loss, steps {r['steps'][0]['step']}-{r['steps'][-1]['step']}" if r["steps"] else "loss",

@@ -106,7 +106,7 @@ class EngineSpeculation:
             if spec.active:  # a sync backward whose step never came (nothing of it was committed)
                 self._discard_speculation(quiet=True)
             spec.last = {}  # (this step's counts, if it speculates)
-        if spec is None or lr is None or not spec.wanted():
+        if spec is None or lr is None or not spec.wanted() or not self._second_places():
             return False
         step = self.optimizer.step_count + 1
         if any(self.skipped_steps):  # parameters that missed earlier steps keep their own Adam step
@@ -114,6 +114,19 @@ class EngineSpeculation:
         else:
             runs = all_runs(self.optimizer.runs, step)
         spec.begin(lr, 1.0 / self.scaler.scale, runs)
+        return True
+
+    def _second_places(self) -> bool:
+        """The second slots' disk space, claimed at the first speculated step (a run that never speculates
+        never takes it); a disk without the room turns speculation off for the run, saying so once."""
+        try:
+            self.optimizer.states.allocate_second()
+            if self.param_disk is not None:
+                self.param_disk.allocate_second()
+        except OSError as e:
+            print(f"zoff: warning: speculation off for this run: {e}", flush=True)
+            self.speculation = None
+            return False
         return True
 
     def _commit_speculation(self, lr: float, base: float, exact: bool, runs: list | None) -> frozenset[int]:

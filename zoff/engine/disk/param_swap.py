@@ -71,6 +71,7 @@ class SwappedShards:
     def __init__(
         self, numels: dict[int, int], dtype: torch.dtype, swap_dir: Path, *, threads: int, request_bytes: int,
         hold_units: int = 0, slotted: frozenset[int] = frozenset(), name: str = "params.swap",
+        lazy_slots: bool = False,
     ):  # fmt: skip
         self.numels, self.dtype = dict(numels), dtype
         self.offset: dict[int, int] = {}
@@ -82,14 +83,18 @@ class SwappedShards:
         # step writes while the next forward and backward read the first; flip() swaps them. Frozen units
         # never change: one region, read in either slot. Cost: the trainable shards twice on disk.
         self.slots = [dict(self.offset), dict(self.offset)]
+        first = end  # (speculation's second regions, `lazy_slots`, are claimed by allocate_second)
         for u in sorted(u for u in slotted if u in self.numels):
             self.slots[1][u] = end
             end += aligned(self.numels[u] * dtype.itemsize)
+        self.full_bytes = max(end, ALIGN)
         self.slot = 0  # the region gathers read and foreground writes write
         # speculation: units whose live region is the other one (a committed speculative shard lies there)
         self.flipped: set[int] = set()
         rank = os.environ.get("RANK", "0")
-        self.file = SwapFile(swap_dir / f"rank{rank}" / name, max(end, ALIGN), threads, request_bytes)
+        self.file = SwapFile(
+            swap_dir / f"rank{rank}" / name, max(first if lazy_slots else end, ALIGN), threads, request_bytes
+        )
         self.writes: deque[tuple[AlignedBuffer, list[Future], int]] = deque()  # (buffer, I/O, slot)
         # the overlapped step writes back from its walk thread while gathers read here: one queue, locked
         self._lock = threading.Lock()
@@ -206,6 +211,11 @@ class SwappedShards:
         of other units go on meanwhile); flip_units makes it the live one. Never held for a gather."""
         self.write(u, lo, src, slot=self.live(u) ^ 1, hold=False, tag="second")
 
+    def allocate_second(self) -> None:
+        """Claim the second regions' space (the first speculated step; OSError naming the file when the disk
+        has not the room)."""
+        self.file.grow(self.full_bytes)
+
     def flip_units(self, units) -> None:
         """Committed speculative shards become the live ones (their writes landed first)."""
         self.flush()
@@ -274,7 +284,7 @@ class SwappedShards:
         self.slot ^= 1
 
     def disk_bytes(self) -> int:
-        return self.file.nbytes
+        return self.full_bytes  # (speculation's second regions too, claimed or still to be: they are planned)
 
     def close(self) -> None:
         self.flush()
@@ -298,6 +308,7 @@ def param_file(
         numels, dtype, Path(param_swap_path(zero)), threads=op.io.threads, request_bytes=op.io.request_mb << 20,
         hold_units=HELD_UNITS if oo.overlap_step else 0,
         slotted=frozenset(u.index for u in plan.units if not u.persistent) if oo.delay_update else second,
+        lazy_slots=not oo.delay_update,
     )  # fmt: skip
 
 

@@ -136,7 +136,15 @@ class SwappedStates(States):
         for k in sorted(self.speculated):
             self.second[k] = [end + kind * self.part[k] for kind in range(3)]
             end += 3 * self.part[k]
-        self.spec_file = SwapFile(folder / "optimizer.spec.swap", end, threads, request) if end else None
+        # made at the first speculated step (allocate_second): a run that never speculates never claims it
+        self.spec_file: SwapFile | None = None
+        self._second_file = (folder / "optimizer.spec.swap", end, threads, request)
+
+    def allocate_second(self) -> None:
+        """Make the second slots' file (OSError naming it when the disk has not the room)."""
+        path, end, threads, request = self._second_file
+        if self.spec_file is None and end:
+            self.spec_file = SwapFile(path, end, threads, request)
 
     def _ranges(self, b: int | None, i: int, slot: int | None = None) -> tuple[SwapFile, list]:
         """Piece i's file (in `slot`, default the one holding it) and three (buffer range, file offset) pairs
@@ -374,7 +382,8 @@ class SwappedStates(States):
         return [self.file] + ([self.spec_file] if self.spec_file is not None else [])
 
     def disk_bytes(self) -> int:
-        return sum(f.nbytes for f in self.files)
+        """The swap file and the second slots' (made or still to be: they are planned)."""
+        return self.file.nbytes + self._second_file[1]
 
     def close(self) -> None:
         self._drain()

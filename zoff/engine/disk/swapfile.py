@@ -99,6 +99,18 @@ class SwapFile:
         self.owned = True  # close() may remove it
         self._start(threads)
 
+    def grow(self, nbytes: int) -> None:
+        """Claim the file's space up to `nbytes` (speculation's second regions, claimed at the first speculated
+        step: a run that never speculates never takes them); ENOSPC names the file."""
+        nbytes = aligned(nbytes)
+        if nbytes <= self.nbytes:
+            return
+        try:
+            os.posix_fallocate(self.fd, 0, nbytes)
+        except OSError as e:
+            raise os_error(e, f"zoff: cannot reserve {nbytes:,} bytes in {self.path}: {e.strerror}") from None
+        self.nbytes = nbytes
+
     @classmethod
     def existing(cls, path: Path, threads: int = 4, request_bytes: int = 8 << 20) -> SwapFile:
         """An existing file opened for reading only (O_DIRECT where the filesystem has it)."""

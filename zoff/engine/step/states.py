@@ -86,6 +86,9 @@ class States:
         """Piece k's speculative result becomes its states (its second place the originals' next time)."""
         raise NotImplementedError
 
+    def allocate_second(self) -> None:
+        """Claim the second places' room before the first speculation (a disk's file); OSError if it cannot."""
+
     def end_speculation(self) -> None:
         """After the commits: every speculative result not committed is forgotten (the states are what they
         were) and its I/O has landed."""

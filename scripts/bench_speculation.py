@@ -3,7 +3,6 @@
 
     python scripts/bench_speculation.py                   # the 3.4B demo as configured: the clip triggers every step
     python scripts/bench_speculation.py --preset offload  # zero3-offload, 6 of its layers, the clip above every norm
-    python scripts/bench_speculation.py --preset offload-clipped
     python scripts/bench_speculation.py --render
 
 What each preset answers (the step against the floor, with speculation committing, is bench_beyond_memory's
@@ -15,7 +14,6 @@ What each preset answers (the step against the floor, with speculation committin
                    speculate true against false. On this CPU-only host auto leaves the host tier off (the CPU
                    Adam would share backward's two cores), so auto's step is false's; true shows what forcing it
                    costs or gains here
-  offload-clipped  the same with the demo's clip, triggering every step: true computes and discards each update
   disk-unclipped   8 of the demo's layers, every state on disk (host budget 2 GiB), one sequence a step, the clip
                    above every norm: a disk-bound step, where speculation moves the walk's I/O into backward;
                    auto (from step 2) against false
@@ -57,10 +55,6 @@ PRESETS = {  # (the docstring says what each is for); the "on" setting is the pr
     "disk-unclipped": benchlib.Preset(
         benchlib.RESULTS / "bench_speculation_disk_unclipped.json",
         (*DISK_BOUND, UNCLIPPED, "zero.offload_optimizer.speculate=auto"),
-    ),
-    "offload-clipped": benchlib.Preset(
-        benchlib.RESULTS / "bench_speculation_offload_clipped.json",
-        (*OFFLOAD, "zero.offload_optimizer.speculate=true"),
     ),
 }
 JSON = PRESETS["default"].json

@@ -270,6 +270,8 @@ def render(r: dict) -> str:
                      f"{sp['dpu_wait_s']:.2f} for it; parameter-read wait {sp['disk_params_read_wait_s']:.2f}")  # fmt: skip
         elif sp and "walk_s" in sp:  # the overlapped step: the walk's own time runs beside the next forward
             inner = ", ".join(f"{label} {sp[k]:.2f}" for k, label in SPLIT[2:5])
+            if sp.get("spec_speculated"):  # the files' wait counters add the worker's waits during backward
+                inner = "not split: the swap files' waits include the speculation's worker's during backward"
             split = (f"forward and backward {sp['compute_s']:.2f} (the forward beside the previous step's "
                      f"optimizer walk, {sp['walk_s']:.2f} s: {inner}), parameter-read wait "
                      f"{sp['param_read_wait_s']:.2f}, publish {sp['publish_s']:.2f}")  # fmt: skip

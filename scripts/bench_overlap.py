@@ -31,7 +31,6 @@ say so); --native-precision keeps the 16-bit compute, and its hours.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -115,19 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = benchlib.interleaved_rounds(
         ("off", "on"), a.rounds, lambda name: run(a.config, [*overrides, MODES[name]], a.steps)
     )
-    losses = [r[v]["losses"] for r in rounds for v in ("off", "on")]
-    data = {
-        **benchlib.provenance(),
-        "command": benchlib.command_line(ap, a, "bench_overlap"),
-        "config": str(a.config.resolve().relative_to(benchlib.REPO)) if a.config.resolve().is_relative_to(
-            benchlib.REPO) else str(a.config),
-        "steps": a.steps, "overrides": overrides, "cpu_precision": cpu.to_json(), "rounds": rounds,
-        "median_ratio": statistics.median(r["ratio"] for r in rounds),
-        "same_losses": all(x == losses[0] for x in losses),
-    }  # fmt: skip
-    a.out.write_text(json.dumps(data, indent=2) + "\n")
-    print(render(data), end="")
-    return 0
+    data = benchlib.interleaved_result(ap, a, "bench_overlap", overrides, cpu, rounds)
+    return benchlib.write_result(a.out, data, render)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -304,6 +305,31 @@ def interleaved_rounds(
                     "ratio": t[names[1]][ratio_key] / t[names[0]][ratio_key]})  # fmt: skip
         print(f"round {i + 1}: " + ", ".join(f"{n} {t[n][ratio_key]:.2f} s" for n in names), flush=True)
     return out
+
+
+def interleaved_result(
+    ap: argparse.ArgumentParser, a: argparse.Namespace, script: str, overrides: list[str], cpu: CpuPrecision,
+    rounds: list[dict], **extra,
+) -> dict:  # fmt: skip
+    """The JSON of an off/on benchmark (interleaved_rounds of variants named off and on): provenance, the
+    command, the config, the overrides, `extra`, the rounds, the median ratio and whether every run's losses
+    were the same."""
+    losses = [r[v]["losses"] for r in rounds for v in ("off", "on")]
+    config = a.config.resolve()
+    return {
+        **provenance(), "command": command_line(ap, a, script),
+        "config": str(config.relative_to(REPO)) if config.is_relative_to(REPO) else str(a.config),
+        "steps": a.steps, "overrides": overrides, **extra, "cpu_precision": cpu.to_json(), "rounds": rounds,
+        "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "same_losses": all(x == losses[0] for x in losses),
+    }  # fmt: skip
+
+
+def write_result(out: Path, data: dict, render: Callable[[dict], str]) -> int:
+    """The JSON written, the table printed."""
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(render(data), end="")
+    return 0
 
 
 def print_rendered(path: Path, render: Callable[[dict], str]) -> int:

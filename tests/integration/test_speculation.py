@@ -9,12 +9,14 @@ should, so that a broken speculation that never commits cannot pass as "equal"."
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.harness import spawn
 from tests.patterns import models
 from zoff.config import (
     IoConfig,
@@ -272,3 +274,39 @@ def test_a_window_that_never_steps_discards_its_speculation(swap: Path) -> None:
     off, on = runs
     assert on["losses"] == off["losses"] and _committed(on) == [c["speculated"] for c in on["commits"]]
     assert all(torch.equal(on["states"][k], v) for k, v in off["states"].items())
+
+
+def _slowed(unit):
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return unit(*args, **kwargs)
+
+    return slow
+
+
+def _ranked(rank: int, world: int, swap: str, stage: int, opt: str, par: str) -> dict:
+    """One rank of a 2-rank run, speculation off then on; rank 1's worker is slowed down, so that the ranks
+    complete different units before the step: a unit commits only where every rank completed it."""
+    out = {}
+    for spec in (False, True):
+        eng = _engine(spec, Path(swap) / str(spec), stage=stage, opt=opt, par=par)
+        if spec and rank == 1:
+            eng.optimizer.speculate_unit = _slowed(eng.optimizer.speculate_unit)
+        run = _train(eng, steps=4, seed=1 + rank)  # (each rank its own batches)
+        run["params"] = eng.gathered_params()
+        eng.close()
+        out[spec] = run
+    return out
+
+
+@pytest.mark.parametrize(("stage", "opt", "par"), [(2, "cpu", "none"), (3, "nvme", "nvme")])
+def test_two_ranks_commit_only_what_both_completed_and_stay_bit_for_bit(
+    stage: int, opt: str, par: str, swap: Path
+) -> None:
+    """The all-gathers after a step follow the committed set, so both ranks must commit the same units: a
+    unit one rank's worker did not reach goes to the walk on both."""
+    for rank_result in spawn(_ranked, 2, str(swap), stage, opt, par):
+        off, on = rank_result[False], rank_result[True]
+        assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
+        assert all(torch.equal(on["params"][k], v) for k, v in off["params"].items())
+        assert sum(_committed(on)) > 0

@@ -123,12 +123,8 @@ def test_the_estimate_counts_what_a_speculating_disk_tier_allocates(stage: int, 
             row.speculation.second, room=None
         )
         assert eng.second.units and eng.second.room is not None
-        # disk: every swap file as made, the second slots' file and regions included
-        files = [p for p in swap.rglob("*") if p.is_file()]
-        assert row.disk == sum(p.stat().st_size for p in files)
-        assert row.speculation.second.state_bytes == eng.optimizer.states.spec_file.nbytes
-        if par == "nvme":
-            assert row.speculation.second.param_bytes > 0
+        # (the second slots' space is claimed at the first speculated step: nothing of it before)
+        assert eng.optimizer.states.spec_file is None
         # RAM: the kept new shards at their peak, and the gradient read buffer
         kept, held = 0, eng.publication.second
         keep = eng.speculation.keep_piece
@@ -143,6 +139,12 @@ def test_the_estimate_counts_what_a_speculating_disk_tier_allocates(stage: int, 
         _steps(eng)
         assert eng.speculation.counts["committed_units"] > 0
         assert eng.speculation.last["committed"] == len(eng.second.units)  # every unit, held at once
+        # disk: every swap file as made, the second slots' file and regions included
+        files = [p for p in swap.rglob("*") if p.is_file()]
+        assert row.disk == sum(p.stat().st_size for p in files)
+        assert row.speculation.second.state_bytes == eng.optimizer.states.spec_file.nbytes
+        if par == "nvme":
+            assert row.speculation.second.param_bytes > 0
         assert kept > 0
         assert row.cpu["speculation"] == row.speculation.ram == kept + eng.speculation.buffer.nbytes
     finally:

@@ -103,7 +103,7 @@ class EngineSpeculation:
         """At the last micro-batch's backward: start the worker if this step speculates (the lr is known)."""
         spec = self.speculation
         if spec is not None:
-            if spec.active:  # a sync backward whose step never came (nothing of it was committed)
+            if spec.active or spec.stopped:  # a sync backward whose step never came (nothing of it commits)
                 self._discard_speculation(quiet=True)
             spec.last = {}  # (this step's counts, if it speculates)
         if spec is None or lr is None or not spec.wanted() or not self._second_places():
@@ -129,22 +129,37 @@ class EngineSpeculation:
             return False
         return True
 
-    def _commit_speculation(self, lr: float, base: float, exact: bool, runs: list | None) -> frozenset[int]:
-        """After the norm: the units whose speculative update is the step's (`exact`: factor 1, no overflow)
-        become the step's, published; the rest is discarded. Returns the committed units."""
+    def _speculation_flags(self) -> list[float]:
+        """Before the norm's all-reduce, which carries them: per trainable unit, 1 where this rank's worker
+        completed it untainted (the worker stopped, the unit in hand finished). A unit commits only where every
+        rank's flag is 1: the all-gathers after the step follow the committed set, so every rank must have the
+        same one. [] where the config never speculates (every rank alike)."""
+        if not self.speculates:
+            return []
+        spec, done = self.speculation, set()
+        if spec is not None and spec.active:
+            try:
+                done = spec.stop(commit=True) - spec.tainted
+            except SpeculationError:
+                self._end_speculation(frozenset())
+                raise
+        return [1.0 if u in done else 0.0 for u in range(len(self.plan.units))]
+
+    def _commit_speculation(
+        self, lr: float, base: float, exact: bool, runs: list | None, flags: list[float]
+    ) -> frozenset[int]:
+        """After the norm: the units every rank completed whose speculative update is the step's (`exact`:
+        factor 1, no overflow; the same runs, lr and coefficient) become the step's, published; the rest is
+        discarded. Returns the committed units."""
         spec = self.speculation
         if spec is None:
             return frozenset()
         spec.last_unclipped = exact
-        if not spec.active:
+        if not spec.stopped:
             return frozenset()
-        try:
-            done = spec.stop(commit=exact)
-        except SpeculationError:
-            self._end_speculation(frozenset())
-            raise
+        everywhere = {u for u, n in enumerate(flags) if n == self.comm.world}
         step_runs_ = runs or all_runs(self.optimizer.runs, self.optimizer.step_count + 1)
-        units = spec.committable(done, lr, base, step_runs_) if exact else frozenset()
+        units = spec.committable(everywhere, lr, base, step_runs_) if exact else frozenset()
         self._end_speculation(units)
         spec.record(len(units))
         return units
@@ -157,10 +172,11 @@ class EngineSpeculation:
             return
         if overflowed:
             spec.last_unclipped = False
-        if not spec.active:
+        if not spec.active and not spec.stopped:
             return
         try:
-            spec.stop(commit=False)
+            if spec.active:
+                spec.stop(commit=False)
         except SpeculationError:
             if not quiet:
                 self._end_speculation(frozenset())
@@ -170,6 +186,8 @@ class EngineSpeculation:
 
     def _end_speculation(self, units: frozenset[int]) -> None:
         """Commit `units` (their states, then their parameters), forget the rest."""
+        if self.speculation is not None:
+            self.speculation.stopped = False
         states = self.optimizer.states
         for u in units:
             for k, _, _ in states.spans(u):

@@ -123,7 +123,10 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             wait_host_reads=self.gatherer.wait_host_reads if self.gatherer else None,
         )  # fmt: skip
         self.overlap = self._overlapped_step_readiness()
-        self.speculation = speculation_of(self)  # None: this engine never speculates
+        self.speculation = speculation_of(self)  # None: this rank never speculates
+        # every rank alike (the config, the device's kind, the tier): whether steps carry the units' flags
+        tier = "nvme" if self.optimizer.tier.kind == "disk" else "cpu"
+        self.speculates = self.offload and speculates(zero.offload_optimizer, self.device, tier)
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
@@ -265,7 +268,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             self.gatherer.release_all()
         if self.param_disk is not None:
             self.param_disk.trim()  # the gathers' kept read buffers: not held through the step
-        total_sq, bad, unused = self._global_norm_sq()
+        total_sq, bad, unused, done = self._global_norm_sq(self._speculation_flags())
         if bad > 0 and self.scaler.enabled:
             self._discard_speculation(overflowed=True)
             self.scaler.update(overflow=True)
@@ -279,7 +282,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             coef *= factor
         runs = self._step_runs(unused)
         # speculation: commit only where the factor is exactly 1 (NaN fails it) and nothing overflowed
-        committed = self._commit_speculation(lr, base, factor == 1.0 and bad == 0, runs)
+        committed = self._commit_speculation(lr, base, factor == 1.0 and bad == 0, runs, done)
         # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
         delayed = self.overlap is None and self.optimizer.next_step_delayed
         grads = RescaledGrads(self.grads.for_step(delayed), coef, fused=self.optimizer.fuses_grad_scale)
@@ -358,20 +361,23 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         if self.optimizer._error is not None:
             self.optimizer.finish()  # raises the walk's error, here rather than on stale parameters
 
-    def _global_norm_sq(self) -> tuple[float, float, list[int]]:
-        """(the global squared gradient norm, overflow flags, slots no rank gave a gradient) in one all-reduce.
+    def _global_norm_sq(self, extra: list[float]) -> tuple[float, float, list[int], list[float]]:
+        """(the global squared gradient norm, overflow flags, slots no rank gave a gradient, the sums of `extra`)
+        in one all-reduce (`extra`: the speculation's per-unit flags, speculation.py).
 
         Each unit's norm was folded in as its shard landed (grad_store.py): no second pass over the shards."""
         local_sq, local_bad = 0.0, 0.0
         for sq in self.grads.norms_sq():
             local_sq += sq
             local_bad += 0.0 if math.isfinite(sq) else 1.0
-        scalars = [local_sq, local_bad, *(1.0 if x else 0.0 for x in self.reducer.used)]
+        used = [1.0 if x else 0.0 for x in self.reducer.used]
+        scalars = [local_sq, local_bad, *used, *extra]
         if self.comm.world > 1:
             scalars = self.comm.sum_scalars(scalars)
         # stage 0's gradients are already all-reduced: every rank holds the whole squared norm
         total_sq = local_sq if self.policy.all_reduces else scalars[0]
-        return total_sq, scalars[1], [slot for slot, n in enumerate(scalars[2:]) if n == 0]
+        flags, sums = scalars[2 : 2 + len(used)], scalars[2 + len(used) :]
+        return total_sq, scalars[1], [slot for slot, n in enumerate(flags) if n == 0], sums
 
     def _step_runs(self, unused: list[int]) -> list | None:
         """What this step updates (None: every parameter at this step's count); see optimizer.step_runs."""

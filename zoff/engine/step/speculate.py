@@ -52,7 +52,8 @@ class Speculation:
         self.units, self.mode = units, mode  # mode: "auto" or True (False builds no Speculation)
         self.buffer = buffer  # where a gradient on disk is read to (swapfile.AlignedBuffer; None: in memory)
         self.last_unclipped = False  # auto: the last step's factor was 1 and nothing overflowed
-        self.active = False
+        self.active = False  # the worker runs
+        self.stopped = False  # the worker has stopped; its results wait to be committed or discarded
         # run totals, for the records (tainted: units a late correction changed after their final landing)
         self.counts = {"steps": 0, "committed_units": 0, "speculated_units": 0, "tainted_units": 0}
         self.last: dict[str, int] = {}  # the last step's: speculated, committed, units (the trainable ones)
@@ -118,7 +119,7 @@ class Speculation:
         self.closing, self.aborting = True, not commit
         self.queue.put(None)
         self.thread.join()
-        self.active = False
+        self.active, self.stopped = False, True
         if self.error is not None:
             err, self.error = self.error, None
             where = f" on unit {self.failed_unit}" if self.failed_unit is not None else ""

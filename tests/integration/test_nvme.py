@@ -386,8 +386,11 @@ def test_the_estimates_nvme_row_is_what_a_run_measures(swap: Path) -> None:
     )
     mem = eng.memory_report()
     assert row.disk == mem["disk_optimizer_states"] + mem["disk_grads"]
-    # (speculate auto: the second slots' file beside the swap file, as the estimate's row counts them)
-    assert mem["disk_optimizer_states"] == sum(f.nbytes for f in eng.optimizer.states.files)
+    # (speculate auto: the second slots beside the swap file, as the estimate's row counts them; their file is
+    # made at the first speculated step, so none yet)
+    states = eng.optimizer.states
+    assert states.spec_file is None
+    assert mem["disk_optimizer_states"] == sum(f.nbytes for f in states.files) + eng.second.state_bytes
     assert row.speculation.second.disk_bytes == eng.second.disk_bytes > 0
     assert row.disk_grads == mem["disk_grads"] == eng.grads.file.nbytes  # the gradient shard, on disk too
     assert row.cpu["grads"] == mem["cpu_grads"] == sum(b.nbytes for b in eng.grads.buffers)
@@ -416,7 +419,9 @@ def test_the_estimates_disk_traffic_is_what_a_step_reads_and_writes(micro: int, 
     # the gradient swap file too, and speculate auto's second slots (the states' second file, the parameter
     # file's second regions: a part of param_disk's file)
     files = (*eng.optimizer.states.files, eng.param_disk.file, eng.grads.file)
-    assert row.disk == sum(f.nbytes for f in files)
+    # (the second slots' space is claimed at the first speculated step: under auto, clipping here, never)
+    assert eng.optimizer.states.spec_file is None
+    assert row.disk == sum(f.nbytes for f in files) + eng.second.disk_bytes
     x = torch.randint(0, 256, (2, 16))
     for _step in range(2):  # the second step is the steady state (the first records the gather order)
         r0, w0 = sum(f.read_bytes for f in files), sum(f.written_bytes for f in files)

@@ -83,7 +83,8 @@ GRID = [(w, a, p, s) for w in WORLDS for a in ACCUMS for p, s in FULL]
 # ZOFF_ZOO_SPECULATE=1: the offload cells speculate every step (zero.offload_optimizer.speculate: true; the
 # default, auto, speculates on the disk cells only after a step that did not clip): the zoo with exact
 # speculation forced on, its commits and discards against plain PyTorch
-SPECULATE = os.environ.get("ZOFF_ZOO_SPECULATE") == "1"
+# (=0: speculate false there, the comparison's other side)
+SPECULATE = {"1": True, "0": False}.get(os.environ.get("ZOFF_ZOO_SPECULATE", ""), "auto")
 
 # A collective waiting longer than this is an error (healthy cells take about a second); the parent gives a
 # spawn this long past its last finished cell before it kills the ranks and calls the cell hung.
@@ -111,14 +112,14 @@ def cell_cfg(pattern: str, stage: int | str, accum: int) -> dict:
     if stage == OFFLOAD_OVERLAP:
         zero |= {"stage": 3, "offload_param": {"device": "cpu"},
                  "offload_optimizer": {"device": "cpu", "overlap_step": True}}  # fmt: skip
-    if stage == OFFLOAD_OVERLAP and SPECULATE:
+    if stage == OFFLOAD_OVERLAP and SPECULATE != "auto":
         zero["offload_optimizer"]["speculate"] = True
     if stage in (DISK, OVERLAP):
         global SWAP_DIR
         SWAP_DIR = SWAP_DIR or _swap_dir()
         zero |= {"stage": 3, "offload_param": {"device": "nvme"},
                  "offload_optimizer": {"device": "nvme", "nvme_path": SWAP_DIR, "host_budget": "min",
-                                       "overlap_step": stage == OVERLAP, "speculate": SPECULATE or "auto"}}  # fmt: skip
+                                       "overlap_step": stage == OVERLAP, "speculate": SPECULATE}}  # fmt: skip
     return tiny_cfg(
         model={
             "name": f"python:tests.patterns.models:{pattern}",

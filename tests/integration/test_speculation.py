@@ -9,6 +9,7 @@ should, so that a broken speculation that never commits cannot pass as "equal"."
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -310,3 +311,22 @@ def test_two_ranks_commit_only_what_both_completed_and_stay_bit_for_bit(
         assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
         assert all(torch.equal(on["params"][k], v) for k, v in off["params"].items())
         assert sum(_committed(on)) > 0
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_a_link_planted_at_the_second_slots_file_leaves_its_target_alone(kind: str, swap: Path) -> None:
+    """The second slots' file is made mid-run, at the first speculated step, on a possibly shared scratch disk:
+    a link planted at its name loses the name and its target keeps its bytes, as for every swap file."""
+    victim = swap / "victim.bin"
+    victim.write_bytes(b"someone else's data\n" * 1000)
+    folder = swap / "run" / "rank0"
+    folder.mkdir(parents=True)
+    target = folder / "optimizer.spec.swap"
+    target.symlink_to(victim) if kind == "symlink" else os.link(victim, target)
+    eng = _engine(True, swap / "run")
+    _train(eng, steps=2)
+    spec_file = eng.optimizer.states.spec_file
+    assert spec_file is not None and not spec_file.path.is_symlink()
+    assert eng.speculation.counts["committed_units"] > 0  # (the second slots were really written and used)
+    eng.close()
+    assert victim.read_bytes() == b"someone else's data\n" * 1000 and victim.stat().st_nlink == 1

@@ -28,10 +28,11 @@ from zoff.engine.step.speculate import Speculation, SpeculationError
 
 
 def speculates(oo: OffloadOptimizerConfig, device: torch.device, tier: str) -> bool:
-    """Whether an engine with this offload config speculates at all (the rule in the module's docstring)."""
+    """Whether an engine with this offload config speculates at all (the rule in the module's docstring); `tier`:
+    the optimizer tier's kind (disk, host) or its device (nvme, cpu)."""
     if oo.device == "none" or oo.delay_update or oo.speculate is False:
         return False
-    return oo.speculate is True or tier == "nvme" or device.type == "cuda"
+    return oo.speculate is True or tier in ("nvme", "disk") or device.type == "cuda"
 
 
 def disk_room(oo: OffloadOptimizerConfig, base_bytes: int, local_ranks: int) -> int | None:
@@ -60,7 +61,7 @@ def speculation_of(engine) -> Speculation | None:
     """The engine's Speculation, or None where it never speculates."""
     oo = engine.zero.offload_optimizer
     tier = engine.optimizer.tier.kind
-    if tier not in ("host", "disk") or not speculates(oo, engine.device, "nvme" if tier == "disk" else "cpu"):
+    if tier not in ("host", "disk") or not speculates(oo, engine.device, tier):
         return None
     units = engine.second.units if tier == "disk" else host_second_units(engine.plan, host_room(engine))
     if not units:

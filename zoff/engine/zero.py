@@ -125,8 +125,9 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         self.overlap = self._overlapped_step_readiness()
         self.speculation = speculation_of(self)  # None: this rank never speculates
         # every rank alike (the config, the device's kind, the tier): whether steps carry the units' flags
-        tier = "nvme" if self.optimizer.tier.kind == "disk" else "cpu"
-        self.speculates = self.offload and speculates(zero.offload_optimizer, self.device, tier)
+        self.speculates = self.offload and speculates(
+            zero.offload_optimizer, self.device, self.optimizer.tier.kind
+        )
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}

@@ -111,6 +111,10 @@ def test_the_plan_warns_on_a_slow_host_and_auto_computes_in_fp32(tmp_path):
     assert auto.returncode == 0, auto.stderr
     assert "torch.float32 compute" in auto.stdout
     assert "train.cpu_precision=auto: computing in fp32, not bf16" in auto.stdout
+    upcast = _train(tmp_path / "upcast", SLOW, "train.cpu_precision=upcast")
+    assert upcast.returncode == 0, upcast.stderr
+    assert "torch.bfloat16 states, torch.float32 compute" in upcast.stdout
+    assert "train.cpu_precision=upcast: computing in fp32 on the CPU over bf16 storage" in upcast.stdout
     fast = _train(tmp_path / "fast", FAST, "train.cpu_precision=auto")
     assert fast.returncode == 0, fast.stderr
     assert "torch.bfloat16 compute" in fast.stdout and "cpu_precision" not in fast.stdout
@@ -140,7 +144,7 @@ def test_cpu_precision_fp32_trains_as_the_fp32_config_and_plain_pytorch():
     assert_close_params(got["params"], want["params"])
 
 
-@pytest.mark.parametrize("cpu_precision", ["native", "auto"])
+@pytest.mark.parametrize("cpu_precision", ["native", "auto", "upcast"])
 def test_estimate_time_probes_in_fp32_and_scales_by_the_factor_only_where_bf16_runs(
     forced, monkeypatch, cpu_precision
 ):
@@ -159,6 +163,10 @@ def test_estimate_time_probes_in_fp32_and_scales_by_the_factor_only_where_bf16_r
     forced(SLOW)
     train = TrainConfig(precision="bf16", cpu_precision=cpu_precision)
     compute_s, _, source = step_time._probe_compute(ModelConfig(), DataConfig(), train, ZeroConfig(), 1)
+    if cpu_precision == "upcast":  # probed as it runs: bf16 states, upcast to fp32 compute; no factor
+        assert probed == ["bf16"] and compute_s == 2.0
+        assert "train.cpu_precision=upcast: bf16 runs in fp32 over bf16 states on this CPU" in source
+        return
     assert probed == ["fp32"]
     if cpu_precision == "native":
         assert compute_s == 2.0 * 137 and "in fp32 x 137 (bf16 matmul on the CPU: reference kernel" in source
@@ -188,5 +196,11 @@ def test_the_estimate_counts_the_precision_a_cpu_rank_computes_in(forced):
     assert fp32 != bf16
     assert rows("bf16", "auto") == fp32 and rows("bf16", "fp32") == fp32
     assert rows("bf16", "auto", "cuda") == rows("bf16", "native", "cuda")
+    # upcast: bf16's states under fp32 activations (the engine's allocations; activations are in the GPU
+    # column of a CPU-only host's rows)
+    upcast = rows("bf16", "upcast")
+    assert upcast[1] == "bf16" and upcast[0] not in (fp32[0], bf16[0])
+    assert [row[2] for row in upcast[0]] == [row[2] for row in bf16[0]]  # the disk's bytes are bf16's
     forced(FAST)
     assert rows("bf16", "auto") == bf16 and rows("bf16", "fp32") == fp32
+    assert rows("bf16", "upcast") == upcast  # (no probe: the same on every host)

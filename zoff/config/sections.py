@@ -234,8 +234,10 @@ class TrainConfig:
     # computes as configured (the plan says how much slower); fp32 computes in fp32 on every CPU host (the
     # same numbers on every host kind); auto computes in fp32 only where the 16-bit kernel is slow, and says
     # so in the plan. fp32 changes the numbers (fp32's, not bf16's) and keeps the model states' 16 B/param.
-    # A GPU rank ignores it.
-    cpu_precision: Literal["native", "fp32", "auto"] = "native"
+    # upcast computes in fp32 over the configured 16-bit storage: parameters, gradients, their files and
+    # every memory figure but the activations stay 16-bit (zoff/models/upcast.py; its own numbers: fp32
+    # products of 16-bit weights). A GPU rank ignores it.
+    cpu_precision: Literal["native", "fp32", "upcast", "auto"] = "native"
     seed: int = field(default=0, metadata=_rng(0, (1 << 63) - 1))  # the init and the data order
     log_every: int = field(default=10, metadata=_rng(1, 1 << 40))  # steps between metrics lines
     eval_every: int = field(default=0, metadata=_rng(0, 1 << 40))  # 0: only at the end

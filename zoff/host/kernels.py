@@ -120,16 +120,24 @@ def slow_dtype(precision: str) -> MatmulPath | None:
 
 
 def compute_precision(precision: str, cpu_precision: str, on_cpu: bool) -> tuple[str, str | None]:
-    """(the precision a rank computes in, the plan's line about it or None), from `train.precision` and
-    `train.cpu_precision` (native | fp32 | auto). A rank on a GPU computes as configured; on the CPU, fp32
-    computes in fp32, auto in fp32 only where the configured 16-bit dtype has no fast kernel (`slow_dtype`),
-    and native as configured, with a line saying how much slower it is where it is slow."""
+    """(the precision a rank's matmuls compute in, the plan's line about it or None), from `train.precision`
+    and `train.cpu_precision` (native | fp32 | upcast | auto). A rank on a GPU computes as configured; on the
+    CPU, fp32 computes in fp32 (its states too), upcast in fp32 over the configured 16-bit states (`upcasts`),
+    auto in fp32 only where the configured 16-bit dtype has no fast kernel (`slow_dtype`), and native as
+    configured, with a line saying how much slower it is where it is slow."""
     if not on_cpu or precision == "fp32":
         return precision, None
     fp32_note = (
         f"fp32's numbers, not {precision}'s; 16 B/param of model states either way, the parameters and "
         "gradients in fp32"
     )
+    if cpu_precision == "upcast":  # (no probe either)
+        return (
+            "fp32",
+            f"  train.cpu_precision=upcast: computing in fp32 on the CPU over {precision} storage (the "
+            f"parameters, gradients and their files stay {precision}, the activations are fp32; numbers: fp32 "
+            f"products of {precision} weights, gradients rounded to {precision}: zoff/models/upcast.py)",
+        )
     if cpu_precision == "fp32":  # (no probe: the answer does not depend on the host)
         return (
             "fp32",
@@ -144,5 +152,12 @@ def compute_precision(precision: str, cpu_precision: str, on_cpu: bool) -> tuple
         )
     return precision, (
         f"  WARNING: {slow.describe()}: a {precision} step here runs about that much slower than in fp32; "
-        f"train.cpu_precision=auto computes in fp32 on such a host ({fp32_note})"
+        f"train.cpu_precision=auto computes in fp32 on such a host ({fp32_note}); train.cpu_precision=upcast "
+        f"computes in fp32 over {precision} storage"
     )
+
+
+def upcasts(precision: str, cpu_precision: str, on_cpu: bool) -> bool:
+    """Whether a rank computes a 16-bit model in fp32 over its 16-bit storage (train.cpu_precision=upcast:
+    zoff.models.upcast); compute_precision then says "fp32" and the states keep `precision`."""
+    return on_cpu and precision != "fp32" and cpu_precision == "upcast"

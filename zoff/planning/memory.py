@@ -23,7 +23,7 @@ from zoff.engine.disk.traffic import disk_traffic, held_write_back_bytes
 from zoff.engine.footprint import frozen_param_bytes, host_staging, model_states, pinned_host_bytes
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import POLICIES, Policy, engine_plan
-from zoff.host.kernels import compute_precision
+from zoff.host.kernels import compute_precision, upcasts
 from zoff.models import builds_sharded, meta_model
 from zoff.planning.activations import Activations, activations
 from zoff.planning.buffers import device_buffers, finer_gathering
@@ -120,13 +120,16 @@ def count_params(model: nn.Module) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------------------------- estimate
 
 
-def _as_computed(train_cfg: TrainConfig, device_type: str) -> TrainConfig:
-    """train_cfg in the precision its ranks compute in (train.cpu_precision on a CPU-only host: the trainer's
-    rule, zoff.host.kernels.compute_precision), so the estimate counts the bytes the engine allocates."""
+def _as_computed(train_cfg: TrainConfig, device_type: str) -> tuple[TrainConfig, str]:
+    """(train_cfg in the precision its ranks keep their states in, the precision of their activations), by
+    train.cpu_precision on a CPU-only host (the trainer's rule, zoff.host.kernels.compute_precision; upcast
+    keeps 16-bit states under fp32 activations), so the estimate counts the bytes the engine allocates."""
     if device_type == "cuda" or train_cfg.cpu_precision == "native":
-        return train_cfg  # (native: as configured; no probe)
+        return train_cfg, train_cfg.precision  # (native: as configured; no probe)
     precision, _ = compute_precision(train_cfg.precision, train_cfg.cpu_precision, on_cpu=True)
-    return dataclasses.replace(train_cfg, precision=precision)
+    if upcasts(train_cfg.precision, train_cfg.cpu_precision, on_cpu=True):
+        return train_cfg, precision
+    return dataclasses.replace(train_cfg, precision=precision), precision
 
 
 def estimate(
@@ -147,7 +150,7 @@ def estimate(
     host_bytes: a node's memory, which zero.offload_optimizer.host_budget auto divides among its ranks for
     the disk tier (default: this host's MemTotal). disk_free: a node's free bytes at nvme_path, shared by its
     ranks, where the disk tier's second slots for speculation fit beside the swap files (None: not limited)."""
-    train_cfg = _as_computed(train_cfg, device_type)
+    train_cfg, act_precision = _as_computed(train_cfg, device_type)
     world, precision = gpus_per_node * nodes, train_cfg.precision
     gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
     micro_batches = train_cfg.grad_accum if gbs is None else max(1, gbs // (data_cfg.batch_size * world))
@@ -158,7 +161,7 @@ def estimate(
         ac: activations(
             model_cfg,
             data_cfg,
-            precision,
+            act_precision,
             ac,
             device_type,
             train_cfg.loss_tile,

@@ -29,7 +29,7 @@ from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.disk.placement import piece_bytes, subgroup_of
 from zoff.engine.policy import Policy
 from zoff.engine.precision import DTYPES
-from zoff.host.kernels import compute_precision, slow_dtype
+from zoff.host.kernels import compute_precision, slow_dtype, upcasts
 from zoff.planning.memory import Estimate, PolicyEstimate
 from zoff.planning.speculated_time import Speculated, speculated_work
 
@@ -182,6 +182,7 @@ def probe_engine(
     from zoff.config import OffloadOptimizerConfig, OffloadParamConfig, OptimConfig
     from zoff.engine import build_engine
     from zoff.models import enable_activation_checkpointing, meta_model
+    from zoff.models.upcast import upcast_compute
 
     if model_cfg.name != "gpt":
         raise ValueError("the compute probe builds the builtin GPT only; give --compute-s for other models")
@@ -195,6 +196,8 @@ def probe_engine(
     try:
         for depth in (1, 2):
             model = meta_model(dataclasses.replace(model_cfg, n_layer=depth))
+            if upcasts(train_cfg.precision, train_cfg.cpu_precision, on_cpu=True):
+                upcast_compute(model)
             if train_cfg.activation_checkpointing:
                 enable_activation_checkpointing(model)
             eng = build_engine(model, in_ram, OptimConfig(), precision=train_cfg.precision,
@@ -244,11 +247,13 @@ def _probe_compute(
     step is matmul-bound; the line says so."""
     precision, _ = compute_precision(train_cfg.precision, train_cfg.cpu_precision, on_cpu=True)
     slow = slow_dtype(precision)
-    probed = dataclasses.replace(train_cfg, precision="fp32" if slow else precision)
+    upcast = upcasts(train_cfg.precision, train_cfg.cpu_precision, on_cpu=True)  # probed as it runs
+    probed = train_cfg if upcast else dataclasses.replace(train_cfg, precision="fp32" if slow else precision)
     compute_s, adam = probe_engine(model_cfg, data_cfg, probed, zero, local_ranks)
     src = f"compute: zoff's engine probed here (n_layer 1 and 2 in RAM, scaled per layer) in {precision}"
     if precision != train_cfg.precision:
-        src += f" (train.cpu_precision={train_cfg.cpu_precision}: {train_cfg.precision} runs in fp32 on this CPU)"
+        over = f" over {train_cfg.precision} states" if upcast else ""
+        src += f" (train.cpu_precision={train_cfg.cpu_precision}: {train_cfg.precision} runs in fp32{over} on this CPU)"
     if slow:
         compute_s *= slow.factor
         src = src.replace(f"in {precision}", f"in fp32 x {slow.factor:.0f} ({slow.describe()})")

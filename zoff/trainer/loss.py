@@ -72,12 +72,17 @@ def tiled_cross_entropy(
     """sum over positions of cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE), `tile`
     positions at a time; each tile's logits are recomputed in backward rather than kept."""
     total = hidden.new_zeros((), dtype=torch.float32)
+    weight, bias = head.weight, head.bias
+    if hidden.dtype != weight.dtype:  # train.cpu_precision=upcast: fp32 hidden states over a 16-bit head.
+        # One fp32 copy for every tile (held until the head's backward, which comes next), so the weight's
+        # gradient sums over the tiles in fp32 and rounds to 16 bits once, as the untiled head's does.
+        weight, bias = weight.float(), None if bias is None else bias.float()
     for start in range(0, hidden.shape[0], tile):
         h, t = hidden[start : start + tile], targets[start : start + tile]
         if torch.is_grad_enabled():
-            part = checkpoint(_tile_loss, h, t, head.weight, head.bias, use_reentrant=False)
+            part = checkpoint(_tile_loss, h, t, weight, bias, use_reentrant=False)
         else:
-            part = _tile_loss(h, t, head.weight, head.bias)
+            part = _tile_loss(h, t, weight, bias)
         total = total + part
     return total
 

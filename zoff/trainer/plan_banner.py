@@ -18,7 +18,7 @@ from zoff.trainer.session import Session
 def plan_lines(s: Session, threads: int) -> list[str]:
     """The start-up plan: what this rank's engine holds and where, its batches, and the notes of compiled
     blocks and of the 16-bit CPU kernels; rank 0 prints it, every rank logs it."""
-    plan = _engine_lines(s.engine, s.batches, s.data_description, threads)
+    plan = _engine_lines(s.engine, s.batches, s.data_description, threads, s.upcast)
     if s.compiled is not None:
         plan.append("  " + s.compiled.describe())
     if s.precision_note is not None:
@@ -26,14 +26,19 @@ def plan_lines(s: Session, threads: int) -> list[str]:
     return plan
 
 
-def _engine_lines(engine: ZeroEngine, batches: GlobalBatches, data_desc: str, threads: int) -> list[str]:
+def _engine_lines(
+    engine: ZeroEngine, batches: GlobalBatches, data_desc: str, threads: int, upcast: bool = False
+) -> list[str]:
     mem = engine.memory_report()
+    dtype = torch.get_default_dtype() if engine.dtype is None else engine.dtype
+    # (train.cpu_precision=upcast: the states keep the engine's 16-bit dtype, the modules compute in fp32)
+    compute = f"{dtype} states, torch.float32 compute" if upcast else f"{dtype} compute"
     gib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     plan = engine.plan
     shard = plan.shard_numel()
     return [
         f"zoff plan: world size {engine.comm.world} ({engine.comm.backend}), ZeRO stage {engine.stage}, "
-        f"{torch.get_default_dtype() if engine.dtype is None else engine.dtype} compute, "
+        f"{compute}, "
         f"{threads} thread(s) per rank",
         f"  params {plan.numel:,} trainable in {len(plan.units)} unit(s){_frozen_text(engine)}; this rank's "
         f"shard {shard:,} elements",

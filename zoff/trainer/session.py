@@ -16,11 +16,12 @@ from zoff.config import Config, derive_grad_accum
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.errors import UserError
-from zoff.host.kernels import compute_precision
+from zoff.host.kernels import compute_precision, upcasts
 from zoff.models import build_for_engine, checks_vocab, enable_activation_checkpointing
 from zoff.models.packing import packs_examples
 from zoff.models.tiling import tile_mlps
 from zoff.models.twin import base_of
+from zoff.models.upcast import upcast_compute
 from zoff.trainer.activation_offload import ActivationOffload
 from zoff.trainer.compile import CompiledBlocks, compile_blocks
 from zoff.trainer.metrics import MetricsWriter
@@ -41,6 +42,7 @@ class Session:
     compiled: CompiledBlocks | None = None  # train.compile's blocks
     # the plan's line on a 16-bit precision's CPU kernels (zoff.host.kernels), or None
     precision_note: str | None = None
+    upcast: bool = False  # train.cpu_precision=upcast: fp32 compute over the 16-bit states (models/upcast.py)
     writer: MetricsWriter | None = None  # rank 0's metrics (None on the other ranks)
     ckpt: Checkpointer | None = None
     start_step: int = 0  # steps already done (a resumed run's)
@@ -50,16 +52,21 @@ class Session:
 def build_session(cfg: Config, device: torch.device) -> Session:
     """Model (same initial weights on every rank), engine for the ZeRO policy, this rank's data stream."""
     # the precision this rank computes in: train.cpu_precision may make a 16-bit run fp32 on a CPU rank
+    # (upcast: its matmuls only, over the configured 16-bit states)
     precision, precision_note = compute_precision(
         cfg.train.precision, cfg.train.cpu_precision, device.type == "cpu"
     )
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+    upcast = upcasts(cfg.train.precision, cfg.train.cpu_precision, device.type == "cpu")
+    if not upcast:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     # (the same-gathers check's gloo group beside NCCL is stage 3's alone: no other stage gathers)
     comm = Comm(timeout_s=cfg.launch.timeout_s, side_checks=None if cfg.zero.stage == 3 else False)
     torch.manual_seed(cfg.train.seed)
     # The builtin GPT and hf: models with safetensors weights are built on the meta device and materialised
     # shard by shard by the engine.
     model = build_for_engine(cfg.model)
+    if upcast:
+        upcast_compute(model)
     if cfg.train.activation_checkpointing:
         offload = ActivationOffload(device) if cfg.train.activation_offload else None
         enable_activation_checkpointing(model, offload.checkpoint if offload else None)
@@ -97,7 +104,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
     )
     torch.manual_seed(cfg.train.seed + 1 + comm.rank)  # dropout differs per rank, reproducibly
-    return Session(engine, batches, comm, cfg, corpus.description, compiled, precision_note)
+    return Session(engine, batches, comm, cfg, corpus.description, compiled, precision_note, upcast=upcast)
 
 
 def packs(cfg: Config, model: torch.nn.Module, warn: bool = False) -> bool:

@@ -19,7 +19,10 @@ g @ W, so a step's factor is not one matmul's. The native bf16 demo itself is no
 predicted from the fp32 variant's, each block's 12 d_model^2 of weights (qkv 3, out 1, MLP 4 + 4) adding those
 three matmuls' bf16 time less their fp32 time.
 
-    python scripts/bench_cpu_precision.py [--layers 4] [--steps 4] [--rounds 2]
+With --preset upcast the fix measured is train.cpu_precision=upcast instead (fp32 compute over the bf16
+states: zoff/models/upcast.py), into its own JSON; its losses differ from the fp32 config's (bf16 storage).
+
+    python scripts/bench_cpu_precision.py [--layers 4] [--steps 4] [--rounds 2] [--preset upcast]
     python scripts/bench_cpu_precision.py --dry-run     # the runs it would start, and nothing else
     python scripts/bench_cpu_precision.py --render      # only print the table from the JSON
 """
@@ -41,23 +44,39 @@ import torch
 from zoff.config import load_config
 from zoff.host import kernels
 
-JSON = benchlib.RESULTS / "bench_cpu_precision.json"
+# which named fix a preset measures against the fp32 config (train.cpu_precision's value), and its JSON
+PRESETS = {
+    "default": benchlib.Preset(benchlib.RESULTS / "bench_cpu_precision.json"),
+    "upcast": benchlib.Preset(benchlib.RESULTS / "bench_cpu_precision_upcast.json"),
+}
+FIXES = {"default": "auto", "upcast": "upcast"}
+JSON = PRESETS["default"].json
 CONFIG = benchlib.REPO / "configs" / "gpt-3b-nvme.yaml"
 TARGET = 1.5  # the fix's step over the fp32 config's (issue 52's done-when)
-FIX, FP32 = "bf16, train.cpu_precision=auto", "fp32 config (train.precision=fp32)"
-VARIANTS = {FIX: ["train.cpu_precision=auto"], FP32: ["train.precision=fp32"]}
+FP32 = "fp32 config (train.precision=fp32)"
+
+
+def variants(preset: str = "default") -> dict[str, list[str]]:
+    """The preset's two variants, the fix first: label -> its overrides."""
+    fix = f"train.cpu_precision={FIXES[preset]}"
+    return {f"bf16, {fix}": [fix], FP32: ["train.precision=fp32"]}
+
+
+VARIANTS = variants()
+FIX = next(iter(VARIANTS))  # the default preset's fix
 # every state in RAM (the disk plays no part), no checkpoint, a record per step
 BASE = ["zero=zero3-offload", "checkpoint.enabled=false", "train.log_every=1"]
 DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
-def overrides(layers: int, steps: int, variant: str) -> list[str]:
-    return [*BASE, f"model.n_layer={layers}", f"train.max_steps={steps}", *VARIANTS[variant]]
+def overrides(layers: int, steps: int, variant: str, preset: str = "default") -> list[str]:
+    return [*BASE, f"model.n_layer={layers}", f"train.max_steps={steps}", *variants(preset)[variant]]
 
 
-def round_order(rnd: int) -> list[str]:
+def round_order(rnd: int, preset: str = "default") -> list[str]:
     """Round `rnd`'s variants in run order: A B, B A, ... (a drift of the host's speed weighs on both alike)."""
-    return list(VARIANTS) if rnd % 2 == 0 else list(VARIANTS)[::-1]
+    names = list(variants(preset))
+    return names if rnd % 2 == 0 else names[::-1]
 
 
 def quiet_rounds(runs: list[dict], quiet_max: float) -> list[int]:
@@ -164,7 +183,7 @@ def run_once(config: Path, args: argparse.Namespace, rnd: int, variant: str) -> 
     out: list[str] = []
     load, (busy0, own0, t0) = os.getloadavg()[0], _cpu_now()
     records = benchlib.train_records(
-        config, overrides(args.layers, args.steps, variant), "bench_cpu_precision", out
+        config, overrides(args.layers, args.steps, variant, args.preset), "bench_cpu_precision", out
     )
     busy1, own1, t1 = _cpu_now()
     lines = plan_lines(out)
@@ -189,21 +208,22 @@ def summarise(runs: list[dict], matmul: dict, layers: int, quiet_max: float) -> 
     quiet rounds (quiet_rounds) count, or every round where none was quiet."""
     quiet = quiet_rounds(runs, quiet_max)
     rounds = quiet or sorted({r["round"] for r in runs})
+    fix = next(r["variant"] for r in runs if r["variant"] != FP32)  # the preset's fix
     med = {(r["round"], r["variant"]): statistics.median(_steady(r["step_s"])) for r in runs}
-    ratios = [med[(k, FIX)] / med[(k, FP32)] for k in rounds]
+    ratios = [med[(k, fix)] / med[(k, FP32)] for k in rounds]
     ratio = statistics.median(ratios)
-    variants = {}
-    for v in VARIANTS:
+    out = {}
+    for v in (fix, FP32):
         mine = [r for r in runs if r["variant"] == v]
-        variants[v] = {
+        out[v] = {
             "step_s": statistics.median(med[(k, v)] for k in rounds),
             "computed": sorted({r["computed"] for r in mine}),
         }
-    ref = variants[FP32]
-    losses = {v: [r["loss"] for r in runs if r["variant"] == v] for v in VARIANTS}
-    diff = max(abs(a - b) for x, y in zip(losses[FIX], losses[FP32]) for a, b in zip(x, y))
+    ref = out[FP32]
+    losses = {v: [r["loss"] for r in runs if r["variant"] == v] for v in out}
+    diff = max(abs(a - b) for x, y in zip(losses[fix], losses[FP32]) for a, b in zip(x, y))
     return {
-        "variants": variants, "rounds_run": len({r["round"] for r in runs}), "rounds_used": rounds,
+        "variants": out, "rounds_run": len({r["round"] for r in runs}), "rounds_used": rounds,
         "quiet_rounds": len(quiet),        "quiet_max_cores": quiet_max, "ratios": ratios, "ratio": ratio, "target": TARGET,
         "result": "PASS" if ratio <= TARGET else "MISS", "loss_max_diff": diff,
         "predicted_native_step_s": ref["step_s"]
@@ -230,8 +250,8 @@ def render(data: dict) -> str:
     s, host, f = data["summary"], data["host"], data["factor"]
     rows = []
     for v, row in s["variants"].items():
-        ratio = f"{s['ratio']:.2f}x" if v == FIX else "1.00x"
-        target = f"<= {s['target']:.1f}x: {s['result']}" if v == FIX else ""
+        ratio = f"{s['ratio']:.2f}x" if v != FP32 else "1.00x"
+        target = f"<= {s['target']:.1f}x: {s['result']}" if v != FP32 else ""
         rows.append([v, ", ".join(row["computed"]), f"{row['step_s']:.2f}", ratio, target])
     table = benchlib.md_table(["variant", "computed in", "step s (median)", "ratio to fp32", "target"], rows)
     mm = f["demo_matmul"]
@@ -264,8 +284,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
         "--quiet-max", type=float, default=0.25, help="a round is quiet below this many other busy cores"
     )
     ap.add_argument("--dry-run", action="store_true", help="print the runs it would start; measure nothing")
-    benchlib.output_args(ap, JSON)
-    return ap, ap.parse_args(argv)
+    benchlib.preset_args(ap, PRESETS)
+    a = ap.parse_args(argv)
+    benchlib.resolve_output(a, PRESETS)
+    return ap, a
 
 
 def measure_runs(a: argparse.Namespace) -> list[dict]:
@@ -273,7 +295,7 @@ def measure_runs(a: argparse.Namespace) -> list[dict]:
     runs: list[dict] = []
     rnd = 0
     while len(quiet_rounds(runs, a.quiet_max)) < a.rounds and rnd < 3 * a.rounds:
-        for v in round_order(rnd):
+        for v in round_order(rnd, a.preset):
             runs.append(r := run_once(CONFIG, a, rnd, v))
             print(f"  round {rnd} {v}: computed in {r['computed']}, steps {[round(x, 2) for x in r['step_s']]}, "
                   f"other cores {r['other_cores']:.2f}", flush=True)  # fmt: skip
@@ -285,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     ap, a = parse(argv)
     if a.render:
         return benchlib.print_rendered(a.out, render)
-    cfg = load_config(CONFIG, overrides(a.layers, a.steps, FIX))
+    cfg = load_config(CONFIG, overrides(a.layers, a.steps, FP32))
     if a.dry_run:
         for rnd in range(a.rounds):
-            for v in round_order(rnd):
+            for v in round_order(rnd, a.preset):
                 print(f"round {rnd}: zoff train {CONFIG.relative_to(benchlib.REPO)} "
-                      + " ".join(overrides(a.layers, a.steps, v)))  # fmt: skip
+                      + " ".join(overrides(a.layers, a.steps, v, a.preset)))  # fmt: skip
         return 0
     print(f"bench_cpu_precision: load average {os.getloadavg()[0]:.2f}; measuring the factor", flush=True)
     rows = cfg.data.batch_size * cfg.data.seq_len
@@ -299,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = measure_runs(a)
     data = benchlib.provenance() | {
         "command": benchlib.command_line(ap, a, "bench_cpu_precision"),
-        "config": str(CONFIG.relative_to(benchlib.REPO)), "overrides": BASE, "variants": VARIANTS,
+        "config": str(CONFIG.relative_to(benchlib.REPO)), "overrides": BASE, "variants": variants(a.preset),
         "layers": a.layers, "steps": a.steps, "rounds": a.rounds, "host": host_kind(), "factor": factor,
         "runs": runs, "summary": summarise(runs, factor["demo_matmul"], a.layers, a.quiet_max),
     }  # fmt: skip

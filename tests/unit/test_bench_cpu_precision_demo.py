@@ -151,3 +151,19 @@ def test_the_recorded_run_says_what_each_variant_computed_in() -> None:
     assert all(r["plan"] and r["computed"] != "?" for r in data["runs"])
     table = bench.render(data)
     assert table.rstrip("\n").splitlines()[-1].startswith("Measured ") and "|---" in table
+
+
+def test_the_upcast_preset_measures_train_cpu_precision_upcast_against_the_same_fp32_config() -> None:
+    fix = "bf16, train.cpu_precision=upcast"
+    assert list(bench.variants("upcast")) == [fix, bench.FP32]
+    assert bench.overrides(4, 4, fix, "upcast")[-1] == "train.cpu_precision=upcast"
+    assert bench.round_order(1, "upcast") == [bench.FP32, fix]
+    runs = []
+    for k in range(2):
+        runs += [_run(k, fix, 11.0, loss=5.51), _run(k, bench.FP32, 10.0)]
+    s = bench.summarise(runs, {"bf16_s": 15.0, "fp32_s": 0.1}, layers=4, quiet_max=0.25)
+    assert list(s["variants"]) == [fix, bench.FP32] and s["ratio"] == pytest.approx(1.1)
+    assert s["loss_max_diff"] == pytest.approx(0.01)  # bf16 states: not fp32's numbers
+    upcast_plan = ["zoff plan: world size 1 (gloo), ZeRO stage 3, torch.bfloat16 states, torch.float32 compute"]
+    assert bench.computed(upcast_plan) == "fp32"
+    assert bench.parse(["--preset", "upcast"])[1].out == bench.PRESETS["upcast"].json

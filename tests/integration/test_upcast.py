@@ -186,8 +186,8 @@ def test_a_run_equals_plain_pytorchs_mixed_precision_with_fp32_compute(zero, tmp
     """The run's losses, gradient norms and fp32 masters against upcast_reference within 1e-5; its
     parameters (and so its gathered blocks, gradients and files) bf16, as configured."""
     # the recomputed blocks and the tiled loss's head take the same fp32 path
-    extra = {"zero3-offload": {"loss_tile": 8}, "zero3-nvme": {"activation_checkpointing": True}}.get(zero, {})
-    cfg = {**_gpt_cfg(**extra), "zero": _zero(zero, tmp_path)}
+    extra = {"zero3-offload": {"loss_tile": 8}, "zero3-nvme": {"activation_checkpointing": True}}
+    cfg = {**_gpt_cfg(**extra.get(zero, {})), "zero": _zero(zero, tmp_path)}
     got = run_zoff(cfg, 1)[0]
     want = upcast_reference(config_from_dict(cfg))
     assert_close_losses(got["losses"], want["losses"])

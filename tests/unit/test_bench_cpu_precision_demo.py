@@ -164,6 +164,8 @@ def test_the_upcast_preset_measures_train_cpu_precision_upcast_against_the_same_
     s = bench.summarise(runs, {"bf16_s": 15.0, "fp32_s": 0.1}, layers=4, quiet_max=0.25)
     assert list(s["variants"]) == [fix, bench.FP32] and s["ratio"] == pytest.approx(1.1)
     assert s["loss_max_diff"] == pytest.approx(0.01)  # bf16 states: not fp32's numbers
-    upcast_plan = ["zoff plan: world size 1 (gloo), ZeRO stage 3, torch.bfloat16 states, torch.float32 compute"]
+    upcast_plan = [
+        "zoff plan: world size 1 (gloo), ZeRO stage 3, torch.bfloat16 states, torch.float32 compute"
+    ]
     assert bench.computed(upcast_plan) == "fp32"
     assert bench.parse(["--preset", "upcast"])[1].out == bench.PRESETS["upcast"].json

@@ -195,3 +195,40 @@ def test_a_run_equals_plain_pytorchs_mixed_precision_with_fp32_compute(zero, tmp
     assert_close_params(got["params"], want["params"])
     kept = spawn(_kept_rank, 1, cfg)[0]
     assert kept == {"params": {BF16}, "engine": BF16, "precision": "bf16"}
+
+
+def test_the_estimate_counts_the_weights_fp32_copies():
+    """gpt_activations(upcast=True): a tiled loss's moment adds the head's fp32 copy, its fp32 gradient and
+    the rounded one (10 B x vocab x d); a block's backward a 4d x d linear's copy and rounded gradient."""
+    from zoff.config import ModelConfig
+    from zoff.planning.activations import gpt_activations
+
+    wide_vocab = ModelConfig(n_layer=2, n_head=2, d_model=64, vocab_size=50_000, seq_len=16)
+    args = (wide_vocab, 2, 16, "fp32", True, "cpu")
+    plain = gpt_activations(*args, loss_tile=8)
+    upcast = gpt_activations(*args, loss_tile=8, upcast=True)
+    assert upcast.saved == plain.saved and upcast.peak - plain.peak == 50_000 * 64 * 10
+    wide_model = ModelConfig(n_layer=2, n_head=2, d_model=512, vocab_size=64, seq_len=16)
+    args = (wide_model, 1, 16, "fp32", False, "cpu")
+    plain, upcast = gpt_activations(*args), gpt_activations(*args, upcast=True)
+    assert upcast.peak - plain.peak == 4 * 512 * 512 * 6
+
+
+def test_the_tiled_loss_computes_an_upcast_head_in_fp32_whatever_it_is_handed():
+    """16-bit hidden states into an upcast head (a model that casts back to its weights' dtype): the tiles
+    compute in fp32 all the same (a bf16 product would miss the fp32 loss by ~1e-3)."""
+    from zoff.trainer.loss import tiled_cross_entropy
+
+    torch.manual_seed(0)
+    head = nn.Linear(8, 20, bias=False).to(BF16)
+    upcast_compute(nn.Sequential(head))
+    hidden = torch.randn(12, 8).to(BF16).requires_grad_()
+    targets = torch.randint(0, 20, (12,))
+    got = tiled_cross_entropy(hidden, head, targets, 4)
+    got.backward()
+    w = head.weight.detach().float().requires_grad_()
+    want = F.cross_entropy(F.linear(hidden.detach().float(), w), targets, reduction="sum")
+    want.backward()
+    assert got.dtype == torch.float32 and abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
+    assert head.weight.grad.dtype == BF16  # (the fp32 gradient, rounded: within bf16's half step)
+    torch.testing.assert_close(head.weight.grad.float(), w.grad, rtol=2**-8, atol=1e-6)

@@ -114,6 +114,11 @@ FORWARDS: dict[type, Callable[[nn.Module], Callable]] = {
 }
 
 
+def is_upcast(module: nn.Module) -> bool:
+    """Whether upcast_compute replaced `module`'s forward (the tiled loss asks this of the output head)."""
+    return getattr(module.forward, "zoff_upcast", False) is True
+
+
 def refusal(model: nn.Module) -> str | None:
     """Why `model` cannot be upcast (the first module that stops it, by name), or None."""
     for name, m in model.named_modules():
@@ -141,5 +146,6 @@ def upcast_compute(model: nn.Module) -> int:
         make = FORWARDS.get(type(m))
         if make is not None:
             m.forward = make(m)
+            m.forward.zoff_upcast = True  # (is_upcast)
             count += 1
     return count

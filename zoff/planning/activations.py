@@ -29,7 +29,7 @@ class Activations:
 
 def gpt_activations(
     m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, device_type: str = "cuda",
-    loss_tile: int = 0, offload: bool = False, mlp_tile: int = 0,
+    loss_tile: int = 0, offload: bool = False, mlp_tile: int = 0, upcast: bool = False,
 ) -> Activations:  # fmt: skip
     """Bytes the builtin GPT saves for backward, op by op (per token, d = d_model, e = compute bytes):
 
@@ -61,6 +61,13 @@ def gpt_activations(
     and backward recomputes one tile at a time: that tile's 8d and their gradients (16d per token of the
     tile) instead of the whole MLP's gradients. (This moment is read from the code, not yet measured on a
     GPU as the others were.)
+
+    With `upcast` (train.cpu_precision=upcast: `precision` is then fp32, the activations', over 16-bit
+    weights) the moments add the weights' fp32 copies (zoff/models/upcast.py), read from the code: a block's
+    backward holds a 4d x d linear's fp32 copy and its gradient rounded to 16 bits (6 B x 4d^2); a tiled loss
+    holds one fp32 copy of the head for all its tiles, that copy's fp32 gradient summing over them, and the
+    rounded gradient (10 B x vocab x d); the untiled head's backward its copy and the rounded gradient
+    (6 B x vocab x d) beside the logits' fp32 gradient.
     """
     e = DTYPES[precision].itemsize
     stat = 4 if device_type == "cuda" else e
@@ -79,13 +86,17 @@ def gpt_activations(
     saved = tokens * (m.n_layer * kept + tail) + fixed
     if loss_tile:
         loss_moment = min(loss_tile, tokens) * m.vocab_size * 12 + m.vocab_size * d * e + tokens * d * e
+        loss_moment += m.vocab_size * d * 10 if upcast else 0
     else:
         loss_moment = tokens * m.vocab_size * 8
+        if upcast:  # the head's backward: the logits' fp32 gradient, the head's fp32 copy and rounded grad
+            loss_moment = max(loss_moment, tokens * m.vocab_size * 4 + m.vocab_size * d * 6)
     if mlp_tile:  # the block's input gradients, one MLP tile's recompute and gradients
         grads = tokens * 2 * d * e + min(mlp_tile, tokens) * 16 * d * e
     else:
         grads = tokens * 6 * d * e
-    block_moment = grads + 4 * d * d * e + (tokens * (block - d * e) if checkpointing else 0)
+    block_moment = grads + 4 * d * d * (e + (6 if upcast else 0))
+    block_moment += tokens * (block - d * e) if checkpointing else 0
     if offload:
         block_moment += 2 * tokens * d * e
     peak = saved + max(loss_moment, block_moment)
@@ -172,11 +183,21 @@ def _mask_checks_skipped() -> Iterator[None]:
 
 def activations(
     m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda",
-    loss_tile: int = 0, offload: bool = False, mlp_tile: int = 0,
+    loss_tile: int = 0, offload: bool = False, mlp_tile: int = 0, upcast: bool = False,
 ) -> Activations:  # fmt: skip
-    """The builtin GPT's closed form; other models' meta-device probe (which does not model `offload`)."""
+    """The builtin GPT's closed form; other models' meta-device probe (which does not model `offload`, nor
+    `upcast`'s weight copies: it runs in `precision`, the activations')."""
     if has_analytic_activations(m):
         return gpt_activations(
-            m, d.batch_size, d.seq_len, precision, checkpointing, device_type, loss_tile, offload, mlp_tile
+            m,
+            d.batch_size,
+            d.seq_len,
+            precision,
+            checkpointing,
+            device_type,
+            loss_tile,
+            offload,
+            mlp_tile,
+            upcast,
         )
     return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing, mlp_tile)

@@ -167,6 +167,7 @@ def estimate(
             train_cfg.loss_tile,
             train_cfg.activation_offload,
             train_cfg.mlp_tile,
+            act_precision != precision,  # train.cpu_precision=upcast: fp32 activations over 16-bit weights
         )
         for ac in (False, True)
     }

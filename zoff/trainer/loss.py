@@ -17,6 +17,7 @@ from zoff.data.batch import IGNORE, MicroBatch
 from zoff.models import lm_loss
 from zoff.models.head import head_replaced, output_head
 from zoff.models.twin import Verdict, cached_verdict, vocab_of
+from zoff.models.upcast import is_upcast
 
 
 def micro_batch_loss(output, batch: MicroBatch, accum: int) -> torch.Tensor:
@@ -73,10 +74,10 @@ def tiled_cross_entropy(
     positions at a time; each tile's logits are recomputed in backward rather than kept."""
     total = hidden.new_zeros((), dtype=torch.float32)
     weight, bias = head.weight, head.bias
-    if hidden.dtype != weight.dtype:  # train.cpu_precision=upcast: fp32 hidden states over a 16-bit head.
-        # One fp32 copy for every tile (held until the head's backward, which comes next), so the weight's
-        # gradient sums over the tiles in fp32 and rounds to 16 bits once, as the untiled head's does.
-        weight, bias = weight.float(), None if bias is None else bias.float()
+    if is_upcast(head):  # train.cpu_precision=upcast: fp32 products over a 16-bit head, whatever the model
+        # hands it. One fp32 copy for every tile (held until the head's backward, which comes next), so the
+        # weight's gradient sums over the tiles in fp32 and rounds to 16 bits once, as the untiled head's does.
+        hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
     for start in range(0, hidden.shape[0], tile):
         h, t = hidden[start : start + tile], targets[start : start + tile]
         if torch.is_grad_enabled():

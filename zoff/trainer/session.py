@@ -31,7 +31,8 @@ from zoff.trainer.preempt import StopRequest
 @dataclass
 class Session:
     """What one rank trains with: the engine, its data stream, its process group, the config as this rank runs
-    it (train.precision the one it computes in); and, set by run_training, what the loop reports to and saves
+    it (train.precision the one its states are kept in, and under train.cpu_precision=fp32/auto the one it
+    computes in; upcast computes in fp32 over them); and, set by run_training, what the loop reports to and saves
     with, where it starts and what asks it to stop (None where a test's loop has none)."""
 
     engine: ZeroEngine

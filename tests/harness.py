@@ -256,17 +256,36 @@ def run_zoff(
 
 
 def reference_run(
-    cfg: Config, world: int, delay_warmup: int | None = None, build: Callable | None = None
+    cfg: Config,
+    world: int,
+    delay_warmup: int | None = None,
+    build: Callable | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Plain single-process PyTorch over the same global batches zoff sees on `world` ranks.
 
     With `delay_warmup` (DPU), the optimizer updates a separate master copy, and the model the next forward
     uses gets update k only after update k+1 has been computed, for k > delay_warmup: the one-step-stale
     parameters of ZeRO-Offload's delayed parameter update, applied explicitly.
+    With `dtype` float64 the model is built as it is (its initial values are the fp32 ones) and then trained
+    in float64, tensors its forward creates included: the exact run an fp32 run approximates.
     """
+    previous = torch.get_default_dtype()
+    try:
+        out = _reference_run(cfg, world, delay_warmup, build, dtype)
+    finally:
+        torch.set_default_dtype(previous)
+    return out
+
+
+def _reference_run(
+    cfg: Config, world: int, delay_warmup: int | None, build: Callable | None, dtype: torch.dtype
+) -> dict:
     torch.manual_seed(cfg.train.seed)
     device = rank_device(0)
     model = (build or build_model)(cfg.model).to(device)  # `build`: e.g. a peft-wrapped reference
+    model = model.to(dtype)
+    torch.set_default_dtype(dtype)
     live = model
     if delay_warmup is not None:
         model = copy.deepcopy(live)  # the masters; `live` is what forward/backward sees

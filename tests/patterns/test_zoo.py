@@ -5,6 +5,14 @@ or 3 gloo ranks, with or without gradient accumulation, and compares per-step lo
 gradient norms and final parameters with tests.harness.reference_run (one forward over the whole global
 batch, torch.optim.AdamW, clip_grad_norm_) within 1e-5 relative.
 
+Where a cell misses the fp32 reference, it is compared once more with the same reference trained in float64
+from the same initial values (the exact run that every fp32 order of summation approximates), and passes if it
+matches that within the same 1e-5: the fp32 reference is itself one order of summation, and Adam can carry
+its rounding past 1e-5 alone. At 3 ranks with accumulation 3, functional_tie's fp32 reference lies 1.98e-5
+from the float64 run on an AVX2 host, where zoff lies within 1.4e-6 of it at every stage (and so 2.08e-5 from
+the fp32 one). Not the first comparison for every cell: the fp32 reference shares more of zoff's rounding, and
+against float64 zoff's own fp32 rounding is itself ~1e-5 in some cells (ckpt_block at 2 ranks: 1.005e-5).
+
 - default suite (`-m slow` selects it too): world 2, grad_accum 3, every pattern x stages 1-3, plus stage 0
   of moe and branch, all in one spawn;
 - full grid (`-m grid`): every pattern x stages 0-3 x world 2, 3 x grad_accum 1, 3, one spawn per
@@ -270,7 +278,7 @@ class Zoo:
 
     def __init__(self) -> None:
         self.runs: dict[tuple[int, int, str, int], dict] = {}
-        self.refs: dict[tuple[str, int, int], dict] = {}
+        self.refs: dict[tuple[str, int, int, torch.dtype], dict] = {}
 
     def run(self, world: int, accum: int, cells: Iterable[tuple[str, int]]) -> None:
         missing = [c for c in cells if (world, accum, *c) not in self.runs]
@@ -279,10 +287,11 @@ class Zoo:
             for (p, s), result in zip(missing, got, strict=True):
                 self.runs[(world, accum, p, s)] = result
 
-    def reference(self, pattern: str, world: int, accum: int) -> dict:
-        key = (pattern, world, accum)
+    def reference(self, pattern: str, world: int, accum: int, dtype: torch.dtype = torch.float32) -> dict:
+        key = (pattern, world, accum, dtype)
         if key not in self.refs:  # the reference ignores zero.*: stage 0's config stands for all stages
-            self.refs[key] = reference_run(config_from_dict(cell_cfg(pattern, 0, accum)), world)
+            cfg = config_from_dict(cell_cfg(pattern, 0, accum))
+            self.refs[key] = reference_run(cfg, world, dtype=dtype)
         return self.refs[key]
 
     def check(self, world: int, accum: int, pattern: str, stage: int, group: list[tuple[str, int]]) -> None:
@@ -291,13 +300,23 @@ class Zoo:
         if "error" in got:
             pytest.fail(f"crashed: {got['error']}", pytrace=False)
         ref = self.reference(pattern, world, accum)
-        assert_close_losses(got["losses"], ref["losses"])
-        assert_close_losses(got["grad_norms"], ref["grad_norms"])
-        assert_close_params(got["params"], ref["params"])
+        try:
+            _assert_matches(got, ref)
+        except AssertionError as fp32_miss:  # (the module docstring: the exact run, once more)
+            try:
+                _assert_matches(got, self.reference(pattern, world, accum, torch.float64))
+            except AssertionError as exact_miss:
+                raise AssertionError(f"{fp32_miss}; against the float64 run: {exact_miss}") from None
         assert ref["losses"][-1] < ref["losses"][0]  # the comparison is over a run that actually learns
         # A gradient after its unit was sent costs a second reduction: only a hook that fires twice does that,
         # and only until the engine has learned it (the first backward).
         assert got["stats"]["late_corrections"] <= (1 if pattern == "ckpt_shared_reentrant" else 0)
+
+
+def _assert_matches(got: dict, ref: dict) -> None:
+    assert_close_losses(got["losses"], ref["losses"])
+    assert_close_losses(got["grad_norms"], ref["grad_norms"])
+    assert_close_params(got["params"], ref["params"])
 
 
 @pytest.fixture(scope="module")

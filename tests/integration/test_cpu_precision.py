@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.forked_zoff import zoff_run
 from tests.harness import assert_close_losses, assert_close_params, reference_run, run_zoff
 from zoff.config import config_from_dict
 from zoff.host import kernels
@@ -24,19 +24,13 @@ TINY = REPO / "configs" / "tiny.yaml"
 SLOW, FAST = "bf16:137,fp16:90", "bf16:1,fp16:1"
 
 
-def zoff(*args: str, factor: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def zoff(*args: str, factor: str, timeout: float = 240, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m zoff ARGS` with the matmul factor forced, forked unless `fresh` (tests.forked_zoff)."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")
     }
     env[kernels.FACTOR_ENV] = factor
-    return subprocess.run(
-        [sys.executable, "-m", "zoff", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return zoff_run(list(args), cwd=REPO, env=env, timeout=timeout, fresh=fresh)
 
 
 @pytest.fixture
@@ -84,7 +78,7 @@ def test_the_probe_measures_this_host():
 
 @pytest.mark.parametrize("factor,slow", [(SLOW, True), (FAST, False)])
 def test_doctor_reports_the_matmul_path_per_dtype(factor, slow):
-    p = zoff("doctor", factor=factor)
+    p = zoff("doctor", factor=factor, fresh=slow)  # (one call in a new interpreter)
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)["cpu_matmul"]
     assert report["fp32"]["slow"] is False

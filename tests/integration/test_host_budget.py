@@ -6,13 +6,12 @@ exit 2, before any rank starts."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.forked_zoff import zoff_run
 from tests.harness import run_zoff, tiny_cfg
 from tests.integration.test_nvme import _engine_run
 from zoff.config import config_from_dict
@@ -214,11 +213,9 @@ def test_zoff_train_with_a_budget_too_small_fails_in_one_line_before_any_rank(
     swap: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    p = subprocess.run(
-        [sys.executable, "-m", "zoff", "train", "tiny", "zero.stage=2", "zero.offload_optimizer.device=nvme",
-         f"zero.offload_optimizer.nvme_path={swap}", "zero.offload_optimizer.host_budget=64KiB",
-         "launch.nproc_per_node=1", f"--run-dir={run}"],
-        capture_output=True, text=True, timeout=300,
+    p = zoff_run(
+        ["train", "tiny", "zero.stage=2", "zero.offload_optimizer.device=nvme", f"zero.offload_optimizer.nvme_path={swap}",
+         "zero.offload_optimizer.host_budget=64KiB", "launch.nproc_per_node=1", f"--run-dir={run}"],
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_zoff import zoff_run
 from zoff.config import config_from_dict
 from zoff.errors import ConfigError, UserError
 from zoff.launch.network import interface_address, network_env
@@ -123,10 +124,10 @@ def test_a_run_across_nodes_listens_only_on_the_address_routed_to_its_endpoint(t
 
 
 def test_a_named_interface_that_does_not_exist_is_one_line_before_anything_starts(tmp_path: Path) -> None:
-    p = subprocess.run(
-        [sys.executable, "-m", "zoff", "train", str(REPO / "configs" / "tiny.yaml"), "launch.interface=nosuch0",
-         "--rdzv-endpoint", "127.0.0.1:29999", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=120,
+    p = zoff_run(
+        ["train", str(REPO / "configs" / "tiny.yaml"), "launch.interface=nosuch0", "--rdzv-endpoint",
+         "127.0.0.1:29999", "--run-dir", str(tmp_path / "run")],
+        timeout=120,
     )  # fmt: skip
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "zoff: error: launch.interface: 'nosuch0' has no IPv4 address on this machine (No such device)"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import DISK
+from tests.forked_zoff import zoff_run
 from tests.harness import assert_close_params, reference_run, run_zoff, tiny_cfg
 from zoff.checkpoint import save_checkpoint
 from zoff.config import (
@@ -329,10 +330,10 @@ def test_train_refuses_a_missing_swap_path_before_any_rank_starts(
         "zero.offload_optimizer.nvme_path": swap,
         key: missing,
     }  # the key under test names the missing one
-    p = subprocess.run(
-        [sys.executable, "-m", "zoff", "train", "tiny", f"zero={recipe}", *(f"{k}={v}" for k, v in paths.items()),
-         "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300,
+    # (one of the two in a new interpreter: tests.forked_zoff)
+    p = zoff_run(
+        ["train", "tiny", f"zero={recipe}", *(f"{k}={v}" for k, v in paths.items()), "--run-dir", str(tmp_path / "run")],
+        fresh=recipe == "zero2-nvme",
     )  # fmt: skip
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == f"zoff: error: {key}: {missing} does not exist (create it on a local disk)"
@@ -340,10 +341,9 @@ def test_train_refuses_a_missing_swap_path_before_any_rank_starts(
 
 
 def test_parameters_on_disk_need_the_optimizer_on_disk(swap: Path) -> None:
-    p = subprocess.run(
-        [sys.executable, "-m", "zoff", "validate", "tiny", "zero.stage=3", "zero.offload_optimizer.device=cpu",
-         "zero.offload_param.device=nvme", f"zero.offload_param.nvme_path={swap}"],
-        capture_output=True, text=True, timeout=300,
+    p = zoff_run(
+        ["validate", "tiny", "zero.stage=3", "zero.offload_optimizer.device=cpu", "zero.offload_param.device=nvme",
+         f"zero.offload_param.nvme_path={swap}"],
     )  # fmt: skip
     assert p.returncode == 2
     assert p.stderr.strip() == (

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_zoff import zoff_run
 from tests.harness import tiny_cfg
 from tests.integration.test_nvme import _engine_run
 from zoff.errors import UserError
@@ -89,8 +90,8 @@ def test_a_swap_folder_others_can_write_is_refused_unless_allowed(tmp_path: Path
         "model: {n_layer: 2, n_head: 2, d_model: 32, seq_len: 16}\n"
         "data: {name: synthetic, seq_len: 16, batch_size: 2}\nlaunch: {nproc_per_node: 1}\ntrain: {max_steps: 1}\n"
     )
-    cmd = [sys.executable, "-m", "zoff", "train", str(cfg), "log.progress=false"]
-    p = subprocess.run([*cmd, f"--run-dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300)
+    cmd = ["train", str(cfg), "log.progress=false"]  # (forked: tests.forked_zoff)
+    p = zoff_run([*cmd, f"--run-dir={tmp_path / 'run'}"])
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         f"zoff: error: zero.offload_optimizer.nvme_path: {swap} is writable by other users (mode 777, not "
         "sticky): others could swap the rank folders for theirs; use a folder of your own, or set "
@@ -98,11 +99,8 @@ def test_a_swap_folder_others_can_write_is_refused_unless_allowed(tmp_path: Path
     ]
     assert list(swap.iterdir()) == [] and not (tmp_path / "run").exists()
     os.chmod(swap, 0o1777)  # sticky, as /tmp: accepted
-    p = subprocess.run([*cmd, f"--run-dir={tmp_path / 'run2'}"], capture_output=True, text=True, timeout=300)
+    p = zoff_run([*cmd, f"--run-dir={tmp_path / 'run2'}"])
     assert p.returncode == 0, p.stderr[-2000:]
     os.chmod(swap, 0o777)
-    p = subprocess.run(
-        [*cmd, "zero.offload_optimizer.allow_shared_path=true", f"--run-dir={tmp_path / 'run3'}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    p = zoff_run([*cmd, "zero.offload_optimizer.allow_shared_path=true", f"--run-dir={tmp_path / 'run3'}"])
     assert p.returncode == 0, p.stderr[-2000:]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_zoff import zoff_run
+
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
 pytestmark = pytest.mark.slow
@@ -26,11 +28,12 @@ def _train(tmp: Path, steps: int, *extra: str) -> None:
         **os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true",
         "MLFLOW_TRACKING_URI": (tmp / "mlruns").as_uri(), "WANDB_DIR": str(tmp),
     }  # fmt: skip
-    p = subprocess.run(
-        [sys.executable, "-m", "zoff", "train", str(REPO / "configs" / "tiny.yaml"), f"train.max_steps={steps}",
-         "train.eval_every=2", "checkpoint.every_steps=2", "log.progress=false", "log.wandb=true",
-         "log.mlflow=true", "log.project=zoff-test", "--run-dir", str(tmp / "run"), *extra],
-        capture_output=True, text=True, env=env, timeout=600,
+    # forked (tests.forked_zoff): the ranks, which log, are new interpreters all the same
+    p = zoff_run(
+        ["train", str(REPO / "configs" / "tiny.yaml"), f"train.max_steps={steps}", "train.eval_every=2",
+         "checkpoint.every_steps=2", "log.progress=false", "log.wandb=true", "log.mlflow=true",
+         "log.project=zoff-test", "--run-dir", str(tmp / "run"), *extra],
+        env=env, timeout=600,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.forked_zoff import zoff_run
 from zoff.config import config_from_dict, dump_yaml, load_config
 
 pytestmark = pytest.mark.slow
@@ -24,20 +25,18 @@ OVERRIDES = (f"train.max_steps={STEPS}", "train.log_every=1")
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"}
 
 
-def train(run_dir: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`zoff train configs/tiny.yaml --run-dir RUN_DIR *args`, from the repo root, `tests` importable."""
+def train(
+    run_dir: Path, *args: str, timeout: float = 180, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """`zoff train configs/tiny.yaml --run-dir RUN_DIR *args`, from the repo root, `tests` importable; forked
+    from the tests' fork server unless `fresh` (tests.forked_zoff.zoff_run)."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")
     }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "zoff", "train", str(TINY), "--run-dir", str(run_dir), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,  # a hung launcher fails the test instead of the suite
-    )
+    # (the timeout: a hung launcher fails the test instead of the suite)
+    argv = ["train", str(TINY), "--run-dir", str(run_dir), *args]
+    return zoff_run(argv, cwd=REPO, env=env, timeout=timeout, fresh=fresh)
 
 
 def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -58,7 +57,7 @@ def step_records(run_dir: Path) -> list[dict]:
 def run2(tmp_path_factory) -> Path:
     """One 2-rank run shared by the tests that only inspect its outputs."""
     run_dir = tmp_path_factory.mktemp("train2") / "run"
-    ok(train(run_dir, *OVERRIDES))
+    ok(train(run_dir, *OVERRIDES, fresh=True))  # (a new interpreter for one successful run)
     return run_dir
 
 

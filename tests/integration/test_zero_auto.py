@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.forked_zoff import zoff_run
 from zoff.config import load_config
 from zoff.planning.choice import resolve_auto
 from zoff.planning.estimate import detect_budget
@@ -23,10 +22,7 @@ def test_train_with_zero_auto_runs_the_chosen_policy(tmp_path: Path) -> None:
     budget, device = detect_budget(None, None)
     want = resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 2, budget.gpu, budget.cpu,
                         local_ranks=2, shared=budget.shared, device_type=device)  # fmt: skip
-    p = subprocess.run(
-        [sys.executable, "-m", "zoff", "train", "configs/tiny.yaml", "--run-dir", str(tmp_path), *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    p = zoff_run(["train", "configs/tiny.yaml", "--run-dir", str(tmp_path), *overrides], cwd=REPO)
     assert p.returncode == 0, p.stderr
     assert f"zero: auto chose stage {want[0]}, offload optimizer {want[1]}, params {want[2]}" in p.stdout
     assert want[4] in p.stdout  # the reason

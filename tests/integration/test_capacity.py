@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.forked_zoff import zoff_run
 from zoff import cli
 from zoff.config import load_config
 from zoff.engine.policy import Policy
@@ -155,10 +155,10 @@ def test_json_through_the_real_cli(ladder, memo) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     flags = ["--gpus-per-node", "1", "--gpu-memory", "24GiB", "--cpu-memory", "128GiB", "--disk", "4TB"]
-    p = subprocess.run(
-        [sys.executable, "-m", "zoff", "estimate", str(BASE), "--max-model", "--json", *flags],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    # (a new interpreter for this one; the other CLI calls of the module are forked: tests.forked_zoff)
+    p = zoff_run(
+        ["estimate", str(BASE), "--max-model", "--json", *flags], cwd=REPO, env=env, timeout=120, fresh=True
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert "estimates, not GPU runs" in out["note"] and out["memory"]["disk_bytes"] == 4 * TB
@@ -213,8 +213,7 @@ def test_long_contexts_and_giant_layers_fit_one_24_gib_gpu(what, overrides, box,
             "8TB",
             "--json",
         ]
-        p = subprocess.run([sys.executable, "-m", "zoff", "estimate", str(BASE), *LONG, *overrides, *args],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        p = zoff_run(["estimate", str(BASE), *LONG, *overrides, *args], cwd=REPO, env=env)
         assert p.returncode == 0, p.stderr
         row = next(
             r
@@ -268,14 +267,7 @@ def test_max_context_through_the_real_cli() -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     args = ["estimate", str(REPO / "configs" / "tiny.yaml"), "--max-context", "--gpus-per-node", "1",
             "--gpu-memory", "64MiB", "--cpu-memory", "8GiB", "--disk", "0"]  # fmt: skip
-    run = lambda *extra: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "zoff", *args, *extra],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    run = lambda *extra: zoff_run([*args, *extra], cwd=REPO, env=env, timeout=180)  # noqa: E731
     table, as_json = run(), run("--json")
     assert table.returncode == 0 and as_json.returncode == 0, table.stderr + as_json.stderr
     out = table.stdout

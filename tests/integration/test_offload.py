@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.forked_zoff import zoff_run
 from tests.harness import reference_run, run_zoff, run_zoff_many, tiny_cfg
 from zoff.config import config_from_dict
 
@@ -86,9 +85,10 @@ def _cpu_step_threads(run_dir: Path) -> list[int]:
 def test_cpu_step_gets_the_ranks_share_of_cores(tmp_path: Path, nproc: int) -> None:
     cores = len(os.sched_getaffinity(0))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # what torch's launcher would leave for multi-rank jobs
-    cmd = [sys.executable, "-m", "zoff", "train", "configs/tiny.yaml", "--run-dir", str(tmp_path), "zero=zero2-offload",
-           "train.max_steps=2", f"--nproc-per-node={nproc}"]  # fmt: skip
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+    cmd = ["train", "configs/tiny.yaml", "--run-dir", str(tmp_path), "zero=zero2-offload", "train.max_steps=2",
+           f"--nproc-per-node={nproc}"]  # fmt: skip
+    p = zoff_run(cmd, cwd=REPO, env=env, fresh=nproc == 1)  # (forked but one: tests.forked_zoff)
+    assert p.returncode == 0, p.stderr[-3000:]
     assert _cpu_step_threads(tmp_path) == [max(1, cores // nproc)] * nproc
 
 

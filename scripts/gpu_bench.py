@@ -11,8 +11,9 @@ gpt-3b-nvme.yaml's shape), bf16, 8 sequences of 2048 tokens a step, activation c
 grad_clip 1.0, AdamW at a constant lr 1e-4. Variants (--variants): zoff's zero2 (no offload: the upper
 bound), zero2-offload, zero3-offload and zero3-nvme (overlap_step on, stage 3 only), each offload policy
 with speculate false and true (+spec); FSDP2 (fully_shard per block and at the root, CPUOffloadPolicy, bf16
-params with fp32 reduction, torch.optim.AdamW as constructed by default) from the same initial weights,
-batches and clip (clip_grad_norm_; where it raises, FSDP2 trains unclipped and the row says so).
+params with fp32 reduction, torch.optim.AdamW as constructed by default, NCCL with gloo beside it:
+--fsdp2-backend) from the same initial weights, batches and clip (clip_grad_norm_; where it raises, FSDP2
+trains unclipped and the row says so).
 
 Each variant is a fresh process with a time budget (the call's time left, shared by the variants still to
 run): steps until the budget nears its end, then one under torch's profiler (its CUDA memcpy bytes: PCIe).
@@ -266,7 +267,7 @@ def _entry(rank: int, world: int, port: int, backend: str, jobs: list[dict], out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # zoff train's threads_per_rank default
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", rank) if "nccl" in backend else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
@@ -361,7 +362,8 @@ def run_jobs(a: argparse.Namespace, p: dict) -> list[dict]:
             Path(p["nvme"]).mkdir(parents=True)
         budget = (end - time.monotonic()) / (len(p["jobs"]) - i)
         print(f"gpu_bench: {j['name']} (round {j['round']}), budget {budget:.0f} s", flush=True)
-        out += spawn([{**j, "budget_s": budget}], p["world"], p["backend"], budget)
+        backend = a.fsdp2_backend if j["kind"] == "fsdp2" else p["backend"]
+        out += spawn([{**j, "budget_s": budget}], p["world"], backend, budget)
     shutil.rmtree(p["nvme"], ignore_errors=True)
     return out
 
@@ -434,12 +436,14 @@ def render(data: dict) -> str:
         x = by["zero3-offload"]["tok_s"] / by["fsdp2-offload"]["tok_s"]
         ratio = f"zoff zero3-offload / FSDP2 with CPU offload, tok/s: **{x:.2f}x** (the goal: 1.5x). "
     verdict = {True: "within", False: "**outside**", None: "not compared:"}[lc["ok"]]
+    each = "each variant a fresh process" if data["mode"] == "GPU" else "the variants in one spawn"
     clip = f" FSDP2's clip_grad_norm_ failed ({lc['fsdp2_clip']}): compared at step 1 only." if lc.get(
         "fsdp2_clip", "ok") != "ok" else ""  # fmt: skip
     return "\n".join([
         f"{data['mode']}: builtin GPT {m['layers']} x {m['d_model']} ({m['params'] / 1e9:.2f}B parameters), "
         f"{m['precision']}, {m['batch']} x {m['seq_len']} tokens a step on {data['world']} rank(s), activation "
-        f"checkpointing, grad_clip {m['grad_clip']:g}; {data['device']}; each variant a fresh process within "
+        f"checkpointing, grad_clip {m['grad_clip']:g}; {data['device']}, FSDP2's process group "
+        f"{data.get('fsdp2_backend', '-')}; {each} within "
         f"{data['total_s']:.0f} s for the call, {data['rounds']} round(s); step = median of steps 2..N-1.",
         "",
         "| variant | steps | step, s | tok/s | MFU | GPU busy | host optimizer, s | PCIe GB a step (H2D / D2H) "
@@ -476,7 +480,8 @@ def gpu_check_status() -> str:
 def dry_run(a: argparse.Namespace, p: dict) -> str:
     n = len(p["jobs"])
     lines = [
-        f"gpu_bench --dry-run: on one CUDA GPU, world {p['world']} over {p['backend']}; runs nothing",
+        f"gpu_bench --dry-run: on one CUDA GPU, world {p['world']} over {p['backend']} (FSDP2: "
+        f"{a.fsdp2_backend}); runs nothing",
         f"model: builtin GPT {a.layers} x {a.d_model}, {p['params'] / 1e9:.2f}B parameters, {a.precision}, "
         f"{a.batch} x {a.seq_len} tokens a step, activation checkpointing, grad_clip {a.grad_clip:g}",
         f"time bound: {a.total_s:.0f} s for the whole call; {RESERVE_S:.0f} s kept for start and render, "
@@ -488,7 +493,11 @@ def dry_run(a: argparse.Namespace, p: dict) -> str:
     ]
     for j in p["jobs"]:
         z = j["cfg"]["zero"]
-        what = json.dumps(z) if z else "FSDP2 fully_shard + CPUOffloadPolicy, torch.optim.AdamW"
+        what = (
+            json.dumps(z)
+            if z
+            else f"FSDP2 fully_shard + CPUOffloadPolicy, torch.optim.AdamW, {a.fsdp2_backend}"
+        )
         lines.append(f"  {j['name']:<20} round {j['round']}: {what}")
     lines += [f"  {n:<20} {why}" for n, why in p["skipped"].items()]
     return "\n".join(lines) + "\n"
@@ -508,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--variants", default=",".join(ALL), help=f"comma-separated, of {','.join(ALL)}")
     ap.add_argument("--nvme-dir", default="/var/tmp/zoff-gpu-bench", help="zero3-nvme's swap files")
+    ap.add_argument("--fsdp2-backend", default="cuda:nccl,cpu:gloo", choices=["cuda:nccl,cpu:gloo", "nccl"],
+                    help="FSDP2's process group on the GPU: torch's FSDP2 example's with CPU offload (gloo "
+                    "reduces its host-side norms), or NCCL alone, where clip_grad_norm_ raises (pytorch #148532)")  # fmt: skip
     benchlib.output_args(ap, JSON)
     a = ap.parse_args(argv)
     if a.render:
@@ -533,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = merged(run_jobs(a, p), p["names"], p["skipped"])
     device = "CPU (gloo): FSDP2's offload moves nothing" if a.cpu_smoke else torch.cuda.get_device_name(0)
     data = {**benchlib.provenance(), "command": cmd, "device": device, "world": p["world"],
+            "fsdp2_backend": "gloo" if a.cpu_smoke else a.fsdp2_backend,
             "mode": "CPU smoke (fp32, not bf16: bf16 matmuls are ~100x slower on a CPU without AVX512)"
             if a.cpu_smoke else "GPU", "rounds": a.rounds, "total_s": a.total_s, "wall_s": time.monotonic() - t0,
             "model": {"layers": a.layers, "d_model": a.d_model, "seq_len": a.seq_len, "batch": a.batch,

@@ -16,13 +16,14 @@ params with fp32 reduction, torch.optim.AdamW as constructed by default, NCCL wi
 trains unclipped and the row says so).
 
 Each variant is a fresh process with a time budget (the call's time left, shared by the variants still to
-run): steps until the budget nears its end, then one under torch's profiler (its CUDA memcpy bytes: PCIe).
+run): steps until the budget nears its end, the second under torch's profiler (its CUDA memcpy bytes: PCIe).
 docs/gpus.md ("The GPU benchmark") describes the metrics and the device-time plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -45,7 +46,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from zoff.config import config_from_dict
 from zoff.data import GlobalBatches, load_corpus
 from zoff.engine.partition import default_decay
-from zoff.errors import UserError
 from zoff.models import build_model, enable_activation_checkpointing, meta_model, model_flops_per_token
 from zoff.planning.disk_room import check_swap_path
 from zoff.trainer.loss import forward_loss
@@ -86,22 +86,6 @@ def config_dict(a: argparse.Namespace, zero: dict) -> dict:
     }  # fmt: skip
 
 
-def _mark(device: torch.device):
-    """A point on the compute stream (a CUDA event) or the host's clock (CPU)."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
-
-
-def _span(a, b) -> float:
-    if isinstance(a, float):
-        return b - a
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3
-
-
 def _all(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
@@ -110,15 +94,22 @@ def _all(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> float:
 
 def one_step(step: int, job: dict, device: torch.device, fwd_bwd, opt_step) -> dict:
     """One training step: forward+backward between two marks, then the optimizer; the mean loss over ranks."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
-    sync(device)
-    t0, start = time.perf_counter(), _mark(device)
+    cuda = device.type == "cuda"  # (CUDA events on the compute stream there, the host's clock on a CPU)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+    if cuda:
+        torch.cuda.synchronize(device)
+        marks[0].record()
+    t0 = time.perf_counter()
     local = fwd_bwd(step, job["lr"])
-    backward = _mark(device)
+    t1 = time.perf_counter()
+    if cuda:
+        marks[1].record()
     extra = opt_step(step, job["lr"])
     loss = _all(float(local), device) / dist.get_world_size()  # (waits for the device)
-    sync(device)
-    return {"step_s": time.perf_counter() - t0, "fwd_bwd_s": _span(start, backward), "loss": loss, **extra}
+    if cuda:
+        torch.cuda.synchronize(device)
+    fwd_bwd_s = marks[0].elapsed_time(marks[1]) / 1e3 if cuda else t1 - t0
+    return {"step_s": time.perf_counter() - t0, "fwd_bwd_s": fwd_bwd_s, "loss": loss, **extra}
 
 
 def profiled_step(step: int, job: dict, device: torch.device, fwd_bwd, opt_step) -> tuple[dict, dict | None]:
@@ -133,17 +124,20 @@ def profiled_step(step: int, job: dict, device: torch.device, fwd_bwd, opt_step)
             events = json.loads(Path(f"{d}/trace.json").read_text()).get("traceEvents", [])
         except (OSError, ValueError) as e:
             return row, {"error": f"{type(e).__name__}: {e}"[:200]}
+    if device.type != "cuda":
+        return row, None
+    if not any(e.get("cat") == "kernel" for e in events):  # (no zeros where CUPTI recorded nothing)
+        return row, {"error": "the trace holds no CUDA kernel: the profiler saw no device activity"}
     copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
     moved = lambda way: sum(e.get("args", {}).get("bytes", 0) for e in copies if way in e.get("name", ""))  # noqa: E731
     secs = sum(e.get("dur", 0) for e in copies) / 1e6
-    pcie = {"h2d_bytes": moved("HtoD"), "d2h_bytes": moved("DtoH"), "copy_s": secs}
-    return row, pcie if device.type == "cuda" else None  # fmt: skip
+    return row, {"h2d_bytes": moved("HtoD"), "d2h_bytes": moved("DtoH"), "copy_s": secs}
 
 
 def measure(job: dict, device: torch.device, fwd_bwd, opt_step) -> dict:
-    """Steps until the job's budget nears its end (at least job["min_steps"], at most job["steps"]), then the
-    profiled one where time allows; every rank agrees on each decision. Rank 0 saves the rows after each
-    step: a run stopped at its budget still reports the steps it made."""
+    """Steps until the job's budget nears its end (at least job["min_steps"], at most job["steps"]), the second
+    under torch's profiler (its PCIe bytes; left out of the timings); every rank agrees on each decision.
+    Rank 0 saves the rows after each step: a run stopped at its budget still reports the steps it made."""
     rows, step, deadline = [], 0, job["deadline"]
 
     def keep(row: dict) -> None:
@@ -151,28 +145,29 @@ def measure(job: dict, device: torch.device, fwd_bwd, opt_step) -> dict:
         row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         rows.append(row)
         if dist.get_rank() == 0:
-            torch.save({"rows": rows, "peak_flops": job["peak_flops"]}, job["partial"])
+            _save({"rows": rows, "peak_flops": job["peak_flops"]}, job["partial"])
 
     while True:
-        keep(one_step(step, job, device, fwd_bwd, opt_step))
+        if step == 1:
+            row, pcie = profiled_step(step, job, device, fwd_bwd, opt_step)
+            keep({**row, "profiled": True, "pcie": pcie})
+        else:
+            keep(one_step(step, job, device, fwd_bwd, opt_step))
         step += 1
         est = max(r["step_s"] for r in rows[-2:])
         more = step < job["steps"] and (step < job["min_steps"] or time.monotonic() + 3 * est < deadline)
         if not _all(float(more), device, dist.ReduceOp.MIN):
-            break
-    if _all(float(time.monotonic() + 3 * est < deadline), device, dist.ReduceOp.MIN):
-        row, pcie = profiled_step(step, job, device, fwd_bwd, opt_step)
-        keep({**row, "profiled": True, "pcie": pcie})
-    return summary(rows, job, job["peak_flops"])
+            return summary(rows, job, job["peak_flops"])
 
 
 def summary(rows: list[dict], job: dict, peak: float | None) -> dict:
-    """A variant's figures from its steps' rows: the medians of steps 2..N-1 (the profiled step left out)."""
+    """A variant's figures from its steps' rows: the medians of steps 3..N-1 (the first warms up, the second
+    is profiled)."""
     timed = [r for r in rows[1:] if not r.get("profiled")] or rows
     timed = timed[:-1] if len(timed) > 1 else timed  # an overlapped step's walk ends after the last
     step_s = statistics.median(r["step_s"] for r in timed)
     tok_s = job["tokens_per_step"] / step_s
-    pcie = rows[-1].get("pcie") if rows[-1].get("profiled") else None
+    pcie = next((r["pcie"] for r in rows if r.get("profiled")), None)
     if pcie and "h2d_bytes" in pcie:
         pcie["gbps"] = (pcie["h2d_bytes"] + pcie["d2h_bytes"]) / step_s / 1e9
     out = {"status": "ok", "steps": len(rows), "timed_steps": len(timed), "step_s": step_s, "tok_s": tok_s,
@@ -211,10 +206,14 @@ def zoff_job(job: dict, device: torch.device) -> dict:
                 "disk_read_bytes": disk("_read_bytes"), "disk_written_bytes": disk("_written_bytes")}  # fmt: skip
 
     try:
-        return measure(job, device, fwd_bwd, opt_step)
-    finally:
-        e.flush()
-        e.close()
+        out = measure(job, device, fwd_bwd, opt_step)
+    except BaseException:
+        with contextlib.suppress(Exception):  # (the row reports the first error, not the close's)
+            e.close()
+        raise
+    e.flush()
+    e.close()
+    return out
 
 
 def fsdp2_job(job: dict, device: torch.device) -> dict:
@@ -263,6 +262,12 @@ def fsdp2_job(job: dict, device: torch.device) -> dict:
     return measure(job, device, fwd_bwd, opt_step)
 
 
+def _save(obj: object, path: str) -> None:
+    """torch.save, whole or not at all: a run stopped at its budget may be stopped while writing."""
+    torch.save(obj, path + ".part")
+    os.replace(path + ".part", path)
+
+
 def _entry(rank: int, world: int, port: int, backend: str, jobs: list[dict], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -284,7 +289,7 @@ def _entry(rank: int, world: int, port: int, backend: str, jobs: list[dict], out
             except Exception as e:  # (an out-of-memory variant, a refused config: the row says so)
                 r = {"status": f"failed: {type(e).__name__}: {e}".splitlines()[0][:300]}
             results.append({"name": job["name"], "round": job["round"], "wall_s": time.monotonic() - t0, **r})
-            torch.save(results, Path(out) / f"rank{rank}.pt")
+            _save(results, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -314,7 +319,7 @@ def spawn(jobs: list[dict], world: int, backend: str, timeout_s: float) -> list[
             got.append({"name": j["name"], "round": j["round"], "status": f"no result: {why}"})
             part = Path(out) / f"partial{i}.pt"
             rows = torch.load(part, weights_only=False) if part.exists() else {"rows": []}
-            if len(rows["rows"]) >= 2:  # the steps it made: their figures, marked
+            if len(rows["rows"]) >= 3:  # the steps it made: their figures, marked
                 got[-1] |= summary(rows["rows"], j, rows["peak_flops"]) | {"status": "ok", "note": why}
     return got
 
@@ -331,16 +336,16 @@ def plan(a: argparse.Namespace) -> dict:
     skipped, jobs = {}, []
     for n in (n for n in names if n.startswith("zero3-nvme")):
         cfg = config_from_dict(config_dict(a, zero_section(n, nvme)))
-        try:
+        try:  # zoff's own plan of its swap files against the folder's room (UserError), host_budget's RAM out
             check_swap_path(cfg, meta_model(cfg.model)) if Path(nvme).is_dir() else None
-        except UserError as e:  # (its bytes: zoff's plan of the swap files, host_budget auto's RAM kept out)
+        except Exception as e:
             skipped[n] = f"skipped: {e}".splitlines()[0]
     for r in range(a.rounds):
         for n in names if r % 2 == 0 else names[::-1]:
             if n not in skipped:
                 cfg = config_dict(a, {} if n == "fsdp2-offload" else zero_section(n, nvme))
                 jobs.append({"name": n, "round": r + 1, "kind": "fsdp2" if n.startswith("fsdp2") else "zoff",
-                             "cfg": cfg, "lr": 1e-4, "steps": a.steps, "min_steps": min(a.steps, 4),
+                             "cfg": cfg, "lr": 1e-4, "steps": a.steps, "min_steps": min(a.steps, 5),
                              "tail_s": a.tail_s, "precision": a.precision,
                              "world": a.world, "tokens_per_step": a.batch * a.seq_len * a.world,
                              "flops_per_token": flops})  # fmt: skip
@@ -421,6 +426,8 @@ def _row(r: dict) -> str:
         notes.append(f"disk {max(r['disk_read_bytes']) / 1e9:.1f} GB read a step")
     if set(r.get("clip") or ["ok"]) != {"ok"}:
         notes.append("clip_grad_norm_ failed: trained unclipped")
+    if "error" in pcie:
+        notes.append(f"PCIe not measured: {pcie['error']}")
     note = "; ".join(n for n in notes if n)
     return (f"| {r['name']} | {r['steps']} ({r['timed_steps']} timed) | {r['step_s']:.3f} | {r['tok_s']:,.0f} "
             f"| {_f(r['mfu'], '.1%')} | {r['gpu_busy']:.2f} | {r['optimizer_s']:.3f} | {moved} "
@@ -444,7 +451,8 @@ def render(data: dict) -> str:
         f"{m['precision']}, {m['batch']} x {m['seq_len']} tokens a step on {data['world']} rank(s), activation "
         f"checkpointing, grad_clip {m['grad_clip']:g}; {data['device']}, FSDP2's process group "
         f"{data.get('fsdp2_backend', '-')}; {each} within "
-        f"{data['total_s']:.0f} s for the call, {data['rounds']} round(s); step = median of steps 2..N-1.",
+        f"{data['total_s']:.0f} s for the call, {data['rounds']} round(s); step = median of steps 3..N-1 "
+        "(step 1 warms up, step 2 runs under the profiler for the PCIe bytes).",
         "",
         "| variant | steps | step, s | tok/s | MFU | GPU busy | host optimizer, s | PCIe GB a step (H2D / D2H) "
         "| PCIe GB/s | peak GPU, GiB | peak RSS, GiB | last loss | note |",
@@ -522,11 +530,15 @@ def main(argv: list[str] | None = None) -> int:
                     "reduces its host-side norms), or NCCL alone, where clip_grad_norm_ raises (pytorch #148532)")  # fmt: skip
     benchlib.output_args(ap, JSON)
     a = ap.parse_args(argv)
+    if set(a.variants.split(",")) - set(ALL):
+        ap.error(
+            f"--variants: unknown {', '.join(sorted(set(a.variants.split(',')) - set(ALL)))}; of {', '.join(ALL)}"
+        )
     if a.render:
         return benchlib.print_rendered(a.out, render)
     cmd, a.precision, a.world = benchlib.command_line(ap, a, "gpu_bench"), "bf16", 1
     if a.cpu_smoke:  # tiny, fp32 (no fast bf16 kernels on most CPUs), 2 ranks: the same code path
-        a.layers, a.d_model, a.seq_len, a.batch, a.steps, a.precision, a.world = 2, 64, 32, 2, 4, "fp32", 2
+        a.layers, a.d_model, a.seq_len, a.batch, a.steps, a.precision, a.world = 2, 64, 32, 2, 5, "fp32", 2
         a.out = SMOKE_JSON if a.out == JSON else a.out
     elif not a.dry_run and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device here; --dry-run shows what it would run, --cpu-smoke runs it tiny "

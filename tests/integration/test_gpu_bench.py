@@ -51,14 +51,14 @@ def test_the_cpu_smoke_runs_every_variant_and_renders_its_table(tmp_path: Path) 
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["status"])
         assert all(k in r for k in ROW), name
-        assert r["steps"] >= 4 and len(r["losses"]) == r["steps"] and r["timed_steps"] >= 2
+        assert r["steps"] >= 5 and len(r["losses"]) == r["steps"] and r["timed_steps"] >= 2
         assert r["tok_s"] > 0 and 0 < r["gpu_busy"] <= 1 and r["peak_rss_bytes"] > 0
         assert r["mfu"] is None and r["pcie"] is None and r["peak_gpu_bytes"] is None  # (no GPU here)
     assert set(rows["fsdp2-offload"]["clip"]) == {"ok"}  # clip_grad_norm_ runs on gloo
     assert sum(rows["zero3-offload+spec"]["spec_speculated_units"]) > 0
     # the same arithmetic: zoff's variants alike, FSDP2 within fp32's tolerance over every step
     lc = data["loss_check"]
-    assert lc["ok"] is True and lc["steps"] >= 4 and lc["vs_fsdp2"] <= 1e-4 and lc["zoff_spread"] <= 1e-4
+    assert lc["ok"] is True and lc["steps"] >= 5 and lc["vs_fsdp2"] <= 1e-4 and lc["zoff_spread"] <= 1e-4
     table = p.stdout
     assert "| variant | steps | step, s | tok/s | MFU | GPU busy |" in table
     assert all(f"| {name} |" in table for name in VARIANTS)
@@ -82,5 +82,6 @@ def test_the_dry_run_prints_the_gpu_plan_and_its_bound_and_runs_nothing(tmp_path
     assert "3.41B parameters, bf16, 8 x 2048 tokens" in text
     assert "time bound: 420 s for the whole call" in text
     assert all(f"  {name} " in text for name in VARIANTS)
-    assert "CPUOffloadPolicy" in text
+    assert "CPUOffloadPolicy" in text and "cuda:nccl,cpu:gloo" in text
+    assert "scripts/gpu_check.sh: " in text  # whether the session must run it first
     assert not out.exists() and not (tmp_path / "absent").exists()

@@ -258,34 +258,9 @@ def doctor() -> None:
     path is active and why, and each dtype's CPU matmul path with its measured time against fp32's."""
     import json
 
-    import torch
+    from zoff.launch.doctor import machine_report
 
-    from zoff.host.kernels import matmul_path
-    from zoff.host.versions import checked_range, torch_status
-    from zoff.launch.elastic import cores_available
-    from zoff.optim import backend_info
-
-    report = {
-        "torch": torch.__version__,
-        "torch_checked": checked_range(),
-        "torch_status": torch_status(torch.__version__),
-        "cuda": torch.cuda.is_available(),
-        "gpus": torch.cuda.device_count(),
-        "cores": cores_available(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_adam": backend_info(),
-        # the CPU's matmul path per dtype: a 16-bit one without a kernel is ~100x fp32 (train.cpu_precision)
-        "cpu_matmul": {
-            p.dtype: {
-                "kernel": p.kernel,
-                "x_fp32_time": round(p.factor, 1),
-                "slow": p.slow,
-                "source": p.source,
-            }
-            for p in (matmul_path(d) for d in (torch.float32, torch.bfloat16, torch.float16))
-        },
-    }
-    print(json.dumps(report, indent=2, default=str))
+    print(json.dumps(machine_report(), indent=2, default=str))
 
 
 @app.command("ls", epilog=_examples("zoff ls"))

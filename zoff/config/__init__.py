@@ -251,6 +251,8 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError(
             f"train.global_batch_size: {t.global_batch_size} is not a multiple of data.batch_size ({d.batch_size})"
         )
+    if t.sequence_parallel > 1:
+        _check_sequence_parallel(cfg)
     if t.activation_offload and not t.activation_checkpointing:
         raise ConfigError(
             "train.activation_offload: offloads the inputs activation checkpointing keeps; it needs "
@@ -289,15 +291,44 @@ def _check_cross_section(cfg: Config) -> None:
             raise ConfigError(f"optim.betas[{i}]: must be in [0, 1), got {b}")
 
 
+def _check_sequence_parallel(cfg: Config) -> None:
+    """What the config alone says about train.sequence_parallel: the shards' length, the builtin GPT's heads.
+    (The world size and a transformers model's heads are checked where they are known.)"""
+    n, seq = cfg.train.sequence_parallel, cfg.data.seq_len
+    if seq % n:
+        raise ConfigError(
+            f"train.sequence_parallel: {n} does not divide data.seq_len {seq} (each rank holds seq_len / N tokens)"
+        )
+    if cfg.model.name == "gpt" and cfg.model.n_head % n:
+        raise ConfigError(
+            f"train.sequence_parallel: {n} does not divide model.n_head {cfg.model.n_head} (each rank attends "
+            "with n_head / N heads)"
+        )
+
+
+def data_parallel_size(train: TrainConfig, world_size: int) -> int:
+    """The ranks that train different sequences: the world over train.sequence_parallel (whose groups of ranks
+    share each sequence), or one line naming the key."""
+    n = train.sequence_parallel
+    if world_size % n:
+        raise ConfigError(
+            f"train.sequence_parallel: {n} does not divide the world size {world_size} (each group of {n} "
+            "ranks trains the same sequences)"
+        )
+    return world_size // n
+
+
 def derive_grad_accum(train: TrainConfig, micro_batch: int, world_size: int) -> int:
-    """Micro-batches per step on each rank: from global_batch_size when set, else train.grad_accum."""
+    """Micro-batches per step on each rank: from global_batch_size when set, else train.grad_accum. The global
+    batch counts sequences: a sequence-parallel group of ranks trains one micro-batch of them together."""
     if train.global_batch_size is None:
         return train.grad_accum
-    per_step = micro_batch * world_size
+    data_ranks = data_parallel_size(train, world_size)
+    per_step = micro_batch * data_ranks
     if train.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size: {train.global_batch_size} is not divisible by "
-            f"data.batch_size x world size ({micro_batch} x {world_size} = {per_step})"
+            f"data.batch_size x data-parallel ranks ({micro_batch} x {data_ranks} = {per_step})"
         )
     return train.global_batch_size // per_step
 

@@ -262,6 +262,12 @@ class TrainConfig:
     # torch.compile's backend: inductor generates kernels; aot_eager traces and runs torch's own ops (no
     # speed-up: to tell a compile problem from a kernel one)
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    # Ulysses sequence parallelism: each group of this many ranks trains the same sequences, each rank holding
+    # 1/N of their tokens; around attention an all-to-all gives each rank every token of 1/N of the heads
+    # (zoff/models/ulysses.py). N divides the world size, the heads (key/value heads: or N divides them) and
+    # data.seq_len. The global batch stays in sequences; each rank sees data.seq_len / N tokens of each. Costs
+    # two all-to-alls per layer and pass, each ~(q + k + v, or the output) x seq_len x width / N elements a rank.
+    sequence_parallel: int = field(default=1, metadata=_rng(1, 1024))
 
 
 @dataclass(frozen=True)

@@ -27,5 +27,18 @@ class MicroBatch:
     def __iter__(self):  # `x, y = batch`: the inputs and targets, as the pretraining stream always gave
         return iter((self.inputs, self.targets))
 
+    def shard(self, index: int, n: int) -> MicroBatch:
+        """Shard `index` of `n` of every sequence (train.sequence_parallel): its tokens and targets, and their
+        positions in the whole sequence (the model's own, or 0..seq_len-1), which the attention's mask is built
+        from. The loss divisor stays the global batch's."""
+        if n == 1:
+            return self
+        rows, t = self.inputs.shape
+        a, b = index * t // n, (index + 1) * t // n
+        pos = self.position_ids if self.position_ids is not None else torch.arange(t).expand(rows, t)
+        return MicroBatch(
+            self.inputs[:, a:b], self.targets[:, a:b], pos[:, a:b].contiguous(), self.loss_divisor
+        )
+
     def model_kwargs(self, device: torch.device) -> dict[str, torch.Tensor]:
         return {} if self.position_ids is None else {"position_ids": self.position_ids.to(device)}

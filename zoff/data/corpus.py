@@ -1,5 +1,7 @@
 """A corpus as token streams, and the global-batch sampler over it (GlobalBatches): the order is a pure function
-of (seed, step) for the global batch, and rank r takes its contiguous slice."""
+of (seed, step) for the global batch, and data rank r takes its contiguous slice. Under train.sequence_parallel
+N, ranks [r*N, (r+1)*N) are data rank r and each takes its shard of every sequence of the slice: each rank's mean
+loss over its tokens then averages over the world to the global batch's (the shards are equal)."""
 
 from __future__ import annotations
 
@@ -34,10 +36,14 @@ class GlobalBatches:
         rank: int,
         world: int,
         seed: int,
+        sequence_parallel: int = 1,
     ):
         self.corpus, self.seq_len, self.micro_batch = corpus, seq_len, micro_batch
         self.grad_accum, self.rank, self.world, self.seed = grad_accum, rank, world, seed
-        self.global_batch = micro_batch * grad_accum * world
+        # the ranks that share sequences (train.sequence_parallel) read one slice, each its shard of it
+        self.shards, self.shard = sequence_parallel, rank % sequence_parallel
+        self.data_rank, self.data_world = rank // sequence_parallel, world // sequence_parallel
+        self.global_batch = micro_batch * grad_accum * self.data_world  # sequences
         self.num_windows = (len(corpus.train) - 1) // seq_len  # non-overlapping windows make one epoch
         self._perm_epoch, self._perm = -1, torch.empty(0)
 
@@ -45,13 +51,13 @@ class GlobalBatches:
         """Inputs and targets of micro-batch `micro` of this rank at training step `step` (0-based)."""
         first = (
             step * self.global_batch
-            + self.rank * self.micro_batch * self.grad_accum
+            + self.data_rank * self.micro_batch * self.grad_accum
             + micro * self.micro_batch
         )
         windows = (
             torch.stack([self.window_index(i) for i in range(first, first + self.micro_batch)]) * self.seq_len
         )
-        return MicroBatch(*self._xy(self.corpus.train, windows))
+        return MicroBatch(*self._xy(self.corpus.train, windows)).shard(self.shard, self.shards)
 
     def val_batches(self, n_batches: int) -> list[MicroBatch]:
         """The first n global batches of the val split (fixed, unshuffled): this rank's micro-batches of each.
@@ -62,10 +68,11 @@ class GlobalBatches:
         per_rank = self.micro_batch * self.grad_accum
         out = []
         for b in range(n_batches):
-            first = b * self.global_batch + self.rank * per_rank
+            first = b * self.global_batch + self.data_rank * per_rank
             for m in range(self.grad_accum):
                 idx = torch.arange(first + m * self.micro_batch, first + (m + 1) * self.micro_batch) % n_val
-                out.append(MicroBatch(*self._xy(self.corpus.val, idx * self.seq_len)))
+                batch = MicroBatch(*self._xy(self.corpus.val, idx * self.seq_len))
+                out.append(batch.shard(self.shard, self.shards))
         return out
 
     def window_index(self, sample: int) -> torch.Tensor:

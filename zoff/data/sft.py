@@ -367,10 +367,13 @@ class SFTBatches(GlobalBatches):
         rank: int,
         world: int,
         seed: int,
+        sequence_parallel: int = 1,
     ):
         if corpus.seq_len != seq_len:
             raise ValueError(f"the corpus has sequences of {corpus.seq_len} tokens, not {seq_len}")
-        super().__init__(corpus, seq_len, micro_batch, grad_accum, rank, world, seed)  # type: ignore[arg-type]
+        super().__init__(  # type: ignore[arg-type]
+            corpus, seq_len, micro_batch, grad_accum, rank, world, seed, sequence_parallel
+        )
         self.num_windows = len(corpus.train)  # one epoch: every sequence once
         self._step, self._step_idx, self._step_divisor = -1, torch.empty(0), 1.0
 
@@ -381,7 +384,7 @@ class SFTBatches(GlobalBatches):
             idx = torch.stack([self.window_index(s) for s in samples])  # a window is a sequence here
             trained = int(self.corpus.train.trained[idx].sum())
             self._step, self._step_idx, self._step_divisor = step, idx, max(trained, 1) / self.world
-        first = self.rank * self.micro_batch * self.grad_accum + micro * self.micro_batch
+        first = self.data_rank * self.micro_batch * self.grad_accum + micro * self.micro_batch
         idx = self._step_idx[first : first + self.micro_batch]
         return self._batch(self.corpus.train, idx, self._step_divisor)
 
@@ -395,7 +398,7 @@ class SFTBatches(GlobalBatches):
         divisor = trained / (n_batches * self.grad_accum * self.world)
         out = []
         for b in range(n_batches):
-            first = b * self.global_batch + self.rank * self.micro_batch * self.grad_accum
+            first = b * self.global_batch + self.data_rank * self.micro_batch * self.grad_accum
             for m in range(self.grad_accum):
                 at = first + m * self.micro_batch
                 out.append(self._batch(self.corpus.val, every[at : at + self.micro_batch], divisor))
@@ -405,4 +408,6 @@ class SFTBatches(GlobalBatches):
         # Unpacked rows need no position ids (0..seq_len-1 is every model's default): models that cannot take
         # them still train, and none mistakes a row's padding for a packed example.
         pos = split.position_ids[idx] if self.corpus.packed else None
-        return MicroBatch(split.input_ids[idx], split.targets[idx], pos, divisor)
+        return MicroBatch(split.input_ids[idx], split.targets[idx], pos, divisor).shard(
+            self.shard, self.shards
+        )

@@ -19,13 +19,19 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
+        # train.sequence_parallel: attention over the group's whole sequence (models/ulysses.py sets it)
+        self.exchange: Callable | None = None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
-        if mask is None:
+        if self.exchange is not None:  # this rank's tokens, attending over the whole sequence
+            y = self.exchange(q, k, v, positions, dropout=p)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         else:  # packed examples: causal within each example only
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
@@ -51,8 +57,10 @@ class Block(nn.Module):
         self.mlp = MLP(d_model)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), mask))
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask, positions))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -89,6 +97,9 @@ class GPT(nn.Module):
         # what runs a checkpointed block: torch's non-reentrant checkpoint, or train.activation_offload's
         # (trainer/activation_offload.py), which keeps the block's input in host memory
         self.checkpoint_fn: Callable | None = None
+        # train.sequence_parallel: the input is a shard of each sequence, position_ids its positions in the
+        # whole one, and attention builds its mask from the whole sequence's (models/ulysses.py)
+        self.sequence_parallel = False
         for name, p in self.named_parameters():
             if not p.is_meta:
                 self.init_parameter(name, p.data)
@@ -120,14 +131,15 @@ class GPT(nn.Module):
         if t > self.seq_len:
             raise ValueError(f"sequence of length {t} exceeds the model's context of {self.seq_len}")
         pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
-        mask = None if position_ids is None else example_mask(position_ids)
+        mask = None if position_ids is None or self.sequence_parallel else example_mask(position_ids)
+        positions = pos if self.sequence_parallel else None
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keeps only each block's input; the block's activations are recomputed in backward.
-                x = (self.checkpoint_fn or checkpoint)(block, x, mask, use_reentrant=False)
+                x = (self.checkpoint_fn or checkpoint)(block, x, mask, positions, use_reentrant=False)
             else:
-                x = block(x, mask)
+                x = block(x, mask, positions)
         return self.lm_head(self.ln_f(x))
 
 

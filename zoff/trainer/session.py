@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from zoff.checkpoint import Checkpointer
-from zoff.config import Config, derive_grad_accum
+from zoff.config import Config, data_parallel_size, derive_grad_accum
 from zoff.data import GlobalBatches, check_vocab, load_corpus
 from zoff.engine import Comm, ZeroEngine, build_engine
 from zoff.errors import UserError
@@ -21,6 +21,7 @@ from zoff.models import build_for_engine, checks_vocab, enable_activation_checkp
 from zoff.models.packing import packs_examples
 from zoff.models.tiling import tile_mlps
 from zoff.models.twin import base_of
+from zoff.models.ulysses import SequenceGroup, sequence_group, split_attention
 from zoff.models.upcast import upcast_compute
 from zoff.trainer.activation_offload import ActivationOffload
 from zoff.trainer.compile import CompiledBlocks, compile_blocks
@@ -44,6 +45,8 @@ class Session:
     # the plan's line on a 16-bit precision's CPU kernels (zoff.host.kernels), or None
     precision_note: str | None = None
     upcast: bool = False  # train.cpu_precision=upcast: fp32 compute over the 16-bit states (models/upcast.py)
+    # train.sequence_parallel: the ranks this one shares its sequences with, and what their exchanges cost
+    sequence: SequenceGroup = dataclasses.field(default_factory=lambda: SequenceGroup(1, 0))
     writer: MetricsWriter | None = None  # rank 0's metrics (None on the other ranks)
     ckpt: Checkpointer | None = None
     start_step: int = 0  # steps already done (a resumed run's)
@@ -76,6 +79,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
             f"train.mlp_tile: {type(model).__name__} has no MLP to tile (a module named mlp whose class ends in "
             "MLP, or one whose class sets zoff_sequence_wise = True); set the key to 0"
         )
+    data_parallel_size(cfg.train, comm.world)  # (one line if train.sequence_parallel does not divide it)
     accum = derive_grad_accum(cfg.train, cfg.data.batch_size, comm.world)
     engine = build_engine(
         model,
@@ -101,11 +105,26 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         corpus, stream = load_sft_corpus(cfg.data, cfg.train.seed, pack=packs(cfg, model)), SFTBatches
     if checks_vocab(cfg.model):
         check_vocab(corpus, cfg.model.vocab_size)
+    n = cfg.train.sequence_parallel
     batches = stream(
-        corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed
+        corpus, cfg.data.seq_len, cfg.data.batch_size, accum, comm.rank, comm.world, cfg.train.seed, n
     )
+    # (after the data: whether the model packs is tried on a tiny twin of its unsplit attention)
+    sequence = sequence_group(n, cfg.launch.timeout_s)
+    if n > 1:
+        split_attention(model, sequence)
     torch.manual_seed(cfg.train.seed + 1 + comm.rank)  # dropout differs per rank, reproducibly
-    return Session(engine, batches, comm, cfg, corpus.description, compiled, precision_note, upcast=upcast)
+    return Session(
+        engine,
+        batches,
+        comm,
+        cfg,
+        corpus.description,
+        compiled,
+        precision_note,
+        upcast=upcast,
+        sequence=sequence,
+    )
 
 
 def packs(cfg: Config, model: torch.nn.Module, warn: bool = False) -> bool:

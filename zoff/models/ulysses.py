@@ -1,0 +1,294 @@
+"""Ulysses sequence parallelism (train.sequence_parallel N): a group of N ranks trains the same sequences, each
+rank holding 1/N of their tokens, and attention is the one place where tokens meet.
+
+Around attention, one all-to-all turns this rank's queries, keys and values (its s/N tokens, every head) into
+every token of 1/N of the heads; attention runs over the whole sequence for those heads; a second all-to-all
+turns the output back into the rank's own tokens, every head. Everything else a layer does is per token and
+runs on the rank's shard alone. The exchanges are autograd functions whose backward is the other exchange, so
+gradients of a token's loss reach the ranks holding the tokens it attended to; the engine's reduction over the
+world then sums what every rank computed, and each rank's loss is its tokens' share of the global batch's
+(data/corpus.py): the gradient is the one-rank gradient of the same batch.
+
+Masks come from positions, never from a local length: each layer gathers the group's position ids (the
+sequence's, in order) and attends causally within each packed example (and within a sliding window where a
+model has one). Heads divide by N; key/value heads under GQA divide by N, or N divides them and each is
+replicated N / K times before the exchange (each rank then receives the one its query heads share).
+
+Costs, per layer and pass (backward repeats them in reverse): one exchange of (q + k + v) and one of the output,
+each sending (N - 1) / N of a rank's s/N x width elements; one all-gather of s int64 positions."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zoff.errors import UserError
+from zoff.models.gpt import GPT, CausalSelfAttention, example_mask
+from zoff.models.twin import base_of
+
+KEY = "train.sequence_parallel"
+HF_NAME = "zoff_ulysses"  # the transformers attention implementation this module registers
+# transformers model types whose every token-mixing layer is attention through the attention interface, with
+# nothing the exchange would miss (no soft-cap, no sink logits, no linear-attention layers): the rest are
+# refused by name rather than trained with attention that silently sees only the rank's own tokens.
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+@dataclass
+class ExchangeStats:
+    """What the exchanges cost this rank so far (the benchmark reads it): host seconds inside the collectives,
+    elements sent and calls."""
+
+    seconds: float = 0.0
+    elements: int = 0
+    calls: int = 0
+    attention_calls: int = 0  # attention runs that went through the exchange (checked per forward)
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """This rank's place among the ranks that share its sequences: ranks [g*N, (g+1)*N) form group g, and this
+    rank holds shard `index` of each sequence. N == 1: no group, nothing exchanged."""
+
+    size: int
+    index: int
+    group: dist.ProcessGroup | None = None
+    stats: ExchangeStats = field(default_factory=ExchangeStats, compare=False)
+
+
+def sequence_group(n: int, timeout_s: float | None = None) -> SequenceGroup:
+    """This rank's group of `n` (torch.distributed initialised when n > 1). Every rank creates every group, in
+    the same order, as torch requires of new_group."""
+    if n == 1:
+        return SequenceGroup(1, 0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    mine = None
+    for first in range(0, world, n):
+        g = dist.new_group(list(range(first, first + n)), **timeout)
+        if first <= rank < first + n:
+            mine = g
+    return SequenceGroup(n, rank % n, mine)
+
+
+# ------------------------------------------------------------------------------------------ the exchanges
+
+
+def _all_to_all(send: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
+    """Chunk j of `send` (its first dimension) goes to rank j of the group; chunk i of the result came from i."""
+    recv = torch.empty_like(send)
+    t0 = time.perf_counter()
+    dist.all_to_all_single(recv, send, group=sg.group)
+    sg.stats.seconds += time.perf_counter() - t0
+    sg.stats.elements += send.numel() * (sg.size - 1) // sg.size
+    sg.stats.calls += 1
+    return recv
+
+
+def _to_heads(x: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
+    """(b, h, s/N, d) this rank's tokens of every head -> (b, h/N, s, d) every token of this rank's heads."""
+    n, (b, h, sl, d) = sg.size, x.shape
+    send = x.reshape(b, n, h // n, sl, d).transpose(0, 1).contiguous()
+    return _all_to_all(send, sg).permute(1, 2, 0, 3, 4).reshape(b, h // n, n * sl, d)
+
+
+def _to_tokens(y: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
+    """The inverse of _to_heads: (b, h/N, s, d) -> (b, h, s/N, d)."""
+    n, (b, hl, s, d) = sg.size, y.shape
+    send = y.reshape(b, hl, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    return _all_to_all(send, sg).transpose(0, 1).reshape(b, n * hl, s // n, d)
+
+
+class _ToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
+        ctx.sg = sg
+        return _to_heads(x, sg)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _to_tokens(grad.contiguous(), ctx.sg), None
+
+
+class _ToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
+        ctx.sg = sg
+        return _to_tokens(y, sg)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _to_heads(grad.contiguous(), ctx.sg), None
+
+
+def _exchange_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sg: SequenceGroup):
+    """q, k, v of this rank's tokens -> of this rank's heads, in one all-to-all where their head sizes agree."""
+    n = sg.size
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return tuple(_ToHeads.apply(t, sg) for t in (q, k, v))
+    b, _, sl, d = q.shape
+    heads = [t.shape[1] for t in (q, k, v)]
+    # each rank's chunk holds its q heads, then its k heads, then its v heads: one exchange for the three
+    joined = torch.cat([t.reshape(b, n, t.shape[1] // n, sl, d) for t in (q, k, v)], dim=2)
+    mixed = _ToHeads.apply(joined.reshape(b, -1, sl, d), sg)
+    return mixed.split([h // n for h in heads], dim=1)
+
+
+def _gather_positions(position_ids: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
+    """The whole sequence's position ids (rows, s), from every rank's (rows, s/N)."""
+    parts = [torch.empty_like(position_ids) for _ in range(sg.size)]
+    dist.all_gather(parts, position_ids.contiguous(), group=sg.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _mask(positions: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """None where plain causal attention is right (one example per row, no window), else (rows, 1, s, s)."""
+    s = positions.shape[-1]
+    plain = torch.equal(positions, torch.arange(s, device=positions.device).expand_as(positions))
+    if plain and window is None:
+        return None
+    mask = example_mask(positions)
+    if window is not None:  # transformers' sliding window: query i sees keys j with i - j < window
+        idx = torch.arange(s, device=positions.device)
+        mask = mask & ((idx.view(-1, 1) - idx.view(1, -1)) < window)
+    return mask
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position_ids: torch.Tensor,
+    sg: SequenceGroup,
+    dropout: float = 0.0,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's tokens over the whole sequence. q (b, H, s/N, d), k and v (b, K, s/N, d),
+    position_ids (b or 1, s/N) of this rank's tokens in the whole sequence -> (b, H, s/N, d)."""
+    n, kv = sg.size, k.shape[1]
+    if (
+        kv % n
+    ):  # fewer key/value heads than ranks (N % K == 0 is checked): each rank receives the one it needs
+        k, v = (t.repeat_interleave(n // kv, dim=1) for t in (k, v))
+    q, k, v = _exchange_qkv(q, k, v, sg)
+    if k.shape[1] != q.shape[1]:  # GQA: the local query heads share the local key/value heads, in order
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    mask = _mask(_gather_positions(position_ids, sg), window)
+    if mask is not None and mask.shape[0] != q.shape[0]:
+        mask = mask.expand(q.shape[0], *mask.shape[1:])
+    y = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale
+    )
+    sg.stats.attention_calls += 1
+    return _ToTokens.apply(y, sg)
+
+
+# ------------------------------------------------------------------------------- fitting it into a model
+
+
+def check_heads(heads: int, kv_heads: int, n: int, where: str) -> None:
+    """One line naming the key where the heads cannot be split over `n` ranks."""
+    if heads % n:
+        raise UserError(f"{KEY}: {n} does not divide {where}'s {heads} attention heads")
+    if kv_heads % n and n % kv_heads:
+        raise UserError(
+            f"{KEY}: {where}'s {kv_heads} key/value heads neither divide by {n} nor divide it (each rank needs "
+            "whole key/value heads: N divides them, or they are replicated N / K times)"
+        )
+
+
+def split_attention(model: nn.Module, sg: SequenceGroup) -> None:
+    """Make `model`'s attention run over the group's whole sequences (the builtin GPT, or a transformers causal
+    LM of HF_MODEL_TYPES); any other model is refused by name. Each forward then checks that every attention
+    layer went through the exchange."""
+    base = base_of(model)
+    if isinstance(base, GPT):
+        layers = [m for m in base.modules() if isinstance(m, CausalSelfAttention)]
+        check_heads(layers[0].n_head, layers[0].n_head, sg.size, "the model")
+        for m in layers:
+            m.exchange = functools.partial(ulysses_attention, sg=sg)
+        base.sequence_parallel = True
+    else:
+        layers = _split_hf(base, sg)
+    _check_every_forward(model, sg, len(layers), type(base).__name__)
+
+
+def splittable(model: nn.Module, n: int) -> None:
+    """The checks split_attention makes, on a model of any device (the CLI's pre-flight, on the meta model)."""
+    base = base_of(model)
+    if isinstance(base, GPT):
+        heads = next(m for m in base.modules() if isinstance(m, CausalSelfAttention)).n_head
+        check_heads(heads, heads, n, "the model")
+        return
+    _hf_config(base, n)
+
+
+def _hf_config(base: nn.Module, n: int):
+    config = getattr(base, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in HF_MODEL_TYPES:
+        raise UserError(
+            f"{KEY}: {type(base).__name__} cannot be split over ranks (zoff splits the builtin GPT and "
+            f"transformers' {', '.join(HF_MODEL_TYPES)} models: their every layer attends through transformers' "
+            "attention interface); set the key to 1"
+        )
+    heads = config.num_attention_heads
+    check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, n, type(base).__name__)
+    return config
+
+
+def _split_hf(base: nn.Module, sg: SequenceGroup) -> list[nn.Module]:
+    from transformers import AttentionInterface  # (transformers models only)
+
+    _hf_config(base, sg.size)
+    AttentionInterface.register(HF_NAME, lambda *a, **kw: _hf_attention(sg, *a, **kw))
+    base.set_attn_implementation(HF_NAME)
+    layers = [m for m in base.modules() if type(m).__name__.endswith("Attention")]
+    if base.config._attn_implementation != HF_NAME or not layers:
+        raise UserError(f"{KEY}: {type(base).__name__} does not take transformers' attention implementations")
+    return layers
+
+
+def _hf_attention(
+    sg: SequenceGroup, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw
+):
+    """transformers' attention interface: (b, H, s/N, d) states of this rank's tokens -> ((b, s/N, H, d), None).
+    The model builds no mask for an implementation it does not know: positions make it here."""
+    if kw.get("softcap") is not None or kw.get("s_aux") is not None:
+        raise UserError(
+            f"{KEY}: {type(module).__name__} uses a soft-cap or sink logits, which zoff cannot split"
+        )
+    position_ids = kw.get("position_ids")
+    if position_ids is None:
+        raise RuntimeError(f"{KEY}: {type(module).__name__} was called without position_ids")
+    y = ulysses_attention(
+        query, key, value, position_ids, sg, dropout, scaling, window=kw.get("sliding_window")
+    )
+    return y.transpose(1, 2), None
+
+
+def _check_every_forward(model: nn.Module, sg: SequenceGroup, layers: int, name: str) -> None:
+    """A layer that attends around the exchange would see only its rank's tokens and train on a plausible wrong
+    number: each forward counts the layers that went through it, and fewer than the model has is an error."""
+    before = []
+
+    def pre(_module, _args):
+        before.append(sg.stats.attention_calls)
+
+    def post(_module, _args, _out):
+        ran = sg.stats.attention_calls - before.pop()
+        if ran < layers:
+            raise RuntimeError(
+                f"{KEY}: only {ran} of {name}'s {layers} attention layers went through the sequence exchange"
+            )
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post)

@@ -334,6 +334,8 @@ def _preflight(cfg: Config) -> nn.Module:
         raise UserError(f"{invalid[0]}: {invalid[1]}")
     with torch.device("meta"):
         model = build_model(cfg.model)
+    if cfg.train.sequence_parallel > 1:
+        _check_sequence_parallel(cfg, model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     if cfg.train.loss_tile:
@@ -360,6 +362,19 @@ def _preflight(cfg: Config) -> nn.Module:
                 "log.tensorboard: needs the tensorboard package (pip install zoff[tensorboard])"
             ) from None
     return model
+
+
+def _check_sequence_parallel(cfg: Config, model: nn.Module) -> None:
+    """train.sequence_parallel divides every world size the launch may have, and the model's heads."""
+    from zoff.config import data_parallel_size
+    from zoff.models.ulysses import splittable
+
+    low, _, high = cfg.launch.nnodes.partition(":")
+    n = cfg.train.sequence_parallel
+    # (divisibility repeats every n node counts: n of them answer for the whole range)
+    for nodes in range(int(low), min(int(high or low), int(low) + n - 1) + 1):
+        data_parallel_size(cfg.train, cfg.launch.nproc_per_node * nodes)
+    splittable(model, n)
 
 
 def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> str | None:

@@ -58,9 +58,22 @@ def _engine_lines(
         ),
         *([f"  disk tier: {engine.split.describe()}"] if engine.policy.offload_optimizer == "nvme" else []),
         *_speculation_line(engine, gib),
-        f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {engine.comm.world} ranks = "
-        f"{batches.global_batch} sequences of {batches.seq_len} tokens; data: {data_desc}",
+        f"  batch: {batches.micro_batch} x {batches.grad_accum} accum x {_ranks(batches)} = "
+        f"{batches.global_batch} sequences of {batches.seq_len} tokens{_shards(batches)}; data: {data_desc}",
     ] + _stage3_line(plan, engine.zero.block_classes)
+
+
+def _ranks(batches: GlobalBatches) -> str:
+    if batches.shards == 1:
+        return f"{batches.data_world} ranks"
+    return f"{batches.data_world} data ranks (x {batches.shards} sharing each sequence)"
+
+
+def _shards(batches: GlobalBatches) -> str:
+    """train.sequence_parallel: how much of each sequence a rank holds."""
+    if batches.shards == 1:
+        return ""
+    return f", {batches.seq_len // batches.shards} tokens of each per rank (train.sequence_parallel {batches.shards})"
 
 
 def _held_text(engine: ZeroEngine, gib) -> str:

@@ -28,6 +28,7 @@ def train_loop(s: Session) -> list[float]:
         # Summed on the device, read once per step: a .item() per micro-batch would wait for the GPU each time.
         local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         forward_s = backward_s = 0.0  # host seconds (on a GPU, launches and the waits they meet)
+        exchanged_s = s.sequence.stats.seconds  # train.sequence_parallel's all-to-alls, so far
         for micro in range(accum):
             batch = batches.micro_batch_at(step, micro)
             t1 = time.perf_counter()
@@ -65,6 +66,8 @@ def train_loop(s: Session) -> list[float]:
                 "peak_rss_rank": peaks.index(max(peaks)),
                 **engine.last_step_times,  # optimizer and publish seconds; on the disk tier its I/O and waits
             }
+            if s.sequence.size > 1:  # rank 0's seconds in the sequence exchanges (their waits for peers too)
+                record["sequence_exchange_s"] = s.sequence.stats.seconds - exchanged_s
             if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too
                 trained = round(batch.loss_divisor * comm.world)  # the global batch's trained tokens
                 record |= {"trained_tokens": trained, "trained_tokens_per_s": trained / dt}

@@ -161,3 +161,12 @@ def _bypassing_rank(rank: int, world: int) -> str:
 def test_a_layer_around_the_exchange_is_an_error():
     said = spawn(_bypassing_rank, 2)[0]
     assert "only 1 of GPT's 2 attention layers went through the sequence exchange" in said
+
+
+@pytest.mark.grid
+def test_compiled_blocks_with_the_exchange_eager_between_them():
+    """train.compile: each block compiled, the exchange (collectives) left eager inside it."""
+    cfg = _cfg(2, {"stage": 3, "param_persistence_threshold": 64}, compile=True, compile_backend="aot_eager")
+    got = run_zoff(cfg, 2)[0]
+    assert got["compiled_graphs"] > 0
+    _assert_equals_one_rank(got, cfg)

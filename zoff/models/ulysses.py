@@ -176,9 +176,7 @@ def ulysses_attention(
     """Causal attention of this rank's tokens over the whole sequence. q (b, H, s/N, d), k and v (b, K, s/N, d),
     position_ids (b or 1, s/N) of this rank's tokens in the whole sequence -> (b, H, s/N, d)."""
     n, kv = sg.size, k.shape[1]
-    if (
-        kv % n
-    ):  # fewer key/value heads than ranks (N % K == 0 is checked): each rank receives the one it needs
+    if kv % n:  # fewer key/value heads than ranks (N % K == 0 is checked): each rank gets the one it needs
         k, v = (t.repeat_interleave(n // kv, dim=1) for t in (k, v))
     q, k, v = _exchange_qkv(q, k, v, sg)
     if k.shape[1] != q.shape[1]:  # GQA: the local query heads share the local key/value heads, in order

@@ -181,7 +181,7 @@ def estimate(
         False, "--max-model", help="Per policy, the largest of a ladder of GPT shapes (125M..405B) that fits"
     ),
     max_context: bool = typer.Option(
-        False, "--max-context", help="Per policy, the longest context (1K..1M tokens) the config's model fits"
+        False, "--max-context", help="Per policy, the longest context (1K..32M tokens) the config's model fits"
     ),
     disk: str = typer.Option(
         None, "--disk", help="Disk tier per node for swap files, e.g. 4TB (default: free space at nvme_path)"

@@ -25,11 +25,13 @@ class Activations:
     peak: int  # saved, plus with checkpointing one block's recomputed activations
     method: str
     host: int = 0  # train.activation_offload: the checkpointed blocks' inputs, in host memory
+    exchange: int = 0  # train.sequence_parallel: the all-to-alls' moment, bytes held beyond `saved` then
 
 
 def gpt_activations(
     m: ModelConfig, batch: int, seq: int, precision: str, checkpointing: bool, device_type: str = "cuda",
     loss_tile: int = 0, offload: bool = False, mlp_tile: int = 0, upcast: bool = False,
+    sequence_parallel: int = 1,
 ) -> Activations:  # fmt: skip
     """Bytes the builtin GPT saves for backward, op by op (per token, d = d_model, e = compute bytes):
 
@@ -68,11 +70,15 @@ def gpt_activations(
     holds one fp32 copy of the head for all its tiles, that copy's fp32 gradient summing over them, and the
     rounded gradient (10 B x vocab x d); the untiled head's backward its copy and the rounded gradient
     (6 B x vocab x d) beside the logits' fp32 gradient.
+
+    With `sequence_parallel` N (train.sequence_parallel) the bytes are one rank's: everything per token counts
+    seq / N tokens of each sequence, attention's per-score terms still the whole sequence's (each rank attends
+    over all of it for n_head / N heads); what Ulysses adds is ulysses_terms'.
     """
     e = DTYPES[precision].itemsize
     stat = 4 if device_type == "cuda" else e
     mask = (1 if device_type == "cuda" else e) if m.dropout > 0 else 0
-    d, tokens = m.d_model, batch * seq
+    d, tokens, n = m.d_model, batch * seq // sequence_parallel, sequence_parallel
     # CPU attention with dropout runs the math kernel in fp32: probabilities, dropout noise and output per
     # score, and fp32 copies of q, k, v in place of the 16-bit qkv output.
     math_attn = device_type == "cpu" and m.dropout > 0
@@ -82,6 +88,10 @@ def gpt_activations(
     tail = 2 * d * e + 2 * stat + logits + 8 + 8 + d * mask  # + the input ids
     fixed = 8 * seq + (0 if loss_tile else 4)  # position ids and the scalar loss (a tiled one saves none)
     offload = offload and checkpointing
+    exchange = 0  # (train.sequence_parallel's all-to-all: its moment)
+    if n > 1:
+        extra, fixed, exchange = ulysses_terms(d, e, batch, seq, n, loss_tile, checkpointing, offload)
+        block += 0 if math_attn else extra
     kept = (0 if offload else d * e) if checkpointing else block
     saved = tokens * (m.n_layer * kept + tail) + fixed
     if loss_tile:
@@ -99,11 +109,39 @@ def gpt_activations(
     block_moment += tokens * (block - d * e) if checkpointing else 0
     if offload:
         block_moment += 2 * tokens * d * e
-    peak = saved + max(loss_moment, block_moment)
+    # (the exchange comes before the loss's forward or after its backward: the tail's bytes are not held then)
+    exchange = max(0, exchange - tokens * tail) if n > 1 else 0
+    peak = saved + max(loss_moment, block_moment, exchange)
     how = "builtin GPT closed form" + (
         " (flash-attention kernels)" if device_type == "cuda" else " (CPU kernels)"
     )
-    return Activations(saved, peak, how, m.n_layer * tokens * d * e if offload else 0)
+    return Activations(saved, peak, how, m.n_layer * tokens * d * e if offload else 0, exchange)
+
+
+def ulysses_terms(
+    d: int, e: int, batch: int, seq: int, n: int, loss_tile: int, checkpointing: bool, offload: bool
+) -> tuple[int, int, int]:
+    """What train.sequence_parallel N adds to the builtin GPT's bytes on a rank (zoff/models/ulysses.py), as
+    (bytes a block saves per token beyond gpt_activations' 16d, the fixed bytes, the exchange's moment).
+
+    Saved: attention's output arrives from the second all-to-all as a tensor of its own, which the projection
+    saves in token order beside the (b, n_head / N, seq, head_dim) output the attention kernel saved: d more
+    per token (not with CPU attention's math kernel, which saves no output of its own).
+    The shard's position ids are per row (batch x seq / N int64, as copied to the device; a rank of a CPU-only
+    host keeps views of the whole sequence's ids and positions instead, at most 24 B a token of it more).
+
+    The moment, per token of the rank (d x e each): at the first all-to-all the qkv output (3) lives beside the
+    exchange's buffers: its heads concatenated into the send buffer (3), that buffer's permuted copy (3; with
+    one sequence per micro-batch the concatenation is already in order and no copy is made), the received
+    buffer (3) and its permuted copy (3), which attention keeps (saved, without checkpointing). With
+    checkpointing all of it is the recompute's in backward, beside the block's output gradient (1) and its
+    first norm's output (1), and with `offload` the two block inputs on the device (2). The output's exchange
+    moves a third as much. Each layer also gathers the seq int64 positions of every row, and compares them to
+    0..seq-1."""
+    fixed = 8 * batch * seq // n + (0 if loss_tile else 4)
+    buffers = 3 * (4 if batch > 1 else 3)
+    held = buffers + 3 - 3 if not checkpointing else buffers + 5 + (2 if offload else 0)
+    return d * e, fixed, batch * seq // n * held * d * e + 8 * seq * (2 * batch + 1)
 
 
 def saved_bytes(model: nn.Module, fn) -> int:
@@ -184,20 +222,39 @@ def _mask_checks_skipped() -> Iterator[None]:
 def activations(
     m: ModelConfig, d: DataConfig, precision: str, checkpointing: bool, device_type: str = "cuda",
     loss_tile: int = 0, offload: bool = False, mlp_tile: int = 0, upcast: bool = False,
+    sequence_parallel: int = 1,
 ) -> Activations:  # fmt: skip
     """The builtin GPT's closed form; other models' meta-device probe (which does not model `offload`, nor
-    `upcast`'s weight copies: it runs in `precision`, the activations')."""
+    `upcast`'s weight copies: it runs in `precision`, the activations'), at a rank's seq / N tokens under
+    train.sequence_parallel N with the all-to-all's moment from the model's heads (probe_exchange)."""
     if has_analytic_activations(m):
         return gpt_activations(
-            m,
-            d.batch_size,
-            d.seq_len,
-            precision,
-            checkpointing,
-            device_type,
-            loss_tile,
-            offload,
-            mlp_tile,
-            upcast,
-        )
-    return probe_activations(m, d.batch_size, d.seq_len, precision, checkpointing, mlp_tile)
+            m, d.batch_size, d.seq_len, precision, checkpointing, device_type, loss_tile, offload, mlp_tile,
+            upcast, sequence_parallel,
+        )  # fmt: skip
+    n = sequence_parallel
+    act = probe_activations(m, d.batch_size, d.seq_len // n, precision, checkpointing, mlp_tile)
+    if n == 1 or act.method.startswith("not available"):
+        return act
+    moment = probe_exchange(m, d.batch_size * d.seq_len // n, n, DTYPES[precision].itemsize, checkpointing)
+    how = f"{act.method}: a rank's tokens under train.sequence_parallel {n}, attending over them alone (the run's "
+    how += "attention spans the whole sequence for 1/N of the heads), plus the all-to-all's buffers"
+    return Activations(act.saved, max(act.peak, act.saved + moment), how, exchange=moment)
+
+
+def probe_exchange(m: ModelConfig, tokens: int, n: int, e: int, checkpointing: bool) -> int:
+    """The all-to-all's moment for a transformers model (zoff/models/ulysses.py), a rank's `tokens` of it, from
+    its config's heads: the projections' q, k, v, key/value heads replicated to N where N does not divide
+    them, then the joined send buffer, its permuted copy, the received buffer and its permuted copy (four of
+    the exchanged width); with checkpointing, as the builtin GPT's, the block's output gradient and its norm's
+    output (2 x hidden). 0 for a model without those keys (which cannot be split: ulysses refuses it)."""
+    config = getattr(meta_model(m), "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return 0
+    hidden = config.hidden_size
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or hidden // heads
+    sent = kv if kv % n == 0 else n  # (replicated to N: ulysses_attention's repeat_interleave)
+    width = (heads + 2 * kv + (2 * sent if sent != kv else 0) + 4 * (heads + 2 * sent)) * hd
+    return tokens * e * (width + (2 * hidden if checkpointing else 0))

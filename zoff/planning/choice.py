@@ -1,13 +1,17 @@
 """Which policy a run gets: the fastest that fits a budget (suggest_policy, `zoff estimate --suggest`) and
 `zero: auto` (resolve_auto), from memory.estimate's rows with the stage-3 fallbacks memory.fit_gathering
-chose."""
+chose; where no policy fits one sequence, the smallest train.sequence_parallel N that makes one fit
+(suggest_split)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from zoff.config import DataConfig, ModelConfig, TrainConfig, ZeroConfig
 from zoff.engine.policy import Policy
 from zoff.errors import UserError
-from zoff.planning.memory import Budget, Estimate, PolicyEstimate, changes_text, estimate_to_fit
+from zoff.planning.memory import Budget, Estimate, PolicyEstimate, changes_text, estimate_to_fit, shapes
+from zoff.planning.sequence import choices
 from zoff.planning.speculation_costs import swap_free_bytes
 from zoff.units import human
 
@@ -74,9 +78,11 @@ def resolve_auto(
     local_ranks: int | None = None,
     shared: bool = False,
     device_type: str = "cuda",
-) -> tuple[int, str, str, bool, str, dict]:
+    split: bool = True,
+) -> tuple[int, str, str, bool, str, dict, int]:
     """`zero: auto`: (stage, offload_optimizer device, offload_param device, activation checkpointing, reason,
-    the zero-section changes its stage 3 needs to fit: {} for none; fit_gathering).
+    the zero-section changes its stage 3 needs to fit: {} for none; fit_gathering, train.sequence_parallel:
+    the configured N, or with `split` the smallest larger one that makes a policy fit where none fits at it).
 
     local_ranks defaults to world (one node); shared means the ranks run on the host (no GPU) and share
     cpu_bytes. Raises UserError when nothing fits.
@@ -89,6 +95,13 @@ def resolve_auto(
         model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type, budget
     )
     pe, reason = suggest_policy(est, budget)
+    n = train_cfg.sequence_parallel
+    if pe is None and split:
+        found = suggest_split(
+            model_cfg, data_cfg, train_cfg, zero_cfg, local, world // local, device_type, budget
+        )
+        if found is not None:
+            pe, reason, n = found
     if pe is None:
         raise UserError(f"zero: auto: {reason}")
     p = pe.policy
@@ -99,7 +112,60 @@ def resolve_auto(
         p.activation_checkpointing,
         reason,
         dict(pe.zero_changes),
+        n,
     )
+
+
+def suggest_split(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    train_cfg: TrainConfig,
+    zero_cfg: ZeroConfig,
+    gpus_per_node: int,
+    nodes: int,
+    device_type: str,
+    budget: Budget,
+) -> tuple[PolicyEstimate, str, int] | None:
+    """Where no policy fits at the configured train.sequence_parallel: the smallest larger N that divides the
+    world, data.seq_len and the heads (sequence.choices) at which one does, as (its fastest policy's row, the
+    reason naming N, N); None where no N makes one fit. The global batch stays (with_sequence_parallel)."""
+    n0, world = train_cfg.sequence_parallel, gpus_per_node * nodes
+    for n in choices(shapes(model_cfg), data_cfg.seq_len, n0, gpus_per_node, nodes):
+        train = with_sequence_parallel(train_cfg, data_cfg, n, world)
+        if train is None:
+            continue
+        est = estimate_to_fit(model_cfg, data_cfg, train, zero_cfg, gpus_per_node, nodes, device_type, budget)
+        pe, reason = suggest_policy(est, budget)
+        if pe is not None:
+            return pe, _split_reason(reason, n, train_cfg, train, data_cfg, world), n
+    return None
+
+
+def _split_reason(
+    reason: str, n: int, was: TrainConfig, now: TrainConfig, data: DataConfig, world: int
+) -> str:
+    """suggest_policy's reason at N = n, led by N and why it was chosen."""
+    accum = (
+        f"; grad_accum {now.grad_accum} keeps the global batch" if now.grad_accum != was.grad_accum else ""
+    )
+    return (
+        f"train.sequence_parallel: {n}, {reason} (no policy fits {data.batch_size} sequence(s) of {data.seq_len:,} "
+        f"tokens at train.sequence_parallel {was.sequence_parallel}; {n} is the smallest N that divides the world "
+        f"of {world}, data.seq_len and the heads and makes one fit: each GPU holds 1/{n} of every sequence's "
+        f"tokens{accum})"
+    )
+
+
+def with_sequence_parallel(train: TrainConfig, data: DataConfig, n: int, world: int) -> TrainConfig | None:
+    """`train` at train.sequence_parallel N with its global batch (sequences per step) kept: grad_accum times
+    N / the configured N where the batch follows from it, train.global_batch_size as set where the world / N
+    data-parallel ranks divide it (else None: no N of the kind keeps it)."""
+    if train.global_batch_size is None:
+        accum = train.grad_accum * n // train.sequence_parallel  # (choices() gives multiples of it)
+        return dataclasses.replace(train, sequence_parallel=n, grad_accum=accum)
+    if train.global_batch_size % (data.batch_size * world // n):
+        return None
+    return dataclasses.replace(train, sequence_parallel=n)
 
 
 def _budget_text(b: Budget) -> str:

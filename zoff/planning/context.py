@@ -3,14 +3,16 @@
 Every number comes from zoff.planning.memory.estimate() and PolicyEstimate.fits(), as `--max-model`'s do
 (capacity.py); this module only searches the context length. The config's model keeps its shape and the
 micro-batch its sequence count; the context (model.seq_len and data.seq_len together: the builtin GPT's
-learned positions grow with it) is tried at 1K, 2K, ... 1M tokens, then narrowed to STEP tokens between the
+learned positions grow with it) is tried at 1K, 2K, ... 32M tokens, then narrowed to STEP tokens between the
 longest length that fits and the next. One estimate() per length answers every policy, and lengths are
-shared between policies, so a table costs a few dozen estimates.
+shared between policies, so a table costs a few dozen estimates. Under train.sequence_parallel N each rank
+holds seq / N tokens of the sequence, and the lengths are multiples of N as well (step_of).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 
@@ -26,11 +28,19 @@ from zoff.planning.memory import (
     estimate,
     fit_gathering,
     mlp_tiles,
+    shapes,
 )
+from zoff.planning.sequence import check as check_sequence
 from zoff.units import human
 
 STEP = 1024  # the answer's granularity, in tokens
-LADDER = tuple(STEP << k for k in range(11))  # 1K .. 1M tokens
+RUNGS = 16
+LADDER = tuple(STEP << k for k in range(RUNGS))  # 1K .. 32M tokens
+
+
+def step_of(n: int) -> int:
+    """The granularity at train.sequence_parallel N: STEP tokens, and a multiple of N (each rank holds seq / N)."""
+    return STEP * n // math.gcd(STEP, n)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class ContextCapacity:
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
+    step: int = STEP  # step_of(train.sequence_parallel): the lengths tried are its multiples
 
 
 def max_context(
@@ -70,7 +81,12 @@ def max_context(
     *,
     disk_source: str = "given",
 ) -> ContextCapacity:
-    """Per policy, the longest context (a multiple of STEP up to the ladder's top) whose estimate fits."""
+    """Per policy, the longest context (a multiple of step_of(N) up to the ladder's top) whose estimate fits; one
+    line where train.sequence_parallel N does not divide the world or the heads."""
+    n = train.sequence_parallel
+    step = step_of(n)
+    ladder = tuple(step << k for k in range(RUNGS))
+    check_sequence(shapes(model), step, n, gpus_per_node, nodes)
     memo: dict[int, Estimate] = {}
 
     def at(seq: int) -> dict[Policy, PolicyEstimate]:
@@ -90,20 +106,22 @@ def max_context(
 
     answers = []
     for policy in row_order():
-        fits = [seq for seq in LADDER if at(seq)[policy].fits(budget)]
+        fits = [seq for seq in ladder if at(seq)[policy].fits(budget)]
         if not fits:
-            answers.append(ContextAnswer(policy, None, ContextFit(STEP, at(STEP)[policy])))
+            answers.append(ContextAnswer(policy, None, ContextFit(step, at(step)[policy])))
             continue
         lo = fits[-1]  # the longest ladder length that fits; needs grow with the length between rungs
-        if lo == LADDER[-1]:
+        if lo == ladder[-1]:
             answers.append(ContextAnswer(policy, ContextFit(lo, at(lo)[policy]), None))
             continue
         hi = lo * 2  # does not fit
-        while hi - lo > STEP:
-            mid = (lo + hi) // 2 // STEP * STEP
+        while hi - lo > step:
+            mid = (lo + hi) // 2 // step * step
             lo, hi = (mid, hi) if at(mid)[policy].fits(budget) else (lo, mid)
         answers.append(ContextAnswer(policy, ContextFit(lo, at(lo)[policy]), ContextFit(hi, at(hi)[policy])))
-    return ContextCapacity(tuple(answers), budget, disk_source, gpus_per_node, nodes, model, data, train)
+    return ContextCapacity(
+        tuple(answers), budget, disk_source, gpus_per_node, nodes, model, data, train, step
+    )
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -124,6 +142,8 @@ def to_json(cap: ContextCapacity) -> dict:
         "note": NOTE,
         "model": cap.model.name, "batch_size": cap.data.batch_size, "precision": cap.train.precision,
         "loss_tile": cap.train.loss_tile, "gpus_per_node": cap.gpus_per_node, "nodes": cap.nodes,
+        # ranks sharing each sequence: the bytes are one rank's, of seq_len / N tokens of every sequence
+        "sequence_parallel": cap.train.sequence_parallel,
         "memory": memory_json(b, cap.disk_source),
         "policies": [
             {**a.policy.to_dict(), "name": a.policy.name, "label": row_label(a.policy),
@@ -135,7 +155,14 @@ def to_json(cap: ContextCapacity) -> dict:
 
 
 def _tokens(n: int) -> str:
+    if n % (1 << 20) == 0:
+        return f"{n >> 20:,}M"
     return f"{n // 1024:,}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def top(cap: ContextCapacity) -> int:
+    """The ladder's longest length: an answer there is a lower bound."""
+    return cap.step << (RUNGS - 1)
 
 
 def render(cap: ContextCapacity) -> None:
@@ -144,8 +171,11 @@ def render(cap: ContextCapacity) -> None:
 
     b = cap.budget
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 180)
+    n = cap.train.sequence_parallel
+    split = f", each sequence split over {n} of them (train.sequence_parallel)" if n > 1 else ""
     table = Table(
-        title=f"Longest context each policy trains (estimated) on {cap.gpus_per_node} GPU(s) x {cap.nodes} node(s)",
+        title=f"Longest context each policy trains (estimated) on {cap.gpus_per_node} GPU(s) x {cap.nodes} node(s)"
+        + split,
         title_justify="left",
     )
     for col in (
@@ -159,7 +189,7 @@ def render(cap: ContextCapacity) -> None:
     ):
         table.add_column(col, justify="left" if col in ("policy", "next needs") else "right")
     for a in cap.answers:
-        nxt = "- (1M tokens: a lower bound)"
+        nxt = f"- ({_tokens(top(cap))} tokens: a lower bound)"
         if a.next is not None:
             over = limited_by(a.next.pe, b)
             sizes = {"gpu": human(a.next.pe.gpu_bytes), "cpu": human(a.next.pe.cpu_bytes_per_node),
@@ -178,8 +208,11 @@ def render(cap: ContextCapacity) -> None:
     tile = f"loss tile {cap.train.loss_tile}" if cap.train.loss_tile else "untiled loss (train.loss_tile)"
     lines = [
         memory_line(b, cap.disk_source),
-        f"model: {cap.model.name} as configured, context (model.seq_len = data.seq_len) searched in {STEP}-token "
-        f"steps up to 1M; micro-batch {cap.data.batch_size} sequence(s), {cap.train.precision}, {tile}",
+        f"model: {cap.model.name} as configured, context (model.seq_len = data.seq_len) searched in {cap.step}-token "
+        f"steps up to {_tokens(top(cap))}; micro-batch {cap.data.batch_size} sequence(s), {cap.train.precision}, {tile}",
+        *([f"per GPU: 1/{n} of every sequence's tokens (activations, the loss and the MLP on them); attention "
+           f"over the whole sequence for 1/{n} of the heads, two all-to-alls a layer; ZeRO shards over all "
+           f"{cap.gpus_per_node * cap.nodes} GPUs"] if n > 1 else []),
         *(["*: stage 3 with its layers gathered part by part there: " + "; ".join(sorted(
             {changes_text(a.longest.pe.zero_changes) for a in cap.answers if a.longest and a.longest.pe.zero_changes}
         ))] if any(a.longest and a.longest.pe.zero_changes for a in cap.answers) else []),

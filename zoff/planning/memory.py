@@ -29,6 +29,7 @@ from zoff.planning.activations import Activations, activations
 from zoff.planning.buffers import device_buffers, finer_gathering
 from zoff.planning.buffers import pending_gradients as pending_gradients  # (re-exported: tests read it here)
 from zoff.planning.buffers import stage3_working_set as stage3_working_set
+from zoff.planning.sequence import check as check_sequence
 from zoff.planning.speculation_costs import Spending, spending, swap_free_bytes
 
 GPU_KEYS = ("params", "grads", "optimizer_states", "buffers", "activations")
@@ -98,6 +99,10 @@ class Estimate:
     # sharding it: transient, but it must fit too. Keys cpu_bytes_per_node, gpu_bytes.
     startup: dict[str, int]
     notes: tuple[str, ...] = field(default=())
+    # train.sequence_parallel: ranks sharing each sequence (the bytes are one rank's), and the all-to-alls'
+    # moment within the activations, without and with checkpointing
+    sequence_parallel: int = 1
+    exchange: tuple[int, int] = (0, 0)
 
     def get(self, policy: Policy) -> PolicyEstimate:
         return next(p for p in self.policies if p.policy == policy)
@@ -151,10 +156,12 @@ def estimate(
     the disk tier (default: this host's MemTotal). disk_free: a node's free bytes at nvme_path, shared by its
     ranks, where the disk tier's second slots for speculation fit beside the swap files (None: not limited)."""
     train_cfg, act_precision = _as_computed(train_cfg, device_type)
-    world, precision = gpus_per_node * nodes, train_cfg.precision
+    world, precision, n = gpus_per_node * nodes, train_cfg.precision, train_cfg.sequence_parallel
+    model = shapes(model_cfg)
+    check_sequence(model, data_cfg.seq_len, n, gpus_per_node, nodes)  # (one line where N cannot split it)
     gbs = train_cfg.global_batch_size  # (not derive_grad_accum: this world need not divide it)
-    micro_batches = train_cfg.grad_accum if gbs is None else max(1, gbs // (data_cfg.batch_size * world))
-    model = _shapes(model_cfg)
+    # a group of N ranks trains one micro-batch of sequences together: world / N data-parallel ranks
+    micro_batches = train_cfg.grad_accum if gbs is None else max(1, gbs // (data_cfg.batch_size * world // n))
     total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
     acts = {
@@ -168,6 +175,7 @@ def estimate(
             train_cfg.activation_offload,
             train_cfg.mlp_tile,
             act_precision != precision,  # train.cpu_precision=upcast: fp32 activations over 16-bit weights
+            n,  # a rank's seq / N tokens and the all-to-all's buffers
         )
         for ac in (False, True)
     }
@@ -189,7 +197,8 @@ def estimate(
         notes.append(f"activations {acts[False].method}; counted as 0")
     return Estimate(
         total, trainable, world, gpus_per_node, nodes, precision, acts[False].method, tuple(out),
-        {"cpu_bytes_per_node": gpus_per_node * fp32_model, "gpu_bytes": on_device}, tuple(notes),
+        {"cpu_bytes_per_node": gpus_per_node * fp32_model, "gpu_bytes": on_device}, tuple(notes), n,
+        (acts[False].exchange, acts[True].exchange),
     )  # fmt: skip
 
 
@@ -285,7 +294,7 @@ def stage3_fallbacks(model: nn.Module, mlp_tiles: int = 1) -> list[dict]:
 _SHAPES: dict[str, nn.Module] = {}
 
 
-def _shapes(model_cfg: ModelConfig) -> nn.Module:
+def shapes(model_cfg: ModelConfig) -> nn.Module:
     """meta_model(model_cfg), memoised by the section's repr (it holds dicts, so it does not hash) for the
     callers here, which only read it: `zoff estimate --max-model` and --max-context estimate each size with
     each stage-3 fallback, and a meta 405B took 0.2 s to build each time. A few models at most are kept."""
@@ -298,8 +307,8 @@ def _shapes(model_cfg: ModelConfig) -> nn.Module:
 
 
 def mlp_tiles(train_cfg: TrainConfig, data_cfg: DataConfig) -> int:
-    """Tiles a micro-batch's MLP runs in (train.mlp_tile; 1 untiled)."""
-    tokens = data_cfg.batch_size * data_cfg.seq_len
+    """Tiles a micro-batch's MLP runs in on a rank (train.mlp_tile; 1 untiled), of its seq / N tokens."""
+    tokens = data_cfg.batch_size * data_cfg.seq_len // train_cfg.sequence_parallel
     return -(-tokens // train_cfg.mlp_tile) if train_cfg.mlp_tile else 1
 
 
@@ -321,7 +330,7 @@ def fit_gathering(
     if zero_cfg.block_classes or not missing:
         return est
     ladder: list[dict] = []
-    for changes in stage3_fallbacks(_shapes(model_cfg), tiles):
+    for changes in stage3_fallbacks(shapes(model_cfg), tiles):
         if changes.get("overlap_comm", True) is False and not zero_cfg.overlap_comm:
             changes = {k: v for k, v in changes.items() if k != "overlap_comm"}
         if changes not in ladder:

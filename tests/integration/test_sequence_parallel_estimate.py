@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import json
 import threading
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tests.harness import spawn, tiny_cfg
-from zoff.config import config_from_dict
+from zoff.config import config_from_dict, load_config
 from zoff.engine.precision import DTYPES
 from zoff.planning import activations as A
 from zoff.planning import memory as M
@@ -192,6 +194,7 @@ def test_the_exchange_buffers_and_the_moment_they_make(measured, case: int) -> N
     est = _estimate(*CASES[case])
     d, e, seq = MODEL["d_model"], DTYPES[precision].itemsize, MODEL["seq_len"]
     buffers = (4 if batch > 1 else 3) * 3 * d * e * batch * seq // N
+    assert est.exchange == buffers
     for rank in measured:
         calls = rank[case]["calls"]
         assert len(calls) == MODEL["n_layer"] * (2 if ac else 1)  # (the recompute's calls too)
@@ -204,7 +207,7 @@ def test_the_exchange_buffers_and_the_moment_they_make(measured, case: int) -> N
         # Where the exchange sets the estimated peak, it is not a loose bound: with checkpointing the recompute's
         # exchange comes with everything else saved; without, a layer's forward comes before the later layers'
         # and the loss's saves (these two layers: a third of the whole)
-        if est.peak == est.saved + est.exchange:
+        if est.peak == est.exchange_peak:
             assert most >= (0.9 if ac else 0.65) * est.peak
 
 
@@ -267,3 +270,27 @@ def test_model_states_at_n_2_equal_the_estimate_and_the_world_shards_them() -> N
             want = {k: mem.get(k, 0) for k in got} | {"params": mem["params"] + mem["frozen_params"]}
             assert got == want, pe.policy
             assert mem["buffers"] <= pe.gpu["buffers"]
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_zoff_estimate_takes_n_from_the_config_and_refuses_a_bad_one_in_one_line() -> None:
+    """`train.sequence_parallel=8` as an override: the JSON's bytes are a rank's at N = 8 (the same estimate()
+    tests hold above); an N that does not divide the world is one line and exit 2."""
+    from tests.forked_zoff import zoff_run
+
+    repo = Path(__file__).resolve().parents[2]
+    box = ["--gpus-per-node", "8", "--gpu-memory", "80GiB", "--cpu-memory", "2TiB", "--disk", "0"]
+    run = lambda *extra: zoff_run(["estimate", "configs/gpt-7b.yaml", *box, *extra], cwd=repo)  # noqa: E731
+    good = run("--json", "train.sequence_parallel=8", "data.batch_size=1")
+    assert good.returncode == 0, good.stderr
+    got = json.loads(good.stdout)
+    cfg = load_config(repo / "configs" / "gpt-7b.yaml", ["train.sequence_parallel=8", "data.batch_size=1"])
+    est = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 8, 1, "cuda", 2048 << 30)
+    assert got["sequence_parallel"] == 8 and got["exchange_bytes"] == est.exchange == 9 * 4096 // 8 * 4096 * 2
+    bad = run("train.sequence_parallel=16")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "zoff: error: train.sequence_parallel: 16 does not divide the world size 8 (8 GPU(s) per node x 1 "
+        "node(s); each group of 16 ranks trains the same sequences)"
+    ), bad.stderr

@@ -25,7 +25,9 @@ class Activations:
     peak: int  # saved, plus with checkpointing one block's recomputed activations
     method: str
     host: int = 0  # train.activation_offload: the checkpointed blocks' inputs, in host memory
-    exchange: int = 0  # train.sequence_parallel: the all-to-alls' moment, bytes held beyond `saved` then
+    # train.sequence_parallel: the all-to-alls' buffers at their largest, and `peak` were their moment the largest
+    exchange: int = 0
+    exchange_peak: int = 0
 
 
 def gpt_activations(
@@ -88,9 +90,9 @@ def gpt_activations(
     tail = 2 * d * e + 2 * stat + logits + 8 + 8 + d * mask  # + the input ids
     fixed = 8 * seq + (0 if loss_tile else 4)  # position ids and the scalar loss (a tiled one saves none)
     offload = offload and checkpointing
-    exchange = 0  # (train.sequence_parallel's all-to-all: its moment)
+    moment = buffers = 0  # (train.sequence_parallel's all-to-alls)
     if n > 1:
-        extra, fixed, exchange = ulysses_terms(d, e, batch, seq, n, loss_tile, checkpointing, offload)
+        extra, fixed, moment, buffers = ulysses_terms(d, e, batch, seq, n, loss_tile, checkpointing, offload)
         block += 0 if math_attn else extra
     kept = (0 if offload else d * e) if checkpointing else block
     saved = tokens * (m.n_layer * kept + tail) + fixed
@@ -110,19 +112,21 @@ def gpt_activations(
     if offload:
         block_moment += 2 * tokens * d * e
     # (the exchange comes before the loss's forward or after its backward: the tail's bytes are not held then)
-    exchange = max(0, exchange - tokens * tail) if n > 1 else 0
-    peak = saved + max(loss_moment, block_moment, exchange)
+    moment = max(0, moment - tokens * tail) if n > 1 else 0
+    peak = saved + max(loss_moment, block_moment, moment)
     how = "builtin GPT closed form" + (
         " (flash-attention kernels)" if device_type == "cuda" else " (CPU kernels)"
     )
-    return Activations(saved, peak, how, m.n_layer * tokens * d * e if offload else 0, exchange)
+    host = m.n_layer * tokens * d * e if offload else 0
+    return Activations(saved, peak, how, host, buffers, saved + moment if n > 1 else 0)
 
 
 def ulysses_terms(
     d: int, e: int, batch: int, seq: int, n: int, loss_tile: int, checkpointing: bool, offload: bool
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, int]:
     """What train.sequence_parallel N adds to the builtin GPT's bytes on a rank (zoff/models/ulysses.py), as
-    (bytes a block saves per token beyond gpt_activations' 16d, the fixed bytes, the exchange's moment).
+    (bytes a block saves per token beyond gpt_activations' 16d, the fixed bytes, the exchange's moment, the
+    exchange's buffers at their largest).
 
     Saved: attention's output arrives from the second all-to-all as a tensor of its own, which the projection
     saves in token order beside the (b, n_head / N, seq, head_dim) output the attention kernel saved: d more
@@ -139,9 +143,10 @@ def ulysses_terms(
     moves a third as much. Each layer also gathers the seq int64 positions of every row, and compares them to
     0..seq-1."""
     fixed = 8 * batch * seq // n + (0 if loss_tile else 4)
-    buffers = 3 * (4 if batch > 1 else 3)
-    held = buffers + 3 - 3 if not checkpointing else buffers + 5 + (2 if offload else 0)
-    return d * e, fixed, batch * seq // n * held * d * e + 8 * seq * (2 * batch + 1)
+    tokens, buffers = batch * seq // n, 3 * (4 if batch > 1 else 3)
+    held = buffers + (5 + (2 if offload else 0) if checkpointing else 0)
+    moment = tokens * held * d * e + 8 * seq * (2 * batch + 1)
+    return d * e, fixed, moment, tokens * buffers * d * e
 
 
 def saved_bytes(model: nn.Module, fn) -> int:
@@ -236,25 +241,30 @@ def activations(
     act = probe_activations(m, d.batch_size, d.seq_len // n, precision, checkpointing, mlp_tile)
     if n == 1 or act.method.startswith("not available"):
         return act
-    moment = probe_exchange(m, d.batch_size * d.seq_len // n, n, DTYPES[precision].itemsize, checkpointing)
+    moment, buffers = probe_exchange(
+        m, d.batch_size * d.seq_len // n, n, DTYPES[precision].itemsize, checkpointing
+    )
     how = f"{act.method}: a rank's tokens under train.sequence_parallel {n}, attending over them alone (the run's "
     how += "attention spans the whole sequence for 1/N of the heads), plus the all-to-all's buffers"
-    return Activations(act.saved, max(act.peak, act.saved + moment), how, exchange=moment)
+    peak = act.saved + moment
+    return Activations(act.saved, max(act.peak, peak), how, exchange=buffers, exchange_peak=peak)
 
 
-def probe_exchange(m: ModelConfig, tokens: int, n: int, e: int, checkpointing: bool) -> int:
-    """The all-to-all's moment for a transformers model (zoff/models/ulysses.py), a rank's `tokens` of it, from
-    its config's heads: the projections' q, k, v, key/value heads replicated to N where N does not divide
-    them, then the joined send buffer, its permuted copy, the received buffer and its permuted copy (four of
-    the exchanged width); with checkpointing, as the builtin GPT's, the block's output gradient and its norm's
-    output (2 x hidden). 0 for a model without those keys (which cannot be split: ulysses refuses it)."""
+def probe_exchange(m: ModelConfig, tokens: int, n: int, e: int, checkpointing: bool) -> tuple[int, int]:
+    """The all-to-all's (moment, buffers) for a transformers model (zoff/models/ulysses.py), a rank's `tokens`
+    of it, from its config's heads: the projections' q, k, v, key/value heads replicated to N where N does not
+    divide them, then the buffers: the joined send buffer, its permuted copy, the received buffer and its
+    permuted copy (four of the exchanged width); with checkpointing, as the builtin GPT's, the block's output
+    gradient and its norm's output (2 x hidden). (0, 0) for a model without those keys (which cannot be
+    split: ulysses refuses it)."""
     config = getattr(meta_model(m), "config", None)
     heads = getattr(config, "num_attention_heads", None)
     if not heads:
-        return 0
+        return 0, 0
     hidden = config.hidden_size
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = getattr(config, "head_dim", None) or hidden // heads
     sent = kv if kv % n == 0 else n  # (replicated to N: ulysses_attention's repeat_interleave)
-    width = (heads + 2 * kv + (2 * sent if sent != kv else 0) + 4 * (heads + 2 * sent)) * hd
-    return tokens * e * (width + (2 * hidden if checkpointing else 0))
+    buffers = tokens * e * 4 * (heads + 2 * sent) * hd
+    width = (heads + 2 * kv + (2 * sent if sent != kv else 0)) * hd + (2 * hidden if checkpointing else 0)
+    return buffers + tokens * e * width, buffers

@@ -52,7 +52,7 @@ def to_json(
         "sequence_parallel": est.sequence_parallel,
         "activations_method": est.activation_method,
         # the all-to-alls' moment within the activations, without and with checkpointing (0 at N = 1)
-        "exchange_bytes": {"without_checkpointing": est.exchange[0], "with_checkpointing": est.exchange[1]},
+        "exchange_bytes": est.exchange,
         "memory": {"gpu_bytes": budget.gpu, "cpu_bytes": budget.cpu, "shared": budget.shared,
                    "gpu_source": budget.gpu_source, "cpu_source": budget.cpu_source,
                    "disk_bytes": budget.disk, "disk_source": disk_source},
@@ -164,12 +164,11 @@ def _sequence_note(est: Estimate) -> list[str]:
     n = est.sequence_parallel
     if n == 1:
         return []
-    without, with_ = (human(b) for b in est.exchange)
     return [
         f"sequence parallel: each GPU holds 1/{n} of every sequence's tokens (train.sequence_parallel {n}; "
         f"{est.world_size // n} data-parallel group(s)), attends over the whole sequence for 1/{n} of the heads "
-        f"and shards the model states over all {est.world_size} GPUs; the all-to-alls' moment, part of the "
-        f"activations: {without} without checkpointing, {with_} with"
+        f"and shards the model states over all {est.world_size} GPUs; the all-to-all of a layer's q, k, v holds "
+        f"{human(est.exchange)} of buffers at once (in the activations' peak)"
     ]
 
 

@@ -100,9 +100,9 @@ class Estimate:
     startup: dict[str, int]
     notes: tuple[str, ...] = field(default=())
     # train.sequence_parallel: ranks sharing each sequence (the bytes are one rank's), and the all-to-alls'
-    # moment within the activations, without and with checkpointing
+    # buffers at their largest (a part of the activations' peak)
     sequence_parallel: int = 1
-    exchange: tuple[int, int] = (0, 0)
+    exchange: int = 0
 
     def get(self, policy: Policy) -> PolicyEstimate:
         return next(p for p in self.policies if p.policy == policy)
@@ -198,7 +198,7 @@ def estimate(
     return Estimate(
         total, trainable, world, gpus_per_node, nodes, precision, acts[False].method, tuple(out),
         {"cpu_bytes_per_node": gpus_per_node * fp32_model, "gpu_bytes": on_device}, tuple(notes), n,
-        (acts[False].exchange, acts[True].exchange),
+        acts[False].exchange,
     )  # fmt: skip
 
 

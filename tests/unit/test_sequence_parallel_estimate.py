@@ -131,3 +131,47 @@ def test_suggest_and_auto_take_the_smallest_n_that_fits_one_sequence(monkeypatch
     assert chosen.train.sequence_parallel == 4 and "train.sequence_parallel: 4, " in why
     # the global batch (sequences a step): 1 x 4 micro-batches x 8 ranks before, 1 x 16 x 8 / 4 now
     assert chosen.train.grad_accum == 16 and not chosen.zero.auto
+
+
+# ------------------------------------------------------------------------------------ the docs' table
+
+
+def _context_table():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("context_table", REPO / "scripts" / "context_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_estimates_page_embeds_the_context_table_rendered_from_its_json() -> None:
+    """docs/memory-estimates.md's long-context table is scripts/context_table.py's render of its JSON: a changed
+    number there makes the page differ. Its figures are the estimate's at N (each box's sequence_parallel)."""
+    import copy
+    import json
+
+    ct = _context_table()
+    data = json.loads(ct.JSON.read_text())
+    assert data["date"] and data["commit"] and data["machine"]
+    assert [b["sequence_parallel"] for b in data["boxes"]] == [1, 1, 8, 32]
+    page = (REPO / "docs" / "memory-estimates.md").read_text()
+    assert ct.render(data) in page
+    changed = copy.deepcopy(data)
+    row = next(
+        p
+        for p in changed["boxes"][2]["policies"]
+        if p["name"] == "zero3-offload" and p["activation_checkpointing"]
+    )
+    row["longest"]["seq_len"] += 1 << 20
+    assert ct.render(changed) not in page
+
+
+@pytest.mark.grid  # (about 90 s: four --max-context searches to 32M tokens, and the targets)
+def test_the_context_table_is_what_the_estimate_computes_now() -> None:
+    import json
+
+    ct = _context_table()
+    want, got = json.loads(ct.JSON.read_text()), ct.compute()
+    assert [b["policies"] for b in got["boxes"]] == [b["policies"] for b in want["boxes"]]
+    assert [b["target"] for b in got["boxes"]] == [b["target"] for b in want["boxes"]]

@@ -181,7 +181,9 @@ def estimate(
         False, "--max-model", help="Per policy, the largest of a ladder of GPT shapes (125M..405B) that fits"
     ),
     max_context: bool = typer.Option(
-        False, "--max-context", help="Per policy, the longest context (1K..32M tokens) the config's model fits"
+        False,
+        "--max-context",
+        help="Per policy, the longest context (1K..32M tokens) the config's model fits",
     ),
     disk: str = typer.Option(
         None, "--disk", help="Disk tier per node for swap files, e.g. 4TB (default: free space at nvme_path)"
@@ -335,7 +337,9 @@ def _preflight(cfg: Config) -> nn.Module:
     with torch.device("meta"):
         model = build_model(cfg.model)
     if cfg.train.sequence_parallel > 1:
-        _check_sequence_parallel(cfg, model)
+        from zoff.launch.preflight import check_sequence_parallel
+
+        check_sequence_parallel(cfg, model)
     if cfg.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     if cfg.train.loss_tile:
@@ -364,25 +368,13 @@ def _preflight(cfg: Config) -> nn.Module:
     return model
 
 
-def _check_sequence_parallel(cfg: Config, model: nn.Module) -> None:
-    """train.sequence_parallel divides every world size the launch may have, and the model's heads."""
-    from zoff.config import data_parallel_size
-    from zoff.models.ulysses import splittable
-
-    low, _, high = cfg.launch.nnodes.partition(":")
-    n = cfg.train.sequence_parallel
-    # (divisibility repeats every n node counts: n of them answer for the whole range)
-    for nodes in range(int(low), min(int(high or low), int(low) + n - 1) + 1):
-        data_parallel_size(cfg.train, cfg.launch.nproc_per_node * nodes)
-    splittable(model, n)
-
-
 def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> str | None:
     """Find and fully verify the checkpoint now: a bad one is a one-line error before any rank starts.
 
     auto: the newest intact checkpoint, every newer one skipped with a line saying why; returns what the
     ranks load (that folder; None: none yet, start fresh)."""
     from zoff.checkpoint.format import find_checkpoint, newest_intact, read_manifest
+    from zoff.launch.preflight import check_resumed_batch
 
     if resume == "auto":
         if cfg.checkpoint.dir is None and run_dir is None:
@@ -402,9 +394,11 @@ def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> str | None:
             print(f"zoff: no checkpoint in {ckpt_dir}: starting fresh", flush=True)
             return None
         print(f"zoff: --resume auto: resuming from {path}", flush=True)
+        check_resumed_batch(cfg, path)
         return str(path)
     path = find_checkpoint(resume, Path("."))
     read_manifest(path, verify=True)
+    check_resumed_batch(cfg, path)
     return resume
 
 

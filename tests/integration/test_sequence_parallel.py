@@ -80,10 +80,17 @@ HF = {
     "mistral": {"name": "hf:MistralForCausalLM", "config": {  # a window of 8 in sequences of 32
         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": SEQ, "sliding_window": 8}},
+    # one sliding layer, one full: a model that does not pass its window to the attention function
+    "qwen2_moe": {"name": "hf:Qwen2MoeForCausalLM", "config": {
+        "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": SEQ, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+        "output_router_logits": False}},
 }  # fmt: skip
 
 
-def test_transformers_llama_qwen3_and_mistral_equal_one_rank():
+def test_transformers_llama_qwen3_mistral_and_qwen2_moe_equal_one_rank():
     pytest.importorskip("transformers")
     cfgs = [_cfg(2, {"stage": 3, "param_persistence_threshold": 64}, m) for m in HF.values()]
     for got, cfg in zip(run_zoff_many(cfgs, 2), cfgs, strict=True):
@@ -144,23 +151,76 @@ def test_bad_n_is_one_line_and_nothing_starts(overrides, says, tmp_path):
     assert not run_dir.exists()
 
 
-def _bypassing_rank(rank: int, world: int) -> str:
+def _split_rank(rank: int, world: int, bypass: bool, positions: bool) -> str:
     from zoff.models import build_model
-    from zoff.models.ulysses import sequence_group, split_attention
+    from zoff.models.sequence_split import split_attention
+    from zoff.models.ulysses import sequence_group
 
     model = build_model(config_from_dict(_cfg(2)).model)
     split_attention(model, sequence_group(2))
-    model.blocks[1].attn.exchange = None  # one layer attends over its own tokens only
+    if bypass:
+        model.blocks[1].attn.exchange = None  # one layer attends over its own tokens only
+    kwargs = {"position_ids": torch.arange(SEQ // 2).unsqueeze(0) + rank * SEQ // 2} if positions else {}
     try:
-        model(torch.zeros(1, SEQ // 2, dtype=torch.long), position_ids=torch.arange(SEQ // 2).unsqueeze(0))
+        model(torch.zeros(1, SEQ // 2, dtype=torch.long), **kwargs)
     except RuntimeError as e:
         return str(e)
     return "no error"
 
 
-def test_a_layer_around_the_exchange_is_an_error():
-    said = spawn(_bypassing_rank, 2)[0]
-    assert "only 1 of GPT's 2 attention layers went through the sequence exchange" in said
+@pytest.mark.parametrize(
+    "bypass, positions, says",
+    [
+        (True, True, "1 of GPT's 2 attention layers did not go through the sequence exchange"),
+        (False, False, "GPT was called without position_ids"),
+        (False, True, "no error"),
+    ],
+)
+def test_a_layer_around_the_exchange_or_a_forward_without_positions_is_an_error(bypass, positions, says):
+    assert says in spawn(_split_rank, 2, bypass, positions)[0]
+
+
+def test_rotary_scalings_that_follow_the_shards_positions_are_refused():
+    """dynamic and longrope pick their frequencies from the largest position of the call: a shard's."""
+    transformers = pytest.importorskip("transformers")
+    from zoff.errors import UserError
+    from zoff.models.sequence_split import splittable
+
+    for rope in ({"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "linear", "factor": 2.0}):
+        config = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, vocab_size=64, rope_parameters={"rope_theta": 10000.0, **rope},
+        )  # fmt: skip
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        if rope["rope_type"] == "linear":
+            splittable(model, 2)  # a fixed scaling splits
+            continue
+        with pytest.raises(
+            UserError, match="rotary embedding \\(dynamic\\) scales with the longest position"
+        ):
+            splittable(model, 2)
+
+
+def test_a_resume_at_another_global_batch_is_refused(tmp_path):
+    """Without train.global_batch_size, N 2 -> 1 doubles the global batch: the data's place would skip samples.
+    The ranks refuse it, and so does the pre-flight, naming the key to set."""
+    from zoff.config import config_from_dict as load
+    from zoff.errors import UserError
+    from zoff.launch.preflight import check_resumed_batch
+
+    cfg = _cfg(2, {"stage": 1}, max_steps=2)
+    del cfg["train"]["global_batch_size"]
+    cfg["checkpoint"] = {"every_steps": 2}
+    run_zoff(cfg, 2, tmp_path / "n2")
+    step_2 = tmp_path / "n2" / "checkpoints" / "step_00000002"
+    again = {**cfg, "train": {**cfg["train"], "sequence_parallel": 1}, "launch": {"nproc_per_node": 2}}
+    said = "checkpoint: saved at a global batch of 2 sequences, this run's is 4"
+    with pytest.raises(RuntimeError, match=said):
+        run_zoff(again, 2, tmp_path / "n1", resume=str(step_2))
+    with pytest.raises(UserError, match=said + ".*set train.global_batch_size: 2"):
+        check_resumed_batch(load(again), step_2)
+    check_resumed_batch(load({**again, "train": {**again["train"], "global_batch_size": 2}}), step_2)
 
 
 @pytest.mark.grid

@@ -16,12 +16,20 @@ from dataclasses import replace
 import torch
 
 from zoff.config import DataConfig
-from zoff.data.corpus import VOCAB_BYTES, Corpus, GlobalBatches
+from zoff.data.corpus import VOCAB_BYTES, Corpus, GlobalBatches, check_same_global_batch
 from zoff.data.sources import capped, documents, file_stat, source_files, split_documents
 from zoff.data.tokenize import cache_key, cache_root, cached_corpus, load_tokenizer
 from zoff.errors import UserError
 
-__all__ = ["VOCAB_BYTES", "Corpus", "GlobalBatches", "check_vocab", "load_corpus", "preflight"]
+__all__ = [
+    "VOCAB_BYTES",
+    "Corpus",
+    "GlobalBatches",
+    "check_same_global_batch",
+    "check_vocab",
+    "load_corpus",
+    "preflight",
+]
 
 
 def load_corpus(cfg: DataConfig, seed: int) -> Corpus:

@@ -96,3 +96,15 @@ class GlobalBatches:
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_windows") != self.num_windows or state.get("seed") != self.seed:
             raise UserError(f"checkpoint: data stream differs (saved {state}, now {self.state_dict()})")
+        check_same_global_batch(state.get("global_batch"), self.global_batch)
+
+
+def check_same_global_batch(saved: int | None, now: int) -> None:
+    """A resumed run's place in the data is its step times the global batch: another global batch would skip or
+    repeat samples, so it is refused (a world size or train.sequence_parallel that changes it, with
+    train.grad_accum rather than train.global_batch_size set)."""
+    if saved is not None and saved != now:
+        raise UserError(
+            f"checkpoint: saved at a global batch of {saved} sequences, this run's is {now} (its place in the data "
+            f"would skip or repeat samples); set train.global_batch_size: {saved}"
+        )

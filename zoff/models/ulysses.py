@@ -19,7 +19,6 @@ each sending (N - 1) / N of a rank's s/N x width elements; one all-gather of s i
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,18 +26,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from zoff.errors import UserError
-from zoff.models.gpt import GPT, CausalSelfAttention, example_mask
-from zoff.models.twin import base_of
+from zoff.models.gpt import example_mask
 
 KEY = "train.sequence_parallel"
-HF_NAME = "zoff_ulysses"  # the transformers attention implementation this module registers
-# transformers model types whose every token-mixing layer is attention through the attention interface, with
-# nothing the exchange would miss (no soft-cap, no sink logits, no linear-attention layers): the rest are
-# refused by name rather than trained with attention that silently sees only the rank's own tokens.
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 @dataclass
@@ -49,7 +41,19 @@ class ExchangeStats:
     seconds: float = 0.0
     elements: int = 0
     calls: int = 0
-    attention_calls: int = 0  # attention runs that went through the exchange (checked per forward)
+    attended: set[int] = field(default_factory=set)  # this forward's layers that went through the exchange
+
+
+@dataclass
+class ForwardMemo:
+    """One forward's whole-sequence positions and mask, built at its first layer and shared by the rest (and by
+    their recomputes): one all-gather and one host check a forward, and one mask tensor that every layer's
+    backward keeps, not one a layer. Keyed by the positions tensor itself (the model hands every layer the
+    same one); cleared as each forward starts."""
+
+    positions: torch.Tensor | None = None
+    masks: dict = field(default_factory=dict)  # window -> mask (None: plain causal)
+    whole: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class SequenceGroup:
     index: int
     group: dist.ProcessGroup | None = None
     stats: ExchangeStats = field(default_factory=ExchangeStats, compare=False)
+    memo: ForwardMemo = field(default_factory=ForwardMemo, compare=False)
 
 
 def sequence_group(n: int, timeout_s: float | None = None) -> SequenceGroup:
@@ -148,6 +153,17 @@ def _gather_positions(position_ids: torch.Tensor, sg: SequenceGroup) -> torch.Te
     return torch.cat(parts, dim=-1)
 
 
+def _forward_mask(position_ids: torch.Tensor, sg: SequenceGroup, window: int | None) -> torch.Tensor | None:
+    """_mask of the group's whole positions, once per forward and window (ForwardMemo)."""
+    memo = sg.memo
+    if memo.positions is not position_ids:
+        memo.positions, memo.masks = position_ids, {}
+        memo.whole = _gather_positions(position_ids, sg)
+    if window not in memo.masks:
+        memo.masks[window] = _mask(memo.whole, window)
+    return memo.masks[window]
+
+
 def _mask(positions: torch.Tensor, window: int | None) -> torch.Tensor | None:
     """None where plain causal attention is right (one example per row, no window), else (rows, 1, s, s)."""
     s = positions.shape[-1]
@@ -172,22 +188,24 @@ def ulysses_attention(
     dropout: float = 0.0,
     scale: float | None = None,
     window: int | None = None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens over the whole sequence. q (b, H, s/N, d), k and v (b, K, s/N, d),
-    position_ids (b or 1, s/N) of this rank's tokens in the whole sequence -> (b, H, s/N, d)."""
+    position_ids (b or 1, s/N) of this rank's tokens in the whole sequence -> (b, H, s/N, d). `layer`: the
+    calling module's id, for the per-forward check that every layer went through the exchange."""
     n, kv = sg.size, k.shape[1]
     if kv % n:  # fewer key/value heads than ranks (N % K == 0 is checked): each rank gets the one it needs
         k, v = (t.repeat_interleave(n // kv, dim=1) for t in (k, v))
     q, k, v = _exchange_qkv(q, k, v, sg)
     if k.shape[1] != q.shape[1]:  # GQA: the local query heads share the local key/value heads, in order
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    mask = _mask(_gather_positions(position_ids, sg), window)
+    mask = _forward_mask(position_ids, sg, window)
     if mask is not None and mask.shape[0] != q.shape[0]:
         mask = mask.expand(q.shape[0], *mask.shape[1:])
     y = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale
     )
-    sg.stats.attention_calls += 1
+    sg.stats.attended.add(layer)
     return _ToTokens.apply(y, sg)
 
 
@@ -203,92 +221,3 @@ def check_heads(heads: int, kv_heads: int, n: int, where: str) -> None:
             f"{KEY}: {where}'s {kv_heads} key/value heads neither divide by {n} nor divide it (each rank needs "
             "whole key/value heads: N divides them, or they are replicated N / K times)"
         )
-
-
-def split_attention(model: nn.Module, sg: SequenceGroup) -> None:
-    """Make `model`'s attention run over the group's whole sequences (the builtin GPT, or a transformers causal
-    LM of HF_MODEL_TYPES); any other model is refused by name. Each forward then checks that every attention
-    layer went through the exchange."""
-    base = base_of(model)
-    if isinstance(base, GPT):
-        layers = [m for m in base.modules() if isinstance(m, CausalSelfAttention)]
-        check_heads(layers[0].n_head, layers[0].n_head, sg.size, "the model")
-        for m in layers:
-            m.exchange = functools.partial(ulysses_attention, sg=sg)
-        base.sequence_parallel = True
-    else:
-        layers = _split_hf(base, sg)
-    _check_every_forward(model, sg, len(layers), type(base).__name__)
-
-
-def splittable(model: nn.Module, n: int) -> None:
-    """The checks split_attention makes, on a model of any device (the CLI's pre-flight, on the meta model)."""
-    base = base_of(model)
-    if isinstance(base, GPT):
-        heads = next(m for m in base.modules() if isinstance(m, CausalSelfAttention)).n_head
-        check_heads(heads, heads, n, "the model")
-        return
-    _hf_config(base, n)
-
-
-def _hf_config(base: nn.Module, n: int):
-    config = getattr(base, "config", None)
-    kind = getattr(config, "model_type", None)
-    if kind not in HF_MODEL_TYPES:
-        raise UserError(
-            f"{KEY}: {type(base).__name__} cannot be split over ranks (zoff splits the builtin GPT and "
-            f"transformers' {', '.join(HF_MODEL_TYPES)} models: their every layer attends through transformers' "
-            "attention interface); set the key to 1"
-        )
-    heads = config.num_attention_heads
-    check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, n, type(base).__name__)
-    return config
-
-
-def _split_hf(base: nn.Module, sg: SequenceGroup) -> list[nn.Module]:
-    from transformers import AttentionInterface  # (transformers models only)
-
-    _hf_config(base, sg.size)
-    AttentionInterface.register(HF_NAME, lambda *a, **kw: _hf_attention(sg, *a, **kw))
-    base.set_attn_implementation(HF_NAME)
-    layers = [m for m in base.modules() if type(m).__name__.endswith("Attention")]
-    if base.config._attn_implementation != HF_NAME or not layers:
-        raise UserError(f"{KEY}: {type(base).__name__} does not take transformers' attention implementations")
-    return layers
-
-
-def _hf_attention(
-    sg: SequenceGroup, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw
-):
-    """transformers' attention interface: (b, H, s/N, d) states of this rank's tokens -> ((b, s/N, H, d), None).
-    The model builds no mask for an implementation it does not know: positions make it here."""
-    if kw.get("softcap") is not None or kw.get("s_aux") is not None:
-        raise UserError(
-            f"{KEY}: {type(module).__name__} uses a soft-cap or sink logits, which zoff cannot split"
-        )
-    position_ids = kw.get("position_ids")
-    if position_ids is None:
-        raise RuntimeError(f"{KEY}: {type(module).__name__} was called without position_ids")
-    y = ulysses_attention(
-        query, key, value, position_ids, sg, dropout, scaling, window=kw.get("sliding_window")
-    )
-    return y.transpose(1, 2), None
-
-
-def _check_every_forward(model: nn.Module, sg: SequenceGroup, layers: int, name: str) -> None:
-    """A layer that attends around the exchange would see only its rank's tokens and train on a plausible wrong
-    number: each forward counts the layers that went through it, and fewer than the model has is an error."""
-    before = []
-
-    def pre(_module, _args):
-        before.append(sg.stats.attention_calls)
-
-    def post(_module, _args, _out):
-        ran = sg.stats.attention_calls - before.pop()
-        if ran < layers:
-            raise RuntimeError(
-                f"{KEY}: only {ran} of {name}'s {layers} attention layers went through the sequence exchange"
-            )
-
-    model.register_forward_pre_hook(pre)
-    model.register_forward_hook(post)

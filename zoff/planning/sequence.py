@@ -11,7 +11,8 @@ from __future__ import annotations
 from torch import nn
 
 from zoff.errors import UserError
-from zoff.models.ulysses import KEY, splittable
+from zoff.models.sequence_split import splittable
+from zoff.models.ulysses import KEY
 
 
 def refusal(model: nn.Module, seq_len: int, n: int, gpus_per_node: int, nodes: int) -> str | None:

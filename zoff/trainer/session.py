@@ -21,7 +21,8 @@ from zoff.models import build_for_engine, checks_vocab, enable_activation_checkp
 from zoff.models.packing import packs_examples
 from zoff.models.tiling import tile_mlps
 from zoff.models.twin import base_of
-from zoff.models.ulysses import SequenceGroup, sequence_group, split_attention
+from zoff.models.sequence_split import split_attention
+from zoff.models.ulysses import SequenceGroup, sequence_group
 from zoff.models.upcast import upcast_compute
 from zoff.trainer.activation_offload import ActivationOffload
 from zoff.trainer.compile import CompiledBlocks, compile_blocks

@@ -85,12 +85,13 @@ def _model_cfg(dropout: float):
 def _measure(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     """Per case, on this rank (_case): the bytes saved for backward, and each ulysses_attention call's (bytes
     live at its entry, most bytes live inside it) in a forward and backward under Live."""
+    import zoff.models.sequence_split as split
     import zoff.models.ulysses as U
 
     group = U.sequence_group(world)
     calls: list[tuple[int, int]] = []
     mode = Live()
-    real = U.ulysses_attention
+    real = split.ulysses_attention
 
     def watched(*args, **kwargs):
         entry = mode.mark()
@@ -98,7 +99,7 @@ def _measure(rank: int, world: int, cases: list[tuple]) -> list[dict]:
         calls.append((entry, mode.window))
         return out
 
-    U.ulysses_attention = watched  # (split_attention binds the module's name: the watched one)
+    split.ulysses_attention = watched  # (split_attention binds its module's name: the watched one)
     for name in ("all_to_all_single", "all_gather"):
         setattr(U.dist, name, _released(getattr(U.dist, name)))
     out = []
@@ -129,9 +130,9 @@ def _case(rank: int, group, case: tuple, mode: Live, calls: list) -> int:
     """The builtin GPT split over the group as the session splits it, one micro-batch's shard (copied, as to a
     device); the bytes it saves for backward, then its forward and backward under `mode`. Weight gradients are
     dropped as they arrive (the engine takes them: model states, not activations)."""
-    import zoff.models.ulysses as U
     from zoff.data.batch import MicroBatch
     from zoff.models import build_model
+    from zoff.models.sequence_split import split_attention
     from zoff.models.tiling import tile_mlps
     from zoff.trainer.loss import forward_loss
 
@@ -143,7 +144,7 @@ def _case(rank: int, group, case: tuple, mode: Live, calls: list) -> int:
         tile_mlps(model, tile)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    U.split_attention(model, group)
+    split_attention(model, group)
     ids = torch.randint(
         0, MODEL["vocab_size"], (2, batch, MODEL["seq_len"]), generator=torch.Generator().manual_seed(1)
     )

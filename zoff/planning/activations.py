@@ -73,9 +73,8 @@ def gpt_activations(
     rounded gradient (10 B x vocab x d); the untiled head's backward its copy and the rounded gradient
     (6 B x vocab x d) beside the logits' fp32 gradient.
 
-    With `sequence_parallel` N (train.sequence_parallel) the bytes are one rank's: everything per token counts
-    seq / N tokens of each sequence, attention's per-score terms still the whole sequence's (each rank attends
-    over all of it for n_head / N heads); what Ulysses adds is ulysses_terms'.
+    With `sequence_parallel` N the bytes are one rank's: seq / N tokens of each sequence, attention's per-score
+    terms the whole sequence's (n_head / N heads attend over all of it), plus ulysses_terms.
     """
     e = DTYPES[precision].itemsize
     stat = 4 if device_type == "cuda" else e
@@ -90,19 +89,11 @@ def gpt_activations(
     tail = 2 * d * e + 2 * stat + logits + 8 + 8 + d * mask  # + the input ids
     fixed = 8 * seq + (0 if loss_tile else 4)  # position ids and the scalar loss (a tiled one saves none)
     offload = offload and checkpointing
-    moment = buffers = 0  # (train.sequence_parallel's all-to-alls)
-    if n > 1:
-        extra, fixed, moment, buffers = ulysses_terms(d, e, batch, seq, n, loss_tile, checkpointing, offload)
-        block += 0 if math_attn else extra
+    extra, fixed, moment, a2a = ulysses_terms(d, e, batch, seq, n, loss_tile, checkpointing, offload, fixed)
+    block += 0 if math_attn else extra
     kept = (0 if offload else d * e) if checkpointing else block
     saved = tokens * (m.n_layer * kept + tail) + fixed
-    if loss_tile:
-        loss_moment = min(loss_tile, tokens) * m.vocab_size * 12 + m.vocab_size * d * e + tokens * d * e
-        loss_moment += m.vocab_size * d * 10 if upcast else 0
-    else:
-        loss_moment = tokens * m.vocab_size * 8
-        if upcast:  # the head's backward: the logits' fp32 gradient, the head's fp32 copy and rounded grad
-            loss_moment = max(loss_moment, tokens * m.vocab_size * 4 + m.vocab_size * d * 6)
+    loss_moment = _loss_moment(m.vocab_size, d, e, tokens, loss_tile, upcast)
     if mlp_tile:  # the block's input gradients, one MLP tile's recompute and gradients
         grads = tokens * 2 * d * e + min(mlp_tile, tokens) * 16 * d * e
     else:
@@ -112,21 +103,39 @@ def gpt_activations(
     if offload:
         block_moment += 2 * tokens * d * e
     # (the exchange comes before the loss's forward or after its backward: the tail's bytes are not held then)
-    moment = max(0, moment - tokens * tail) if n > 1 else 0
-    peak = saved + max(loss_moment, block_moment, moment)
-    how = "builtin GPT closed form" + (
-        " (flash-attention kernels)" if device_type == "cuda" else " (CPU kernels)"
-    )
+    moment = max(0, moment - tokens * tail)
+    # (+ the whole sequence's positions, gathered at the first layer and held through the step under N)
+    peak = saved + max(loss_moment, block_moment, moment) + (8 * batch * seq if n > 1 else 0)
+    how = f"builtin GPT closed form ({'flash-attention' if device_type == 'cuda' else 'CPU'} kernels)"
     host = m.n_layer * tokens * d * e if offload else 0
-    return Activations(saved, peak, how, host, buffers, saved + moment if n > 1 else 0)
+    return Activations(saved, peak, how, host, a2a, saved + moment + 8 * batch * seq if n > 1 else 0)
+
+
+def _loss_moment(vocab: int, d: int, e: int, tokens: int, loss_tile: int, upcast: bool) -> int:
+    """The loss's backward moment (gpt_activations' docstring says what it holds)."""
+    if loss_tile:
+        moment = min(loss_tile, tokens) * vocab * 12 + vocab * d * e + tokens * d * e
+        return moment + (vocab * d * 10 if upcast else 0)
+    moment = tokens * vocab * 8
+    if upcast:  # the head's backward: the logits' fp32 gradient, the head's fp32 copy and rounded grad
+        moment = max(moment, tokens * vocab * 4 + vocab * d * 6)
+    return moment
 
 
 def ulysses_terms(
-    d: int, e: int, batch: int, seq: int, n: int, loss_tile: int, checkpointing: bool, offload: bool
+    d: int,
+    e: int,
+    batch: int,
+    seq: int,
+    n: int,
+    loss_tile: int,
+    checkpointing: bool,
+    offload: bool,
+    fixed: int,
 ) -> tuple[int, int, int, int]:
     """What train.sequence_parallel N adds to the builtin GPT's bytes on a rank (zoff/models/ulysses.py), as
-    (bytes a block saves per token beyond gpt_activations' 16d, the fixed bytes, the exchange's moment, the
-    exchange's buffers at their largest).
+    (bytes a block saves per token beyond gpt_activations' 16d, the fixed bytes in place of `fixed`, the
+    exchange's moment, the exchange's buffers at their largest); at N = 1 nothing: (0, fixed, 0, 0).
 
     Saved: attention's output arrives from the second all-to-all as a tensor of its own, which the projection
     saves in token order beside the (b, n_head / N, seq, head_dim) output the attention kernel saved: d more
@@ -140,12 +149,15 @@ def ulysses_terms(
     buffer (3) and its permuted copy (3), which attention keeps (saved, without checkpointing). With
     checkpointing all of it is the recompute's in backward, beside the block's output gradient (1) and its
     first norm's output (1), and with `offload` the two block inputs on the device (2). The output's exchange
-    moves a third as much. Each layer also gathers the seq int64 positions of every row, and compares them to
+    moves a third as much. The first layer of a forward gathers the seq int64 positions of every row (held
+    through the step: gpt_activations adds them to the peak), from one part per rank, and compares them to
     0..seq-1."""
+    if n == 1:
+        return 0, fixed, 0, 0
     fixed = 8 * batch * seq // n + (0 if loss_tile else 4)
     tokens, buffers = batch * seq // n, 3 * (4 if batch > 1 else 3)
     held = buffers + (5 + (2 if offload else 0) if checkpointing else 0)
-    moment = tokens * held * d * e + 8 * seq * (2 * batch + 1)
+    moment = tokens * held * d * e + 8 * seq * (batch + 1)
     return d * e, fixed, moment, tokens * buffers * d * e
 
 

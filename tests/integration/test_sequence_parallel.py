@@ -56,7 +56,9 @@ def _nvme(swap) -> dict:
 
 
 def test_the_gpt_at_world_4_equals_one_rank_at_n_2_and_4():
-    cfgs = [_cfg(2, {"stage": 2}), _cfg(4, {"stage": 3, "param_persistence_threshold": 64})]
+    """(the third: rotary positions, rotated on each shard by its positions in the whole sequence)"""
+    stage_3 = {"stage": 3, "param_persistence_threshold": 64}
+    cfgs = [_cfg(2, {"stage": 2}), _cfg(4, stage_3), _cfg(2, stage_3, {"positions": "rotary"})]
     for got, cfg in zip(run_zoff_many(cfgs, 4), cfgs, strict=True):
         _assert_equals_one_rank(got, cfg)
 

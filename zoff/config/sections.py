@@ -37,6 +37,10 @@ class ModelConfig:
     seq_len: int = field(default=128, metadata=_rng(1, 1 << 24))  # the model's maximum context
     dropout: float = field(default=0.0, metadata=_rng(0.0, 1.0))  # gpt: on attention and MLP outputs
     tie_embeddings: bool = True  # gpt: the output head shares the token embedding's weight
+    # gpt: learned adds a trained table of seq_len x d_model positions (GPT-2's); rotary rotates each query and
+    # key by its position (Llama's; no parameter grows with the context: long sequences want it)
+    positions: Literal["learned", "rotary"] = "learned"
+    rope_theta: float = field(default=10000.0, metadata=_rng(0.0, gt=True))  # gpt, rotary: the base period
     args: dict = field(default_factory=dict)  # free-form keyword arguments for python: factories
     config: dict = field(default_factory=dict)  # hf: models: keyword arguments of the transformers config
     # hf: models: the Hugging Face model to start from: a local folder, or a Hub id (owner/name) fetched before

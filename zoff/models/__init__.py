@@ -94,8 +94,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 def _build_base(cfg: ModelConfig) -> nn.Module:
     if cfg.name == "gpt":
         return GPT(
-            cfg.n_layer, cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.tie_embeddings
-        )
+            cfg.n_layer, cfg.n_head, cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.dropout, cfg.tie_embeddings,
+            cfg.positions, cfg.rope_theta,
+        )  # fmt: skip
     if cfg.name.startswith("python:"):
         return _from_factory(cfg)
     if cfg.name.startswith("hf:"):

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zoff.models.rotary import rotary_tables, rotate
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float):
@@ -23,11 +25,17 @@ class CausalSelfAttention(nn.Module):
         self.exchange: Callable | None = None
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if rope is not None:  # model.positions: rotary
+            q, k = rotate(q, rope), rotate(k, rope)
         p = self.dropout if self.training else 0.0
         if self.exchange is not None:  # this rank's tokens, attending over the whole sequence
             y = self.exchange(q, k, v, positions, dropout=p)
@@ -58,9 +66,13 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), mask, positions))
+        x = x + self.drop(self.attn(self.ln1(x), mask, positions, rope))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -76,6 +88,8 @@ class GPT(nn.Module):
         seq_len: int,
         dropout: float = 0.0,
         tie_embeddings: bool = True,
+        positions: str = "learned",
+        rope_theta: float = 10000.0,
     ):
         super().__init__()
         # One draw from the global generator seeds every parameter by name (init_parameter): the weights are
@@ -86,7 +100,13 @@ class GPT(nn.Module):
         # _weight skips nn.Embedding's own normal_ init, which init_parameter overwrites anyway; on the meta
         # device that normal_ alone imports sympy & co. (~75 MB of Python per rank).
         self.wte = nn.Embedding(vocab_size, d_model, _weight=torch.empty(vocab_size, d_model))
-        self.wpe = nn.Embedding(seq_len, d_model, _weight=torch.empty(seq_len, d_model))
+        # model.positions: a learned table of seq_len x d_model, or rotary queries and keys (models/rotary.py)
+        self.wpe = (
+            nn.Embedding(seq_len, d_model, _weight=torch.empty(seq_len, d_model))
+            if positions == "learned"
+            else None
+        )
+        self.rope_theta, self.head_dim = rope_theta, d_model // n_head
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
@@ -133,13 +153,15 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
         mask = None if position_ids is None or self.sequence_parallel else example_mask(position_ids)
         positions = pos if self.sequence_parallel else None
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx)
+        rope = None if self.wpe is not None else rotary_tables(pos, self.head_dim, self.rope_theta, x.dtype)
+        x = self.drop(x + self.wpe(pos) if self.wpe is not None else x)
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 # Keeps only each block's input; the block's activations are recomputed in backward.
-                x = (self.checkpoint_fn or checkpoint)(block, x, mask, positions, use_reentrant=False)
+                x = (self.checkpoint_fn or checkpoint)(block, x, mask, positions, rope, use_reentrant=False)
             else:
-                x = block(x, mask, positions)
+                x = block(x, mask, positions, rope)
         return self.lm_head(self.ln_f(x))
 
 

@@ -97,53 +97,68 @@ def _all_to_all(send: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
     return recv
 
 
-def _to_heads(x: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
-    """(b, h, s/N, d) this rank's tokens of every head -> (b, h/N, s, d) every token of this rank's heads."""
-    n, (b, h, sl, d) = sg.size, x.shape
-    send = x.reshape(b, n, h // n, sl, d).transpose(0, 1).contiguous()
-    return _all_to_all(send, sg).permute(1, 2, 0, 3, 4).reshape(b, h // n, n * sl, d)
+def _spans(parts: list[int]) -> list[tuple[int, int]]:
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    return list(zip(starts, parts, strict=True))
 
 
-def _to_tokens(y: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
-    """The inverse of _to_heads: (b, h/N, s, d) -> (b, h, s/N, d)."""
-    n, (b, hl, s, d) = sg.size, y.shape
-    send = y.reshape(b, hl, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()
-    return _all_to_all(send, sg).transpose(0, 1).reshape(b, n * hl, s // n, d)
+def _to_heads(xs: list[torch.Tensor], sg: SequenceGroup) -> list[torch.Tensor]:
+    """Each (b, h, s/N, d) of this rank's tokens, every head -> (b, h/N, s, d), every token of this rank's heads;
+    one all-to-all for all of them. Rank j's chunk of the send buffer holds its heads of each tensor in turn,
+    written there directly (one copy), and the buffer is freed before the received one is laid out."""
+    n, (b, _, sl, d) = sg.size, xs[0].shape
+    parts = [x.shape[1] // n for x in xs]
+    send = xs[0].new_empty(n, b, sum(parts), sl, d)
+    for x, (a, h) in zip(xs, _spans(parts), strict=True):
+        send[:, :, a : a + h].copy_(x.reshape(b, n, h, sl, d).transpose(0, 1))
+    recv = _all_to_all(send, sg)
+    del send
+    return [recv[:, :, a : a + h].permute(1, 2, 0, 3, 4).reshape(b, h, n * sl, d) for a, h in _spans(parts)]
+
+
+def _to_tokens(ys: list[torch.Tensor], sg: SequenceGroup) -> list[torch.Tensor]:
+    """The inverse of _to_heads: each (b, h/N, s, d) -> (b, h, s/N, d)."""
+    n, (b, _, s, d) = sg.size, ys[0].shape
+    parts = [y.shape[1] for y in ys]
+    send = ys[0].new_empty(n, b, sum(parts), s // n, d)
+    for y, (a, h) in zip(ys, _spans(parts), strict=True):
+        send[:, :, a : a + h].copy_(y.reshape(b, h, n, s // n, d).permute(2, 0, 1, 3, 4))
+    recv = _all_to_all(send, sg)
+    del send
+    return [recv[:, :, a : a + h].transpose(0, 1).reshape(b, n * h, s // n, d) for a, h in _spans(parts)]
 
 
 class _ToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
-        ctx.sg = sg
-        return _to_heads(x, sg)
+    """_to_heads, whose backward is _to_tokens of the gradients."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _to_tokens(grad.contiguous(), ctx.sg), None
+    def forward(ctx, sg: SequenceGroup, *xs: torch.Tensor):
+        ctx.sg = sg
+        return tuple(_to_heads(list(xs), sg))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return None, *_to_tokens([g.contiguous() for g in grads], ctx.sg)
 
 
 class _ToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
-        ctx.sg = sg
-        return _to_tokens(y, sg)
+    """_to_tokens, whose backward is _to_heads of the gradients."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _to_heads(grad.contiguous(), ctx.sg), None
+    def forward(ctx, sg: SequenceGroup, *ys: torch.Tensor):
+        ctx.sg = sg
+        return tuple(_to_tokens(list(ys), sg))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return None, *_to_heads([g.contiguous() for g in grads], ctx.sg)
 
 
 def _exchange_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sg: SequenceGroup):
     """q, k, v of this rank's tokens -> of this rank's heads, in one all-to-all where their head sizes agree."""
-    n = sg.size
     if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
-        return tuple(_ToHeads.apply(t, sg) for t in (q, k, v))
-    b, _, sl, d = q.shape
-    heads = [t.shape[1] for t in (q, k, v)]
-    # each rank's chunk holds its q heads, then its k heads, then its v heads: one exchange for the three
-    joined = torch.cat([t.reshape(b, n, t.shape[1] // n, sl, d) for t in (q, k, v)], dim=2)
-    mixed = _ToHeads.apply(joined.reshape(b, -1, sl, d), sg)
-    return mixed.split([h // n for h in heads], dim=1)
+        return tuple(_ToHeads.apply(sg, t)[0] for t in (q, k, v))
+    return _ToHeads.apply(sg, q, k, v)
 
 
 def _gather_positions(position_ids: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
@@ -206,7 +221,7 @@ def ulysses_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale
     )
     sg.stats.attended.add(layer)
-    return _ToTokens.apply(y, sg)
+    return _ToTokens.apply(sg, y)[0]
 
 
 # ------------------------------------------------------------------------------- fitting it into a model

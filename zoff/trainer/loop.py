@@ -66,7 +66,8 @@ def train_loop(s: Session) -> list[float]:
                 "peak_rss_rank": peaks.index(max(peaks)),
                 **engine.last_step_times,  # optimizer and publish seconds; on the disk tier its I/O and waits
             }
-            if s.sequence.size > 1:  # rank 0's seconds in the sequence exchanges (their waits for peers too)
+            # rank 0's host seconds in the sequence exchanges (waits for peers too; on a GPU, the launches only)
+            if s.sequence.size > 1:
                 record["sequence_exchange_s"] = s.sequence.stats.seconds - exchanged_s
             if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too
                 trained = round(batch.loss_divisor * comm.world)  # the global batch's trained tokens

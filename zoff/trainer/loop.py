@@ -19,7 +19,6 @@ def train_loop(s: Session) -> list[float]:
     engine, batches, comm, train = s.engine, s.batches, s.comm, s.cfg.train
     accum = batches.grad_accum
     losses = []
-    tokens_per_step = batches.global_batch * batches.seq_len
     for step in range(s.start_step, train.max_steps):
         t0 = time.perf_counter()
         lr = lr_at(step, s.cfg.optim.lr, train.max_steps, s.cfg.schedule)
@@ -52,23 +51,10 @@ def train_loop(s: Session) -> list[float]:
         done = step + 1
         losses.append(mean_loss)
         if s.writer is not None:
-            record = {
-                "step": done,
-                "loss": mean_loss,
-                "lr": lr,
-                "grad_norm": result.grad_norm,
-                "tokens_per_s": tokens_per_step / dt,
-                "step_time_s": dt,
-                "skipped": not result.stepped,
-                "forward_s": forward_s,  # the overlapped step's walk is inside the forward (it waits per block)
-                "backward_s": backward_s,
-                "peak_rss_mib": max(peaks),
-                "peak_rss_rank": peaks.index(max(peaks)),
-                **engine.last_step_times,  # optimizer and publish seconds; on the disk tier its I/O and waits
-            }
-            # rank 0's host seconds in the sequence exchanges (waits for peers too; on a GPU, the launches only)
-            if s.sequence.size > 1:
-                record["sequence_exchange_s"] = s.sequence.stats.seconds - exchanged_s
+            times = {"forward_s": forward_s, "backward_s": backward_s}
+            if s.sequence.size > 1:  # rank 0's host seconds in the exchanges (waits too; a GPU's: launches)
+                times["sequence_exchange_s"] = s.sequence.stats.seconds - exchanged_s
+            record = _step_record(s, done, mean_loss, lr, result, dt, times, peaks)
             if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too
                 trained = round(batch.loss_divisor * comm.world)  # the global batch's trained tokens
                 record |= {"trained_tokens": trained, "trained_tokens_per_s": trained / dt}
@@ -91,6 +77,25 @@ def train_loop(s: Session) -> list[float]:
                 s.writer.event("preempted", done)
             break
     return losses
+
+
+def _step_record(
+    s: Session, done: int, loss: float, lr: float, result, dt: float, times: dict, peaks: list[float]
+) -> dict:
+    """What metrics.jsonl says of a step (rank 0's writer)."""
+    return {
+        "step": done,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": result.grad_norm,
+        "tokens_per_s": s.batches.global_batch * s.batches.seq_len / dt,  # every token of the global batch
+        "step_time_s": dt,
+        "skipped": not result.stepped,
+        **times,  # forward and backward: the overlapped step's walk is inside the forward (it waits per block)
+        "peak_rss_mib": max(peaks),
+        "peak_rss_rank": peaks.index(max(peaks)),
+        **s.engine.last_step_times,  # optimizer and publish seconds; on the disk tier its I/O and waits
+    }
 
 
 @torch.no_grad()

@@ -232,3 +232,25 @@ def test_compiled_blocks_with_the_exchange_eager_between_them():
     got = run_zoff(cfg, 2)[0]
     assert got["compiled_graphs"] > 0
     _assert_equals_one_rank(got, cfg)
+
+
+@pytest.mark.grid
+def test_lora_at_n_2_equals_the_peft_reference(tmp_path):
+    """peft's wrapper around a transformers Llama: the split finds the base model under it."""
+    transformers = pytest.importorskip("transformers")
+    from tests.integration.test_lora import _cfg as lora_cfg
+    from tests.integration.test_lora import peft_reference
+
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=48, max_position_embeddings=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    cfg = lora_cfg("llama", "zero3", str(tmp_path / "llama"))
+    cfg["train"]["sequence_parallel"] = 2
+    got = run_zoff(cfg, 2)[0]
+    want = reference_run(config_from_dict(cfg), 1, build=peft_reference)  # (one data rank)
+    want["params"] = {k.removeprefix("base_model.model."): v for k, v in want["params"].items()}
+    assert_close_losses(got["losses"], want["losses"])
+    assert_close_params(got["params"], want["params"])

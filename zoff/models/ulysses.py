@@ -25,10 +25,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from zoff.errors import UserError
-from zoff.models.gpt import example_mask
+from zoff.models.packed_attention import Plan, attend, attention_plan
 
 KEY = "train.sequence_parallel"
 
@@ -52,7 +51,7 @@ class ForwardMemo:
     same one); cleared as each forward starts."""
 
     positions: torch.Tensor | None = None
-    masks: dict = field(default_factory=dict)  # window -> mask (None: plain causal)
+    masks: dict = field(default_factory=dict)  # window -> attention_plan (a mask, examples, or None)
     whole: torch.Tensor | None = None
 
 
@@ -168,28 +167,15 @@ def _gather_positions(position_ids: torch.Tensor, sg: SequenceGroup) -> torch.Te
     return torch.cat(parts, dim=-1)
 
 
-def _forward_mask(position_ids: torch.Tensor, sg: SequenceGroup, window: int | None) -> torch.Tensor | None:
-    """_mask of the group's whole positions, once per forward and window (ForwardMemo)."""
+def _forward_plan(position_ids: torch.Tensor, sg: SequenceGroup, window: int | None) -> Plan:
+    """attention_plan of the group's whole positions, once per forward and window (ForwardMemo)."""
     memo = sg.memo
     if memo.positions is not position_ids:
         memo.positions, memo.masks = position_ids, {}
         memo.whole = _gather_positions(position_ids, sg)
     if window not in memo.masks:
-        memo.masks[window] = _mask(memo.whole, window)
+        memo.masks[window] = attention_plan(memo.whole, window)
     return memo.masks[window]
-
-
-def _mask(positions: torch.Tensor, window: int | None) -> torch.Tensor | None:
-    """None where plain causal attention is right (one example per row, no window), else (rows, 1, s, s)."""
-    s = positions.shape[-1]
-    plain = torch.equal(positions, torch.arange(s, device=positions.device).expand_as(positions))
-    if plain and window is None:
-        return None
-    mask = example_mask(positions)
-    if window is not None:  # transformers' sliding window: query i sees keys j with i - j < window
-        idx = torch.arange(s, device=positions.device)
-        mask = mask & ((idx.view(-1, 1) - idx.view(1, -1)) < window)
-    return mask
 
 
 # train.compile: the exchange (collectives, host timing) runs eager between the compiled regions around it
@@ -214,12 +200,7 @@ def ulysses_attention(
     q, k, v = _exchange_qkv(q, k, v, sg)
     if k.shape[1] != q.shape[1]:  # GQA: the local query heads share the local key/value heads, in order
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    mask = _forward_mask(position_ids, sg, window)
-    if mask is not None and mask.shape[0] != q.shape[0]:
-        mask = mask.expand(q.shape[0], *mask.shape[1:])
-    y = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale
-    )
+    y = attend(q, k, v, _forward_plan(position_ids, sg, window), dropout, scale)
     sg.stats.attended.add(layer)
     return _ToTokens.apply(sg, y)[0]
 

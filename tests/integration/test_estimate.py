@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -135,13 +137,41 @@ def test_device_buffers_bound_the_measured_peaks(measured: list[dict]) -> None:
 # ------------------------------------------------------------------------------------------ activations
 
 
-def _saved(model_cfg: dict, batch: int, seq: int, precision: str, ac: bool) -> int:
+def saved_with_tables(model: torch.nn.Module, fn) -> int:
+    """A.saved_bytes of `fn()` plus the rotary tables it computes (model.positions: rotary): a checkpointed
+    block's frame holds them, nested in its arguments, outside autograd's saved tensors, and they are kept for
+    the recompute all the same (the estimate counts them once either way)."""
+    import zoff.models.gpt as gpt
+
+    tables: list[torch.Tensor] = []
+    real = gpt.rotary_tables
+
+    def recorded(*args, **kwargs):
+        out = real(*args, **kwargs)
+        tables.extend(out)
+        return out
+
+    with mock.patch.object(gpt, "rotary_tables", recorded):
+        return A.saved_bytes(model, fn, lambda: tables)
+
+
+def packed_positions(batch: int, seq: int) -> torch.Tensor:
+    """Position ids of a packed micro-batch: two examples a row, the second of them restarting at 0."""
+    first = seq // 3
+    return torch.cat([torch.arange(first), torch.arange(seq - first)]).expand(batch, seq).contiguous()
+
+
+def _saved(model_cfg: dict, batch: int, seq: int, precision: str, ac: bool, packed: bool = False) -> int:
+    from zoff.data.batch import MicroBatch
+    from zoff.trainer.loss import forward_loss
+
     cfg = config_from_dict(tiny_cfg(model=model_cfg))
     torch.manual_seed(0)
     model = build_model(cfg.model).to(DTYPES[precision]).train()
     model.activation_checkpointing = ac
     x, y = torch.randint(0, cfg.model.vocab_size, (2, batch, seq))
-    return A.saved_bytes(model, lambda: lm_loss(model(x), y))
+    mb = MicroBatch(x, y, packed_positions(batch, seq) if packed else None)
+    return saved_with_tables(model, lambda: forward_loss(model, mb, 1, torch.device("cpu")))
 
 
 GPTS = [
@@ -162,22 +192,60 @@ GPTS = [
 ]
 
 
+# model.positions, and packed micro-batches (position ids restarting at each example: the attention mask)
+POSITIONS = [("learned", False), ("rotary", False), ("learned", True), ("rotary", True)]
+
+
+@pytest.mark.parametrize("positions,packed", POSITIONS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("model_cfg,batch,seq", GPTS)
-def test_gpt_activations_match_saved_tensors(model_cfg: dict, batch: int, seq: int, precision: str) -> None:
+def test_gpt_activations_match_saved_tensors(
+    model_cfg: dict, batch: int, seq: int, precision: str, positions: str, packed: bool
+) -> None:
+    model_cfg = {**model_cfg, "positions": positions}
     m = config_from_dict(tiny_cfg(model=model_cfg)).model
-    real = {ac: _saved(model_cfg, batch, seq, precision, ac) for ac in (False, True)}
+    real = {ac: _saved(model_cfg, batch, seq, precision, ac, packed) for ac in (False, True)}
     for ac in (False, True):
-        est = A.gpt_activations(m, batch, seq, precision, ac, "cpu")
+        est = A.gpt_activations(m, batch, seq, precision, ac, "cpu", packed=packed)
         assert abs(est.saved - real[ac]) <= 0.15 * real[ac], (ac, est.saved, real[ac])
         assert est.saved == real[ac]  # in fact exact
         if m.dropout == 0:  # the CUDA form differs only in LayerNorm statistics' dtype (fp32)
-            cuda = A.gpt_activations(m, batch, seq, precision, ac, "cuda").saved
+            cuda = A.gpt_activations(m, batch, seq, precision, ac, "cuda", packed=packed).saved
             assert abs(cuda - real[ac]) <= 0.15 * real[ac], (ac, cuda, real[ac])
     # With checkpointing, backward recomputes one block at a time: what a block saves beyond its input is
     # held on top of everything saved (the peak's other moments: test_activation_peaks_match_the_gpu).
-    est = A.gpt_activations(m, batch, seq, precision, True, "cpu")
+    est = A.gpt_activations(m, batch, seq, precision, True, "cpu", packed=packed)
     assert est.peak - est.saved >= (real[False] - real[True]) // m.n_layer
+
+
+def test_rotary_and_packing_terms_are_the_ones_measured() -> None:
+    """What rotary positions and a packed micro-batch change, term by term (the test above holds the totals to
+    the byte): no position ids saved, (cos, sin) tables of the compute dtype, (rows, 1, seq, head_dim) each,
+    kept once, and the rotated q and k in every block; packed, a (batch, 1, seq, seq) mask in the compute dtype
+    for every layer's attention and, with checkpointing, the boolean one the checkpoints keep."""
+    m = config_from_dict(tiny_cfg(model=GPTS[0][0])).model
+    rot = dataclasses.replace(m, positions="rotary")
+    b, s, e, d, hd = 2, 16, 2, m.d_model, m.d_model // m.n_head
+    est = lambda cfg, ac, packed=False: A.gpt_activations(cfg, b, s, "bf16", ac, "cpu", packed=packed).saved  # noqa: E731
+    assert est(rot, False) - est(m, False) == 2 * s * hd * e - 8 * s + m.n_layer * 2 * b * s * d * e
+    assert est(rot, True) - est(m, True) == 2 * s * hd * e - 8 * s
+    assert est(m, False, True) - est(m, False) == m.n_layer * b * s * s * e + 8 * (b - 1) * s
+    assert est(m, True, True) - est(m, True) == b * s * s + 8 * (b - 1) * s
+    # (packed, the tables are per row: the positions restart within each)
+    assert est(rot, True, True) - est(rot, True) == b * s * s + 2 * (b - 1) * s * hd * e
+
+
+def test_rotary_positions_have_no_position_table() -> None:
+    """model.positions: rotary drops the seq_len x d_model table from the parameters the estimate counts (read
+    off the meta model, as the engine's partition plan is)."""
+    cfg = load_config(REPO / "configs" / "gpt-7b.yaml")
+    learned = M.estimate(cfg.model, cfg.data, cfg.train, cfg.zero, 8)
+    rot = dataclasses.replace(cfg.model, positions="rotary")
+    rotary = M.estimate(rot, cfg.data, cfg.train, cfg.zero, 8)
+    assert learned.params - rotary.params == cfg.model.seq_len * cfg.model.d_model
+    assert rotary.params == sum(p.numel() for p in meta_model(rot).parameters())
+    stage3 = P.Policy(3)
+    assert rotary.get(stage3).gpu["params"] < learned.get(stage3).gpu["params"]
 
 
 def test_activation_peaks_match_the_gpu() -> None:

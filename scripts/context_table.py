@@ -1,5 +1,6 @@
 """The long-context table (docs/memory-estimates.md): the longest sequence configs/gpt-7b.yaml trains at on one,
-eight and 32 80 GiB GPUs, each sequence split over the GPUs (train.sequence_parallel), beside ALST's figures.
+eight and 32 80 GiB GPUs, each sequence split over the GPUs (train.sequence_parallel), with its learned position
+table and with rotary positions (model.positions), beside ALST's figures.
 
     python scripts/context_table.py            # compute, write docs/results/context_sp.json, print the table
     python scripts/context_table.py --render   # print the markdown table from the JSON (what the docs embed)
@@ -7,9 +8,9 @@ eight and 32 80 GiB GPUs, each sequence split over the GPUs (train.sequence_para
 Each box is `zoff estimate configs/gpt-7b.yaml --max-context` (zoff/planning/context.py) with the long-sequence
 switches and that box's GPUs, nodes and train.sequence_parallel: estimates from the functions tests hold equal
 to the engine's allocations on CPU (tests/integration/test_sequence_parallel_estimate.py), not GPU runs. Where a
-box falls short of its target length, the estimate at the target says what is over: the GPU bytes of the
-policy that reaches furthest, by category. tests/unit/test_sequence_parallel_estimate.py re-renders the table
-from the JSON and fails when the page's copy differs.
+box has a target length, the estimate at the target says what fits or is over: the GPU bytes of the policy that
+reaches furthest, by category, and what the activations' peak is made of. tests/unit/test_sequence_parallel_estimate.py
+re-renders the table from the JSON and fails when the page's copy differs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 JSON = REPO / "docs" / "results" / "context_sp.json"
 BASE = "configs/gpt-7b.yaml"  # 6.7B: 32 layers x 4096, 32 heads, vocab 32000, learned positions, bf16
+# model.positions: the config's learned table (seq_len x d_model parameters), and rotary (none)
+POSITIONS = ("learned", "rotary")
 GIB = 2**30
 RAM_GIB = 2048  # host memory per node, every box
 SWITCHES = (
@@ -48,14 +51,13 @@ ALST = (
 
 def compute() -> dict:
     sys.path.insert(0, str(REPO))
-    from zoff.config import load_config
-
     boxes = []
     for label, gpus, nodes, n, alst, target in BOXES:
-        box = _box(
-            load_config(REPO / BASE, [*SWITCHES.split(), f"train.sequence_parallel={n}"]), label, gpus, nodes
-        )
-        box["alst"], box["target"] = alst, _at_target(box, target) if target else None
+        box = {"label": label, "alst": alst}
+        for positions in POSITIONS:
+            cfg = _config(n, positions)
+            box[positions] = _box(cfg, gpus, nodes)
+            box[positions]["target"] = _at_target(cfg, box[positions], target) if target else None
         boxes.append(box)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     return {
@@ -70,38 +72,65 @@ def compute() -> dict:
     }
 
 
-def _box(cfg, label: str, gpus: int, nodes: int) -> dict:
+def _config(n: int, positions: str):
+    from zoff.config import load_config
+
+    return load_config(
+        REPO / BASE, [*SWITCHES.split(), f"train.sequence_parallel={n}", f"model.positions={positions}"]
+    )
+
+
+def _box(cfg, gpus: int, nodes: int) -> dict:
     from zoff.planning.context import max_context, to_json
     from zoff.planning.memory import Budget
 
-    ctx = max_context(cfg.model, cfg.data, cfg.train, cfg.zero, Budget(80 * GIB, RAM_GIB * GIB), gpus, nodes)
-    return {"label": label, **to_json(ctx)}
+    return to_json(
+        max_context(cfg.model, cfg.data, cfg.train, cfg.zero, Budget(80 * GIB, RAM_GIB * GIB), gpus, nodes)
+    )
 
 
-def _at_target(box: dict, seq: int) -> dict:
-    """The box's furthest policy at `seq` tokens: whether it fits, and its GPU bytes by category, with the part
-    of stage 3's buffers that is the builtin GPT's learned position table (model.seq_len x d_model, gathered
-    whole with the embeddings, and its gradient: 2 x 2 B x seq x d_model in bf16)."""
+def _at_target(cfg, box: dict, seq: int) -> dict:
+    """The box's furthest policy at `seq` tokens: whether it fits, its GPU bytes by category, the part of
+    stage 3's buffers that is the learned position table (model.seq_len x d_model, gathered whole with the
+    embeddings, and its gradient: 2 x 2 B x seq x d_model in bf16; none with rotary positions), and what the
+    activations' peak is: the bytes saved for backward and the moment on top (the all-to-all's where it is the
+    largest)."""
     import dataclasses
 
-    from zoff.config import load_config
     from zoff.engine.policy import Policy
+    from zoff.planning.activations import activations
     from zoff.planning.capacity import limited_by
     from zoff.planning.memory import Budget, estimate_to_fit
 
     rows = [p for p in box["policies"] if p["longest"]]
     best = max(rows, key=lambda p: p["longest"]["seq_len"])
-    n = box["sequence_parallel"]
-    cfg = load_config(REPO / BASE, [*SWITCHES.split(), f"train.sequence_parallel={n}"])
-    m, d = (dataclasses.replace(s, seq_len=seq) for s in (cfg.model, cfg.data))
+    m, d, t = (
+        dataclasses.replace(cfg.model, seq_len=seq),
+        dataclasses.replace(cfg.data, seq_len=seq),
+        cfg.train,
+    )
     budget = Budget(80 * GIB, RAM_GIB * GIB)
-    est = estimate_to_fit(m, d, cfg.train, cfg.zero, box["gpus_per_node"], box["nodes"], "cuda", budget)
+    est = estimate_to_fit(m, d, t, cfg.zero, box["gpus_per_node"], box["nodes"], "cuda", budget)
     pe = est.get(Policy(best["stage"], best["offload_optimizer"], best["offload_param"], True))
+    act = activations(
+        m,
+        d,
+        t.precision,
+        True,
+        "cuda",
+        t.loss_tile,
+        t.activation_offload,
+        t.mlp_tile,
+        False,
+        t.sequence_parallel,
+    )  # (as the row's: checkpointing on, bf16 on a GPU)
+    assert act.peak == pe.gpu["activations"]
     return {
         "seq_len": seq, "policy": best["name"], "fits": pe.fits(budget), "limited_by": limited_by(pe, budget),
         "gpu_bytes": pe.gpu_bytes, "gpu": dict(pe.gpu), "cpu_bytes_per_node": pe.cpu_bytes_per_node,
-        "position_table_bytes": 2 * 2 * seq * m.d_model, "exchange_bytes": est.exchange,
-        "tokens_per_gpu": seq // n,
+        "position_table_bytes": 2 * 2 * seq * m.d_model if m.positions == "learned" else 0,
+        "exchange_bytes": est.exchange, "activations_saved": act.saved,
+        "exchange_sets_peak": act.peak == act.exchange_peak, "tokens_per_gpu": seq // t.sequence_parallel,
     }  # fmt: skip
 
 
@@ -124,44 +153,64 @@ def _cell(policy: dict) -> str:
 def render(data: dict) -> str:
     boxes = data["boxes"]
     lines = [
-        "| policy (with activation checkpointing) | " + " | ".join(b["label"] for b in boxes) + " |",
+        "| policy (with activation checkpointing), model.positions | "
+        + " | ".join(b["label"] for b in boxes)
+        + " |",
         "|---" * (len(boxes) + 1) + "|",
     ]
-    for name in ROWS:
-        row = [
-            next(p for p in b["policies"] if p["name"] == name and p["activation_checkpointing"])
-            for b in boxes
-        ]
-        lines.append(f"| {name} | " + " | ".join(_cell(p) for p in row) + " |")
+    for positions in POSITIONS:
+        for name in ROWS:
+            row = [
+                next(
+                    p for p in b[positions]["policies"] if p["name"] == name and p["activation_checkpointing"]
+                )
+                for b in boxes
+            ]
+            lines.append(f"| {name}, {positions} | " + " | ".join(_cell(p) for p in row) + " |")
     lines.append("| ALST, Llama-8B on H100 80GB (measured) | " + " | ".join(b["alst"] for b in boxes) + " |")
-    lines += ["", *(_target_line(b) for b in boxes if b["target"])]
-    if any(p["longest"] and p["longest"].get("zero_changes") for b in boxes for p in b["policies"]):
+    targets = [(b, pos) for b in boxes for pos in POSITIONS if b[pos]["target"]]
+    lines += ["", *(_target_line(b, pos) for b, pos in targets)]
+    if any(
+        p["longest"] and p["longest"].get("zero_changes")
+        for b in boxes
+        for pos in POSITIONS
+        for p in b[pos]["policies"]
+    ):
         lines.append(
             "\\* stage 3 with its layers gathered part by part (`zero.block_classes`), the estimate's own choice."
         )
     lines += [
         "",
         f"`zoff estimate {data['base_config']} --max-context --gpu-memory 80GiB --cpu-memory {data['ram_gib_per_node']}GiB "
-        f"--gpus-per-node G --nodes K {data['switches']} train.sequence_parallel=N`, {data['ram_gib_per_node'] // 1024} "
-        f"TiB of RAM per node, no disk tier. {data['alst']}; zoff's are estimates. Estimated {data['date']} at commit "
-        f"{data['commit']} (`python scripts/context_table.py`; docs/results/context_sp.json).",
+        f"--gpus-per-node G --nodes K {data['switches']} train.sequence_parallel=N model.positions=P`, "
+        f"{data['ram_gib_per_node'] // 1024} TiB of RAM per node, no disk tier. {data['alst']}; zoff's are estimates. "
+        f"Estimated {data['date']} at commit {data['commit']} (`python scripts/context_table.py`; "
+        "docs/results/context_sp.json).",
     ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
-def _target_line(box: dict) -> str:
-    """What the box needs at its target length, by category, and what is over."""
-    t = box["target"]
-    g, table = t["gpu"], t["position_table_bytes"]
+def _target_line(box: dict, positions: str) -> str:
+    """What the box needs at its target length with these positions, by category, and what is over."""
+    t = box[positions]["target"]
+    g, table, gib = t["gpu"], t["position_table_bytes"], lambda b: f"{b / GIB:.1f} GiB"
     verdict = "fits" if t["fits"] else f"does not fit ({', '.join(t['limited_by'])} over)"
+    of_table = (
+        f" (of it {gib(table)} the learned position table, {_tokens(t['seq_len'])} x d_model, gathered whole with "
+        "the embeddings, and its gradient)"
+        if table
+        else " (no position table)"
+    )
+    moment = g["activations"] - t["activations_saved"]
+    peak = "the last layer's all-to-all in backward" if t["exchange_sets_peak"] else "a backward moment"
     return (
-        f"At {_tokens(t['seq_len'])} tokens on {box['label']} ({_tokens(t['tokens_per_gpu'])} a GPU), {t['policy']} "
-        f"{verdict}: {t['gpu_bytes'] / GIB:.1f} GiB a GPU = stage-3 buffers {g['buffers'] / GIB:.1f} GiB (of it "
-        f"{table / GIB:.1f} GiB the learned position table, {_tokens(t['seq_len'])} x d_model, gathered whole with "
-        f"the embeddings, and its gradient) + activations {g['activations'] / GIB:.1f} GiB (of it "
-        f"{t['exchange_bytes'] / GIB:.1f} GiB the all-to-all's buffers) + parameters {g['params'] / GIB:.1f} GiB; "
-        f"all but the position table: {(t['gpu_bytes'] - table) / GIB:.1f} GiB. "
-        f"{t['cpu_bytes_per_node'] / GIB:,.0f} GiB of RAM a node."
+        f"At {_tokens(t['seq_len'])} tokens on {box['label']} ({_tokens(t['tokens_per_gpu'])} a GPU), {positions} "
+        f"positions, {t['policy']} {verdict}: {gib(t['gpu_bytes'])} a GPU = stage-3 buffers {gib(g['buffers'])}"
+        f"{of_table} + activations {gib(g['activations'])} ({gib(t['activations_saved'])} saved, and {gib(moment)} "
+        f"at {peak}, of it {gib(t['exchange_bytes'])} its send and receive buffers) + parameters "
+        f"{gib(g['params'])}"
+        + (f"; all but the position table: {gib(t['gpu_bytes'] - table)}" if table else "")
+        + f". {t['cpu_bytes_per_node'] / GIB:,.0f} GiB of RAM a node."
     )
 
 

@@ -111,11 +111,11 @@ def test_max_context_at_n_searches_multiples_of_n_up_to_32m() -> None:
 
 
 def test_suggest_and_auto_take_the_smallest_n_that_fits_one_sequence(monkeypatch) -> None:
-    """gpt-7b at 1M tokens on 8 x 80 GiB: no policy fits at N = 1 nor at N = 2; at N = 4 one does, and both
+    """gpt-7b at 1.25M tokens on 8 x 80 GiB: no policy fits at N = 1 nor at N = 2; at N = 4 one does, and both
     --suggest and `zero: auto` say so; auto writes N into the run's config and keeps its global batch."""
     from zoff.planning import estimate as E
 
-    cfg = _gpt7b(1 << 20, "zero=auto")
+    cfg = _gpt7b(5 << 18, "zero=auto")
     with pytest.raises(UserError, match="zero: auto: no policy fits"):
         C.resolve_auto(cfg.model, cfg.data, cfg.train, cfg.zero, 8, BOX.gpu, BOX.cpu, split=False)
     at_2 = M.estimate_to_fit(

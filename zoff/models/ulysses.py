@@ -137,7 +137,7 @@ class _ToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return None, *_to_tokens([g.contiguous() for g in grads], ctx.sg)
+        return None, *_to_tokens(list(grads), ctx.sg)
 
 
 class _ToTokens(torch.autograd.Function):
@@ -150,7 +150,7 @@ class _ToTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return None, *_to_heads([g.contiguous() for g in grads], ctx.sg)
+        return None, *_to_heads(list(grads), ctx.sg)
 
 
 def _exchange_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sg: SequenceGroup):

@@ -206,9 +206,8 @@ def ulysses_terms(
     (measured: tests/integration/test_sequence_parallel_estimate.py), the larger of
     - forward: the qkv output (3; v is a view of it), with rotary positions the rotated q and k (2), and the
       buffers (6); in a recompute also the block's output gradient (1);
-    - backward, where the same exchange turns the q, k and v gradients back into tokens: those gradients (3),
-      the contiguous copies it sends (3), the buffers (6) and the residual stream's gradient (1): 13, the
-      larger;
+    - backward, where the same exchange turns the q, k and v gradients back into tokens: those gradients (3,
+      copied straight into the send buffer), the buffers (6) and the residual stream's gradient (1): 10;
     with checkpointing plus the recomputed first norm's output (1), and with `offload` the two block inputs on
     the device (2). The output's exchange moves a third as much. The first layer of a forward gathers the seq
     int64 positions of every row from one part per rank and compares them to 0..seq-1 (8 B x seq x
@@ -217,7 +216,7 @@ def ulysses_terms(
         return 0, 0, 0
     tokens = batch * seq // n
     forward = 3 + (2 if rotary else 0) + 6 + (1 if checkpointing else 0)
-    held = max(forward, 13) + (1 + (2 if offload else 0) if checkpointing else 0)
+    held = max(forward, 10) + (1 + (2 if offload else 0) if checkpointing else 0)
     return d * e, tokens * held * d * e + 8 * seq * (batch + 1), tokens * 6 * d * e
 
 

@@ -66,9 +66,11 @@ def run(a: argparse.Namespace, n: int, out: Path) -> dict:
     steady = steps[1:] or steps  # the first step pays for warm-up
     step_s = statistics.median(r["step_time_s"] for r in steady)
     exchange_s = statistics.median(r.get("sequence_exchange_s", 0.0) for r in steady)
+    sent = statistics.median(r.get("sequence_exchange_elements", 0) for r in steady)
     return {
         "n": n, "threads_per_rank": threads, "losses": [r["loss"] for r in steps], "step_s": step_s,
         "tokens_per_s": a.seq / step_s, "exchange_s": exchange_s, "exchange_share": exchange_s / step_s,
+        "exchange_elements": sent,
         "peak_rss_mib": max(summary["peak_rss_mib_per_rank"]),
     }  # fmt: skip
 
@@ -80,7 +82,9 @@ def render(data: dict) -> str:
         c = data["cells"][n]
         rows.append([
             n, f"{m['seq'] // int(n):,}", str(c["threads_per_rank"]), f"{c['tokens_per_s']:,.0f}",
-            f"**{data['speedup'][n]:.2f}x**", f"{100 * c['exchange_share']:.1f}%", f"{c['peak_rss_mib']:,.0f} MiB",
+            f"**{data['speedup'][n]:.2f}x**", f"{c.get('exchange_elements', 0) / 1e6:.1f}M",
+            f"{int(n) * c.get('exchange_elements', 0) / 1e6:.1f}M", f"{100 * c['exchange_share']:.1f}%",
+            f"{c['peak_rss_mib']:,.0f} MiB",
         ])  # fmt: skip
     head = (
         f"GPT {m['layers']} x {m['d_model']} ({m['heads']} heads), one sequence of {m['seq']:,} tokens per step, "
@@ -89,7 +93,17 @@ def render(data: dict) -> str:
         f"{data['max_loss_rel_diff']:.1e} (relative). {data['cores']} cores: ranks beyond them share cores.\n\n"
     )
     table = benchlib.md_table(
-        ["N", "tokens per rank", "threads/rank", "tokens/s", "vs N=1", "all-to-all share", "peak RSS/rank"],
+        [
+            "N",
+            "tokens per rank",
+            "threads/rank",
+            "tokens/s",
+            "vs N=1",
+            "sent a rank and step",
+            "sent by the group",
+            "all-to-all share",
+            "peak RSS/rank",
+        ],  # fmt: skip
         rows,
     )
     return head + table + "\n" + benchlib.measured_line(data, "bench_sequence_parallel")

@@ -27,7 +27,7 @@ def train_loop(s: Session) -> list[float]:
         # Summed on the device, read once per step: a .item() per micro-batch would wait for the GPU each time.
         local_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
         forward_s = backward_s = 0.0  # host seconds (on a GPU, launches and the waits they meet)
-        exchanged_s = s.sequence.stats.seconds  # train.sequence_parallel's all-to-alls, so far
+        exchanged = s.sequence.stats.seconds, s.sequence.stats.elements  # train.sequence_parallel's, so far
         for micro in range(accum):
             batch = batches.micro_batch_at(step, micro)
             t1 = time.perf_counter()
@@ -53,7 +53,10 @@ def train_loop(s: Session) -> list[float]:
         if s.writer is not None:
             times = {"forward_s": forward_s, "backward_s": backward_s}
             if s.sequence.size > 1:  # rank 0's host seconds in the exchanges (waits too; a GPU's: launches)
-                times["sequence_exchange_s"] = s.sequence.stats.seconds - exchanged_s
+                times["sequence_exchange_s"] = s.sequence.stats.seconds - exchanged[0]
+                times["sequence_exchange_elements"] = (
+                    s.sequence.stats.elements - exchanged[1]
+                )  # sent by rank 0
             record = _step_record(s, done, mean_loss, lr, result, dt, times, peaks)
             if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too
                 trained = round(batch.loss_divisor * comm.world)  # the global batch's trained tokens

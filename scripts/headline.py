@@ -22,6 +22,7 @@ NAMES = (
     "bench_checkpoint",
     "bench_nvme",
     "bench_deepspeed",
+    "bench_sequence_parallel",
 )
 PAGE = "docs/benchmarks.md"
 GIB = 2**30
@@ -53,7 +54,7 @@ def _rss(ds: dict, pair: str) -> str:
 
 def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
     """(benchmark, zoff, peer beside it, where it lives in the page, JSON name)."""
-    bm, eng, adam, off, ck, nv, ds = (d[n] for n in NAMES)
+    bm, eng, adam, off, ck, nv, ds, sp = (d[n] for n in NAMES)
     a16, a64 = _adam(adam, 16 << 20), _adam(adam, 64 << 20)
     cpu_vs_torch = [j["summary"]["offload_vs_stage2_optimizer"]["median"] for j in off["jobs"]]
     hidden = [j["summary"]["dpu"]["hidden_fraction"]["median"] for j in off["jobs"]]
@@ -114,6 +115,16 @@ def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
             "`torch.distributed.checkpoint`; load-all-shards-then-save",
             "checkpoints",
             "bench_checkpoint",
+        ),
+        (
+            f"one sequence of {sp['model']['seq']:,} tokens over N = 2 and 4 ranks (`train.sequence_parallel`)",
+            f"**{sp['speedup']['2']:.2f}x** / **{sp['speedup']['4']:.2f}x** N = 1's tokens/s on the same 2 cores; "
+            f"all-to-all {100 * sp['cells']['2']['exchange_share']:.1f}% / {100 * sp['cells']['4']['exchange_share']:.1f}% "
+            f"of the step; peak RSS a rank {sp['cells']['2']['peak_rss_mib'] / sp['cells']['1']['peak_rss_mib']:.2f}x / "
+            f"{sp['cells']['4']['peak_rss_mib'] / sp['cells']['1']['peak_rss_mib']:.2f}x; losses equal",
+            "the same sequence on one rank (N = 1), interleaved in the same run",
+            "one-sequence-over-n-ranks",
+            "bench_sequence_parallel",
         ),
         (
             "disk tier swap, /var/tmp",

@@ -20,9 +20,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +33,7 @@ JSON = benchlib.RESULTS / "bench_sequence_parallel.json"
 SHARDS = (1, 2, 4)
 
 
-def run(a: argparse.Namespace, n: int, out: Path) -> dict:
+def run(a: argparse.Namespace, n: int) -> dict:
     """One `zoff train` of world n, every rank one of n shards of the step's one sequence."""
     threads = max(1, (os.cpu_count() or 1) // n)
     args = [
@@ -47,22 +45,9 @@ def run(a: argparse.Namespace, n: int, out: Path) -> dict:
         "checkpoint.enabled=false",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "zoff",
-        "train",
-        str(REPO / "configs" / "tiny.yaml"),
-        *args,
-        "--run-dir",
-        str(out),
-    ]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"bench_sequence_parallel: N={n} failed:\n{p.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "loss" in r and "event" not in r]
+    steps, summary = benchlib.train_run(
+        REPO / "configs" / "tiny.yaml", args, f"bench_sequence_parallel N={n}", cwd=REPO, env=env
+    )
     steady = steps[1:] or steps  # the first step pays for warm-up
     step_s = statistics.median(r["step_time_s"] for r in steady)
     exchange_s = statistics.median(r.get("sequence_exchange_s", 0.0) for r in steady)
@@ -142,13 +127,12 @@ def main() -> None:
     if a.render:
         sys.exit(benchlib.print_rendered(a.out, render))
     rounds = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in range(a.rounds):
-            rounds.append({n: run(a, n, Path(tmp) / f"r{k}n{n}") for n in SHARDS})
-            print(
-                f"round {k + 1}: " + ", ".join(f"N={n} {rounds[-1][n]['step_s']:.1f} s" for n in SHARDS),
-                flush=True,
-            )
+    for k in range(a.rounds):
+        rounds.append({n: run(a, n) for n in SHARDS})
+        print(
+            f"round {k + 1}: " + ", ".join(f"N={n} {rounds[-1][n]['step_s']:.1f} s" for n in SHARDS),
+            flush=True,
+        )
     data = {
         **benchlib.provenance(), "command": benchlib.command_line(ap, a, "bench_sequence_parallel"),
         "model": {"layers": a.layers, "d_model": a.d_model, "heads": a.heads, "seq": a.seq},

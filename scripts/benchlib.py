@@ -280,6 +280,13 @@ def train_records(
     """`zoff train config overrides` in a temporary run folder (subprocess.run's `cwd`/`env` in run_kwargs):
     its per-step records; a failed run raises SystemExit naming `who` with the run's last output. `stdout`, if
     given, receives the run's output lines (its start-up plan: what it computed in)."""
+    return train_run(config, overrides, who, stdout, **run_kwargs)[0]
+
+
+def train_run(
+    config: Path, overrides: list[str], who: str, stdout: list[str] | None = None, **run_kwargs
+) -> tuple[list[dict], dict]:
+    """train_records, and the run's summary.json (its peak RSS per rank, among others)."""
     with tempfile.TemporaryDirectory(prefix="zoff-bench-") as tmp:
         run = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "zoff", "train", str(config), *overrides, "--run-dir", str(run)]
@@ -288,7 +295,7 @@ def train_records(
             raise SystemExit(f"{who}: {' '.join(cmd)} failed:\n{p.stdout[-1500:]}{p.stderr[-1500:]}")
         if stdout is not None:
             stdout.extend(p.stdout.splitlines())
-        return step_records(run)
+        return step_records(run), json.loads((run / "summary.json").read_text())
 
 
 def interleaved_rounds(

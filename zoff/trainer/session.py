@@ -19,9 +19,9 @@ from zoff.errors import UserError
 from zoff.host.kernels import compute_precision, upcasts
 from zoff.models import build_for_engine, checks_vocab, enable_activation_checkpointing
 from zoff.models.packing import packs_examples
+from zoff.models.sequence_split import split_attention
 from zoff.models.tiling import tile_mlps
 from zoff.models.twin import base_of
-from zoff.models.sequence_split import split_attention
 from zoff.models.ulysses import SequenceGroup, sequence_group
 from zoff.models.upcast import upcast_compute
 from zoff.trainer.activation_offload import ActivationOffload

@@ -406,7 +406,7 @@ def test_derive_grad_accum():
     with pytest.raises(ConfigError) as info:
         derive_grad_accum(TrainConfig(global_batch_size=8), 4, 4)
     assert str(info.value) == (
-        "train.global_batch_size: 8 is not divisible by data.batch_size x world size (4 x 4 = 16)"
+        "train.global_batch_size: 8 is not divisible by data.batch_size x data-parallel ranks (4 x 4 = 16)"
     )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -16,9 +15,7 @@ from zoff.config import ModelConfig, ZeroConfig
 from zoff.engine.policy import Policy
 from zoff.models import meta_model
 from zoff.planning.buffers import finer_gathering
-
-if TYPE_CHECKING:  # (memory.py imports this module: its types only)
-    from zoff.planning.memory import Budget, Estimate, PolicyEstimate
+from zoff.planning.fits import Budget, Estimate, PolicyEstimate
 
 
 def stage3_fallbacks(model: nn.Module, mlp_tiles: int = 1) -> list[dict]:

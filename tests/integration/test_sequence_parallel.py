@@ -223,6 +223,15 @@ def test_a_resume_at_another_global_batch_is_refused(tmp_path):
     with pytest.raises(UserError, match=said + ".*set train.global_batch_size: 2"):
         check_resumed_batch(load(again), step_2)
     check_resumed_batch(load({**again, "train": {**again["train"], "global_batch_size": 2}}), step_2)
+    # a manifest whose global batch is not a count is one line naming the file, not a traceback
+    import json
+
+    manifest = json.loads((step_2 / "manifest.json").read_text())
+    for bad in ("2", [2], -1):
+        manifest["trainer"]["data"]["global_batch"] = bad
+        (step_2 / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(UserError, match="manifest.json: trainer.data.global_batch is .*, not a count"):
+            check_resumed_batch(load(again), step_2)
 
 
 @pytest.mark.grid

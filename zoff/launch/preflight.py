@@ -8,6 +8,7 @@ from pathlib import Path
 from torch import nn
 
 from zoff.config import Config, data_parallel_size, derive_grad_accum
+from zoff.errors import UserError
 
 
 def _node_counts(cfg: Config) -> range:
@@ -35,7 +36,12 @@ def check_resumed_batch(cfg: Config, checkpoint: Path) -> None:
     from zoff.data import check_same_global_batch
 
     trainer = read_manifest(checkpoint, verify=False).get("trainer")
-    saved = trainer.get("data", {}).get("global_batch") if isinstance(trainer, dict) else None
+    data = trainer.get("data") if isinstance(trainer, dict) else None
+    saved = data.get("global_batch") if isinstance(data, dict) else None
+    if saved is not None and (type(saved) is not int or saved < 1):  # a manifest someone else wrote
+        raise UserError(
+            f"{checkpoint / 'manifest.json'}: trainer.data.global_batch is {saved!r}, not a count"
+        )
     world = cfg.launch.nproc_per_node * _node_counts(cfg)[0]
     accum = derive_grad_accum(cfg.train, cfg.data.batch_size, world)
     check_same_global_batch(saved, cfg.data.batch_size * accum * data_parallel_size(cfg.train, world))

@@ -102,10 +102,11 @@ def _model_cfg(positions: str, dropout: float):
     return config_from_dict(tiny_cfg(model={**MODEL, "positions": positions, "dropout": dropout})).model
 
 
-def _watching(attention_module) -> tuple[Live, list[tuple[str, int, int]]]:
+def _watching() -> tuple[Live, list[tuple[str, int, int]]]:
     """A Live mode, and the calls it records: each exchange's (name, bytes live at its entry, most bytes live
-    inside it), ulysses_attention's as `attention_module` calls it and the all-to-alls' own (_to_heads,
-    _to_tokens: the autograd functions look them up in their module, forward and backward)."""
+    inside it), ulysses_attention's (eager_attention looks it up in its module when a model is split) and the
+    all-to-alls' own (_to_heads, _to_tokens: the autograd functions look them up in their module, forward and
+    backward)."""
     import zoff.models.ulysses as U
 
     mode, calls = Live(), []
@@ -121,8 +122,8 @@ def _watching(attention_module) -> tuple[Live, list[tuple[str, int, int]]]:
 
         setattr(module, name, call)
 
-    for module, name in ((attention_module, "ulysses_attention"), (U, "_to_heads"), (U, "_to_tokens")):
-        watched(module, name)
+    for name in ("ulysses_attention", "_to_heads", "_to_tokens"):
+        watched(U, name)
     for name in ("all_to_all_single", "all_gather"):
         setattr(U.dist, name, _released(getattr(U.dist, name)))
     return mode, calls
@@ -131,11 +132,10 @@ def _watching(attention_module) -> tuple[Live, list[tuple[str, int, int]]]:
 def _measure(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     """Per case, on this rank (_case): the bytes kept for backward, and the exchanges (_watching's) in a
     forward and backward."""
-    import zoff.models.sequence_split as split
     import zoff.models.ulysses as U
 
     group = U.sequence_group(world)
-    mode, calls = _watching(split)  # (split_attention binds its module's name: the watched one)
+    mode, calls = _watching()
     return [{"saved": _case(rank, group, c, mode, calls), "calls": list(calls)} for c in cases]
 
 
@@ -373,13 +373,12 @@ def _hf_exchanges(rank: int, world: int, cfgs: list[dict]) -> list[list[tuple[st
     """Each Llama split over the group, one micro-batch's shard forward and backward: the exchanges
     (_watching's)."""
     import zoff.models.ulysses as U
-    import zoff.models.ulysses_hf as H
     from zoff.data.batch import MicroBatch
     from zoff.models import build_model
     from zoff.models.sequence_split import split_attention
 
     group = U.sequence_group(world)
-    mode, calls = _watching(H)  # (_hf_attention looks ulysses_attention up in its module)
+    mode, calls = _watching()
     out = []
     for c in cfgs:
         cfg = config_from_dict(c)

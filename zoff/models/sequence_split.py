@@ -11,7 +11,7 @@ from torch import nn
 
 from zoff.models.gpt import GPT, CausalSelfAttention
 from zoff.models.twin import base_of
-from zoff.models.ulysses import KEY, SequenceGroup, check_heads, ulysses_attention
+from zoff.models.ulysses import KEY, SequenceGroup, check_heads, eager_attention
 
 
 def split_attention(model: nn.Module, sg: SequenceGroup) -> None:
@@ -23,7 +23,7 @@ def split_attention(model: nn.Module, sg: SequenceGroup) -> None:
         layers = [m for m in base.modules() if isinstance(m, CausalSelfAttention)]
         check_heads(layers[0].n_head, layers[0].n_head, sg.size, "the model")
         for m in layers:
-            m.exchange = functools.partial(ulysses_attention, sg=sg, layer=id(m))
+            m.exchange = functools.partial(eager_attention(), sg=sg, layer=id(m))
         base.sequence_parallel = True
     else:
         from zoff.models.ulysses_hf import split_hf  # (transformers models only)

@@ -20,6 +20,7 @@ each sending (N - 1) / N of a rank's s/N x width elements; one all-gather of s i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -178,8 +179,6 @@ def _forward_plan(position_ids: torch.Tensor, sg: SequenceGroup, window: int | N
     return memo.masks[window]
 
 
-# train.compile: the exchange (collectives, host timing) runs eager between the compiled regions around it
-@torch.compiler.disable
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,6 +205,13 @@ def ulysses_attention(
 
 
 # ------------------------------------------------------------------------------- fitting it into a model
+
+
+def eager_attention() -> Callable[..., torch.Tensor]:
+    """ulysses_attention as a split model calls it: under train.compile it runs eager (collectives, host timing)
+    between the compiled regions around it. Made when a model is split, not at import: torch.compiler.disable
+    imports torch._dynamo, ~2 s of CPU that every rank of every run would otherwise pay."""
+    return torch.compiler.disable(ulysses_attention)
 
 
 def check_heads(heads: int, kv_heads: int, n: int, where: str) -> None:

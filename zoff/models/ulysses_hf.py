@@ -8,10 +8,12 @@ refused, as are soft-caps and sink logits."""
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from zoff.errors import UserError
-from zoff.models.ulysses import KEY, SequenceGroup, check_heads, ulysses_attention
+from zoff.models.ulysses import KEY, SequenceGroup, check_heads, eager_attention
 
 HF_NAME = "zoff_ulysses"  # the attention implementation this module registers
 # transformers model types whose every token-mixing layer is attention through the attention interface (no
@@ -60,7 +62,7 @@ def split_hf(base: nn.Module, sg: SequenceGroup) -> list[nn.Module]:
     from transformers import AttentionInterface
 
     hf_splittable(base, sg.size)
-    AttentionInterface.register(HF_NAME, lambda *a, **kw: _hf_attention(sg, *a, **kw))
+    AttentionInterface.register(HF_NAME, functools.partial(_hf_attention, sg, eager_attention()))
     base.set_attn_implementation(HF_NAME)
     layers = [m for m in base.modules() if type(m).__name__.endswith("Attention")]
     if base.config._attn_implementation != HF_NAME or not layers:
@@ -79,7 +81,7 @@ def layer_window(module: nn.Module) -> int | None:
 
 
 def _hf_attention(
-    sg: SequenceGroup, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw
+    sg: SequenceGroup, attend, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw
 ):
     """transformers' attention interface: (b, H, s/N, d) states of this rank's tokens -> ((b, s/N, H, d), None).
     The model builds no mask for an implementation it does not know: positions make it here."""
@@ -92,7 +94,5 @@ def _hf_attention(
     position_ids = kw.get("position_ids")
     if position_ids is None:
         raise RuntimeError(f"{KEY}: {where} was called without position_ids")
-    y = ulysses_attention(
-        query, key, value, position_ids, sg, dropout, scaling, window=window, layer=id(module)
-    )
+    y = attend(query, key, value, position_ids, sg, dropout, scaling, window=window, layer=id(module))
     return y.transpose(1, 2), None

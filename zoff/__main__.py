@@ -1,3 +1,3 @@
-from zoff.cli import main
+from zoff.cli import entry
 
-main()
+entry()

@@ -21,6 +21,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from zoff.config import Config, LaunchConfig, config_from_dict
 from zoff.errors import UserError
+from zoff.host.process_exit import end_at_exit
 from zoff.launch.network import (
     BOUND_STORE_ENV,
     LOOPBACK,
@@ -204,6 +205,9 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
         raise SystemExit(f"zoff: error: {e}") from None
     finally:
         dist.destroy_process_group()
+    # torch's wrapper hands the agent this rank's result, then multiprocessing's sys.exit ends the process: at
+    # once, without the ~0.8 s teardown the launcher would wait for (process_exit.py)
+    end_at_exit()
     if STOP.requested:
         # Checkpointed and done: leave now. torch's worker wrapper would otherwise wait for an event the
         # agent's shutdown path never sets, until launch.shutdown_timeout_s runs out and it is killed.

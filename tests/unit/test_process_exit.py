@@ -1,5 +1,5 @@
 """zoff/host/process_exit.py: a process ended without the interpreter's teardown still does what anyone can see
-of an exit: its code, atexit handlers, threads joined, open files and stdio flushed."""
+of an exit: its code, atexit handlers, threads joined, loggers' files and stdio flushed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PRELUDE = """
-import atexit, sys, threading, time
+import atexit, logging, sys, threading, time
 from zoff.host.process_exit import end_at_exit, exit_now
 out = sys.argv[1]
 atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
@@ -18,8 +18,8 @@ def late():
     time.sleep(0.2)
     open(out + ".thread", "w").write("joined")
 threading.Thread(target=late).start()
-kept = open(out + ".kept", "w")  # never closed: the interpreter's teardown would flush it
-kept.write("flushed")
+logging.basicConfig(filename=out + ".log", level=logging.INFO)
+logging.info("flushed")
 print("buffered", end="")
 """
 
@@ -31,7 +31,7 @@ def _run(tmp_path: Path, tail: str) -> tuple[subprocess.CompletedProcess, dict[s
     )
     seen = {
         k: (tmp_path / f"o.{k}").read_text()
-        for k in ("atexit", "thread", "kept")
+        for k in ("atexit", "thread", "log")
         if (tmp_path / f"o.{k}").exists()
     }
     return p, seen
@@ -51,7 +51,7 @@ def test_the_exit_keeps_code_handlers_threads_files_and_stdio(
 ) -> None:
     p, seen = _run(tmp_path, tail)
     assert (p.returncode, p.stdout, p.stderr) == (code, "buffered", err)
-    assert seen == {"atexit": "ran", "thread": "joined", "kept": "flushed"}
+    assert seen == {"atexit": "ran", "thread": "joined", "log": "INFO:root:flushed\n"}
 
 
 def test_the_zoff_command_ends_with_its_code_and_one_line(tmp_path: Path) -> None:

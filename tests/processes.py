@@ -150,7 +150,7 @@ class Agent:
         below = descendants(self.pid)
         self.seen.update(below)
         for pid, cmd in below.items():
-            if "spawn_main" in cmd:
+            if "spawn_main" in cmd or "forkserver" in cmd:  # (the ranks are forks of zoff's rank server)
                 r = rank_of(pid, self.run_dir)
                 if r is not None:
                     out[r] = pid

@@ -71,6 +71,9 @@ def train(
         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
     )  # fmt: skip
     cfg = load_config(config, list(overrides or []) + extra)
+    from zoff.launch import rank_server
+
+    rank_server.start(cfg.launch)  # its imports beside this process's own (torch's, the pre-flight)
     from zoff.files.hub import pin as pin_hub_ids
     from zoff.launch.elastic import check_torch
     from zoff.launch.network import node_address

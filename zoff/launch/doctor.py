@@ -7,7 +7,7 @@ import torch
 
 from zoff.host.kernels import matmul_path
 from zoff.host.versions import checked_range, torch_status
-from zoff.launch.elastic import cores_available
+from zoff.launch.rank_server import cores_available
 from zoff.optim import backend_info
 
 

@@ -31,24 +31,8 @@ from zoff.launch.network import (
     node_address,
     register_rendezvous,
 )
+from zoff.launch.rank_server import START_METHOD, prepare, threads_per_rank
 from zoff.trainer import regather
-
-
-def cores_available() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def threads_per_rank(launch: LaunchConfig, local_world: int) -> int:
-    """The rank's fair share of this node's cores, unless the config fixes it.
-
-    The elastic launcher would otherwise leave OMP_NUM_THREADS=1 for multi-rank jobs, and the CPU optimizer
-    step would run on one core.
-    """
-    return launch.threads_per_rank or max(1, cores_available() // max(1, local_world))
-
 
 TORCH_STOP_GRACE_S = 30  # torch < 2.12: PContext.close's fixed wait before SIGKILL, which no setting changes
 
@@ -109,7 +93,7 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         },
         max_restarts=lc.max_restarts,
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method=START_METHOD,  # forked from a server that has imported the trainer (rank_server.py)
         signals_to_handle=StopSignals.LEFT_TO_TORCH,  # SIGTERM and SIGINT are StopSignals' (below)
         # on SIGTERM/SIGINT, ranks finish the step and checkpoint first (torch 2.11 has a fixed 30 s)
         **(
@@ -121,18 +105,16 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
     note = stop_grace_note(lc)
     if note:
         print(note, file=sys.stderr, flush=True)
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(lc, nproc))
-    os.environ.update(network_env(lc))
+    env = launch_env(lc)
+    os.environ.update(
+        env
+    )  # the agent's; the ranks get them as an argument (a fork server's environment is older)
     register_rendezvous()
-    os.environ[BOUND_STORE_ENV] = "1"
-    # Rank 0 serves a fresh process-group store per attempt (network.init_process_group): torch 2.13's shared
-    # agent store is reused across restarts without a per-attempt prefix (a restarted rank can read the last
-    # attempt's addresses and hang or be refused), and it listens on every interface.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    prepare()
     stops = StopSignals(lc.shutdown_timeout_s)
     try:
         with stops:
-            elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume)
+            elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume, env)
     except SignalException as e:
         # The first signal's; a second one's Abort may replace it in torch's clean-up, whichever it is
         raise Preempted(stops.first or e.sigval, stops.second) from None
@@ -174,11 +156,25 @@ def pg_timeout_s(backend: str, timeout_s: float) -> float:
     return 2 * timeout_s if backend == "nccl" else timeout_s
 
 
-def worker(cfg_dict: dict, run_dir: str, resume: str | None = None) -> None:
-    """One rank: threads, device, process group, then the trainer."""
+def launch_env(lc: LaunchConfig) -> dict[str, str]:
+    """The variables the launcher sets for its agent and its ranks."""
+    return {
+        "OMP_NUM_THREADS": str(threads_per_rank(lc, lc.nproc_per_node)),
+        **network_env(lc),
+        BOUND_STORE_ENV: "1",
+        # Rank 0 serves a fresh process-group store per attempt (network.init_process_group): torch 2.13's
+        # shared agent store is reused across restarts without a per-attempt prefix (a restarted rank can read
+        # the last attempt's addresses and hang or be refused), and it listens on every interface.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+
+
+def worker(cfg_dict: dict, run_dir: str, resume: str | None = None, env: dict | None = None) -> None:
+    """One rank: the launcher's variables (launch_env), threads, device, process group, then the trainer."""
     from zoff.trainer.preempt import STOP
 
-    STOP.install()  # first: a SIGTERM during start-up must still end in a checkpointed stop
+    STOP.install()
+    os.environ.update(env or {})  # first: a SIGTERM during start-up must still end in a checkpointed stop
     from zoff.engine.comm.gather_checks import SkippedBlockError  # (in the child: keeps the launcher light)
     from zoff.trainer.run import run_training
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import descendants
 from zoff.checkpoint.format import find_checkpoint, read_manifest
 
 pytestmark = pytest.mark.slow
@@ -61,19 +62,6 @@ def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 def step_records(text: str) -> list[dict]:
     return [r for r in map(json.loads, text.splitlines()) if "loss" in r]
-
-
-def children(pid: int) -> list[int]:
-    """Live child processes of `pid`, from /proc/*/stat (field 4 is the parent pid)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
 
 
 def rank_of(pid: int, run_dir: Path) -> int | None:
@@ -140,7 +128,7 @@ def scenario(tmp_path_factory) -> dict:
             assert launcher.poll() is None, "the launcher exited before the save paused"
             assert time.monotonic() < deadline, "the save never paused"
             time.sleep(0.05)
-        ranks = {p: rank_of(p, run_dir) for p in children(launcher.pid)}
+        ranks = {p: rank_of(p, run_dir) for p in descendants(launcher.pid)}  # (forks of the rank server)
         workers = {r: p for p, r in ranks.items() if r is not None}
         assert sorted(workers) == [0, 1], workers
         s["tmp_while_paused"] = sorted(p.name for p in ckpt_dir.iterdir())

@@ -81,3 +81,24 @@ def test_a_run_refused_after_its_config_is_read_leaves_no_server(tmp_path: Path)
         if b"forkserver" in cmd and str(tmp_path).encode() in cmd:  # (its sys.path names tmp_path)
             left.append(entry.name)
     assert left == []
+
+
+def test_the_servers_imports_never_ask_for_cuda() -> None:
+    """CUDA cannot be used in a fork of a process that has initialised it, and asking for the device count
+    initialises the driver: the modules the server imports must not ask (on a GPU host a rank would fail)."""
+    from zoff.launch.rank_server import RANK_MODULES
+
+    code = (
+        "import importlib, sys, torch\n"
+        "def asked(*a, **k):\n"
+        "    raise SystemExit('torch.cuda was asked at import')\n"
+        "for name in ('is_available', 'device_count', 'init', '_lazy_init', 'current_device'):\n"
+        "    setattr(torch.cuda, name, asked)\n"
+        f"for m in {RANK_MODULES!r}:\n"
+        "    importlib.import_module(m)\n"
+        "print('imported')\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
+    assert (p.returncode, p.stdout, p.stderr) == (0, "imported\n", "")

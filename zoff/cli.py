@@ -12,7 +12,6 @@ import typer
 
 from zoff.config import Config, dump_yaml, load_config
 from zoff.errors import UserError
-from zoff.host.process_exit import exit_code, exit_now
 from zoff.trainer import regather, run_end
 
 if TYPE_CHECKING:
@@ -416,18 +415,6 @@ def _make_run_dir(run_dir: Path) -> Path:
     except OSError as e:
         raise UserError(f"--run-dir: cannot write to {out}: {e.strerror}") from None
     return out
-
-
-def entry() -> None:
-    """The `zoff` command and `python -m zoff`: main(), then the process ends without the interpreter's
-    teardown (host/process_exit.py: ~0.8 s a command with torch loaded). An exception main() lets through
-    keeps the interpreter's traceback and exit."""
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = exit_code(e.code)
-    exit_now(code)
 
 
 def main() -> None:

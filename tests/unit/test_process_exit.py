@@ -55,7 +55,7 @@ def test_the_exit_keeps_code_handlers_threads_files_and_stdio(
 
 
 def test_the_zoff_command_ends_with_its_code_and_one_line(tmp_path: Path) -> None:
-    """The console entry (zoff.cli.entry): a missing config is one line and exit 2, as main() says."""
+    """The console entry (zoff.__main__.entry): a missing config is one line and exit 2, as main() says."""
     p = subprocess.run(
         [sys.executable, "-m", "zoff", "train", str(tmp_path / "none.yaml")],
         capture_output=True,

@@ -105,10 +105,10 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
     note = stop_grace_note(lc)
     if note:
         print(note, file=sys.stderr, flush=True)
-    env = launch_env(lc)
-    os.environ.update(
-        env
+    env = launch_env(
+        lc
     )  # the agent's; the ranks get them as an argument (a fork server's environment is older)
+    os.environ.update(env)
     register_rendezvous()
     prepare()
     stops = StopSignals(lc.shutdown_timeout_s)
@@ -173,8 +173,8 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None, env: dict | 
     """One rank: the launcher's variables (launch_env), threads, device, process group, then the trainer."""
     from zoff.trainer.preempt import STOP
 
-    STOP.install()
-    os.environ.update(env or {})  # first: a SIGTERM during start-up must still end in a checkpointed stop
+    STOP.install()  # first: a SIGTERM during start-up must still end in a checkpointed stop
+    os.environ.update(env or {})
     from zoff.engine.comm.gather_checks import SkippedBlockError  # (in the child: keeps the launcher light)
     from zoff.trainer.run import run_training
 

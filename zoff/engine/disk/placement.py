@@ -150,9 +150,14 @@ def swap_buffer_bytes(
     piece's master, exp_avg and exp_avg_sq (stepped, read ahead, written back)."""
     sizes = piece_ram(plan, subgroup)
     resident = set(split.resident) if split is not None else set()
-    streamed = [n for k, n in enumerate(sizes) if k not in resident]
-    ring = ring_size(len(streamed)) * max(streamed) if streamed else 0
-    return sum(n for k, n in enumerate(sizes) if k in resident) + ring
+    streamed = len(sizes) - len(resident)
+    largest = (
+        max((n for k, n in enumerate(sizes) if k not in resident), default=0)
+        if resident
+        else max(sizes, default=0)
+    )
+    ring = ring_size(streamed) * largest if streamed else 0
+    return sum(sizes[k] for k in resident) + ring
 
 
 def piece_bytes(plan: PartitionPlan, subgroup: int | None) -> list[int]:
@@ -214,12 +219,19 @@ def next_params_bytes(plan: PartitionPlan, policy: Policy, precision: str, delay
 
 def unit_pieces(plan: PartitionPlan, subgroup: int | None) -> list[range]:
     """The disk tier's pieces (piece_bytes' indices) of each trainable unit, in the walk's order."""
+    return list(_unit_pieces(tuple(u.shard for u in plan.units), subgroup))
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_pieces(shards: tuple[int, ...], subgroup: int | None) -> tuple[range, ...]:
+    """unit_pieces by the units' shard sizes, counted (len(piece_spans)) without building the spans; cached like
+    _piece_bytes (the estimate asks it for every row: a 405B model's ~1,000 units rebuilt ~60,000 span lists)."""
     out, first = [], 0
-    for u in plan.units:
-        n = len(piece_spans(u.shard, subgroup))
-        out.append(range(first, first + n))
-        first += n
-    return out
+    for n in shards:
+        count = max(1, -(-n // max(1, subgroup or n or 1)))  # == len(piece_spans(n, subgroup))
+        out.append(range(first, first + count))
+        first += count
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------ what stays in RAM
@@ -329,7 +341,7 @@ def spread_units(ram: list[int], units: list[range], room: int) -> tuple[int, ..
     kept = seen = 0
     out: list[int] = []
     for pieces in units:
-        r = sum(ram[k] for k in pieces)
+        r = sum(ram[pieces.start : pieces.stop])  # (a unit's pieces are consecutive)
         seen += r
         if r and kept + r <= room and kept + r / 2 <= share * seen:
             out.extend(pieces)

@@ -72,10 +72,10 @@ def second_slots(
     c = DTYPES[precision].itemsize
     units, chosen, states, params, candidates = set(), set(), 0, 0, 0
     for unit, ks in reversed(list(zip(plan.units, pieces))):
-        if not ks or any(k in resident for k in ks):
+        if not ks or not resident.isdisjoint(ks):
             continue
         candidates += 1
-        s = sum(sizes[k] for k in ks)
+        s = sum(sizes[ks.start : ks.stop])  # (a unit's pieces are consecutive)
         p = aligned(c * unit.shard) if policy.params_on_disk and not unit.persistent else 0
         if room is not None and states + params + s + p > room:
             continue

@@ -44,7 +44,7 @@ def disk_traffic(
     # every piece's three states, each read and written whole pages (not the file's header)
     resident = set(split.resident) if split is not None else set()
     sizes = piece_bytes(plan, subgroup) if policy.offload_optimizer == "nvme" else []
-    opt = sum(n for k, n in enumerate(sizes) if k not in resident)
+    opt = sum(sizes) - sum(sizes[k] for k in resident)
     opt_r, opt_w = opt + micro_batches * grads, opt + micro_batches * grads
     # DPU with the parameters in memory: the walk writes the new shards to a file of their own, read back
     # once it is done (ZeroEngine.flush); on disk they go to the parameter file's other slot instead
@@ -85,7 +85,7 @@ def master_served_units(
     return frozenset(
         u.index
         for u, pieces in zip(plan.units, unit_pieces(plan, subgroup), strict=True)
-        if pieces and not u.persistent and all(k in resident for k in pieces)
+        if pieces and not u.persistent and resident.issuperset(pieces)
     )
 
 

@@ -235,8 +235,13 @@ class _Walk:
 
 def _walk(model: nn.Module, blocks: list[str]) -> _Walk:
     w = _Walk()
+    first = {}  # block -> its place in `blocks`: a module's block is the first one that is it or holds it
+    for i, b in enumerate(blocks):
+        first.setdefault(b, i)
     for mod_name, mod in model.named_modules():
-        block = next((b for b in blocks if mod_name == b or mod_name.startswith(b + ".")), "")
+        parts = mod_name.split(".")
+        held_by = [first[q] for q in (".".join(parts[: j + 1]) for j in range(len(parts))) if q in first]
+        block = blocks[min(held_by)] if held_by else ""
         for p_name, p in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if id(p) in w.aliases:
@@ -253,8 +258,12 @@ def _block_members(walk: _Walk, blocks: list[str], bucket_numel: int, threshold:
     """Stage 3: small params bucketed into persistent units, then the root's and each block's params."""
     small = [(n, p) for n, p in walk.ordered if p.numel() <= threshold]
     members: list[Member] = [(bucket, True, ()) for bucket in _buckets(small, bucket_numel)]
+    large: dict[str, Named] = {}  # each block's (and the root's) params above the threshold, in module order
+    for n, p in walk.ordered:
+        if p.numel() > threshold:
+            large.setdefault(walk.owner[id(p)], []).append((n, p))
     for group in ["", *blocks]:
-        params = [(n, p) for n, p in walk.ordered if walk.owner[id(p)] == group and p.numel() > threshold]
+        params = large.get(group, [])
         # A block is gathered whole but reduced module by module (bucket-sized at most): the gradients
         # waiting for their reduction are a module's, not a block's.
         by_module: dict[str, Named] = {}

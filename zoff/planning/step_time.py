@@ -58,7 +58,7 @@ class StepTime:
 
 
 def predict(
-    pe: PolicyEstimate, plan_pieces: list[int], rates: Rates, micro_batches: int, shard: int,
+    pe: PolicyEstimate, plan_pieces: tuple[int, ...], rates: Rates, micro_batches: int, shard: int,
     overlap: bool = False, shared_cores: bool = True, delayed: bool = False,
 ) -> StepTime:  # fmt: skip
     """One offload policy's step on one rank. `plan_pieces`: the optimizer's piece bytes (piece_bytes), those
@@ -91,7 +91,9 @@ def predict(
     )
 
 
-def _phase_bytes(pe: PolicyEstimate, plan_pieces: list[int], micro_batches: int) -> tuple[int, int, int, int]:
+def _phase_bytes(
+    pe: PolicyEstimate, plan_pieces: tuple[int, ...], micro_batches: int
+) -> tuple[int, int, int, int]:
     """(forward and backward's disk bytes read, written; the step's read, written) of one rank's step."""
     resident = set(pe.split.resident)
     streamed = sum(n for k, n in enumerate(plan_pieces) if k not in resident)
@@ -143,7 +145,7 @@ def _schedule(
 
 
 def predict_all(
-    est: Estimate, rates: Rates, plan_pieces: dict[int, list[int]], shard: dict[int, int], micro: int,
+    est: Estimate, rates: Rates, plan_pieces: dict[int, tuple[int, ...]], shard: dict[int, int], micro: int,
     overlap: bool = False, shared_cores: bool = True, delayed: bool = False,
 ):  # fmt: skip
     """{policy: StepTime} for every offload policy of the estimate (plan_pieces and shard by stage)."""

@@ -148,26 +148,36 @@ def swap_buffer_bytes(
     """The disk tier's states in RAM (state_swap.SwappedStates): `split`'s resident pieces (held whole), and,
     unless every piece is resident, up to ring_size (five) page-aligned ring buffers of the largest other
     piece's master, exp_avg and exp_avg_sq (stepped, read ahead, written back)."""
-    sizes = piece_ram(plan, subgroup)
+    shards = _shards(plan)
+    sizes = _piece_ram(shards, subgroup)
     resident = set(split.resident) if split is not None else set()
     streamed = len(sizes) - len(resident)
-    largest = (
-        max((n for k, n in enumerate(sizes) if k not in resident), default=0)
-        if resident
-        else max(sizes, default=0)
-    )
+    if resident:
+        largest = max((n for k, n in enumerate(sizes) if k not in resident), default=0)
+    else:
+        largest = _largest_piece_ram(shards, subgroup)
     ring = ring_size(streamed) * largest if streamed else 0
     return sum(sizes[k] for k in resident) + ring
 
 
-def piece_bytes(plan: PartitionPlan, subgroup: int | None) -> list[int]:
+@functools.lru_cache(maxsize=64)
+def _largest_piece_ram(shards: tuple[int, ...], subgroup: int | None) -> int:
+    return max(_piece_ram(shards, subgroup), default=0)
+
+
+def _shards(plan: PartitionPlan) -> tuple[int, ...]:
+    """The trainable units' shard sizes: what the cached piece arithmetic is keyed by."""
+    return tuple(u.shard for u in plan.units)
+
+
+def piece_bytes(plan: PartitionPlan, subgroup: int | None) -> tuple[int, ...]:
     """Disk bytes each way per step of each piece's three states, whole pages each."""
-    return list(_piece_bytes(tuple(u.shard for u in plan.units), subgroup))
+    return _piece_bytes(_shards(plan), subgroup)
 
 
-def piece_ram(plan: PartitionPlan, subgroup: int | None) -> list[int]:
+def piece_ram(plan: PartitionPlan, subgroup: int | None) -> tuple[int, ...]:
     """RAM of each piece's three states (piece_ram_bytes: set apart in the cache's sets)."""
-    return list(_piece_ram(tuple(u.shard for u in plan.units), subgroup))
+    return _piece_ram(_shards(plan), subgroup)
 
 
 def disk_bytes(
@@ -186,7 +196,7 @@ def optimizer_disk_bytes(plan: PartitionPlan, policy: Policy) -> int:
     """The optimizer's swap file per rank: its checkpoint shard's layout (partition_layout)."""
     if policy.offload_optimizer != "nvme":
         return 0
-    return _layout_bytes(tuple(u.shard for u in plan.units))
+    return _layout_bytes(_shards(plan))
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,7 +229,7 @@ def next_params_bytes(plan: PartitionPlan, policy: Policy, precision: str, delay
 
 def unit_pieces(plan: PartitionPlan, subgroup: int | None) -> list[range]:
     """The disk tier's pieces (piece_bytes' indices) of each trainable unit, in the walk's order."""
-    return list(_unit_pieces(tuple(u.shard for u in plan.units), subgroup))
+    return list(_unit_pieces(_shards(plan), subgroup))
 
 
 @functools.lru_cache(maxsize=64)

@@ -43,7 +43,7 @@ def disk_traffic(
     once it is done."""
     # every piece's three states, each read and written whole pages (not the file's header)
     resident = set(split.resident) if split is not None else set()
-    sizes = piece_bytes(plan, subgroup) if policy.offload_optimizer == "nvme" else []
+    sizes = piece_bytes(plan, subgroup) if policy.offload_optimizer == "nvme" else ()
     opt = sum(sizes) - sum(sizes[k] for k in resident)
     opt_r, opt_w = opt + micro_batches * grads, opt + micro_batches * grads
     # DPU with the parameters in memory: the walk writes the new shards to a file of their own, read back

@@ -13,6 +13,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DISK = Path(os.environ.get("ZOFF_TEST_NVME_DIR", "/var/tmp"))  # a real disk: /tmp may be tmpfs elsewhere
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (the README's `-n 2`) each worker computes on one thread: two workers share the two
+    cores, and a second torch thread per worker only spins against the other worker's ranks. Ranks set their
+    own threads (the launcher, tests.harness); this is the test process's in-process work."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     """The repository checkout (holds zoff/, configs/, recipes/, tests/)."""

@@ -179,12 +179,25 @@ def test_the_overlapped_step_with_states_in_host_memory_changes_no_bit_on_cuda(p
     side stream (params on the GPU) or writes the pinned host shard after the gathers' uploads landed (params
     in host memory), and the forward's gather of a unit waits for it; the same bits as the step run first,
     with an evaluation forward right after each step meeting a walk slowed down on purpose. A broken engine
-    whose gathers do not wait must give other evaluations (the check can fail)."""
+    whose gathers do not wait must give other evaluations (the check can fail); so must one whose gathers wait
+    for the walk on the host but not for their unit's upload on the GPU (issue 54's per-unit wait: the
+    Staging.mark event), with each upload held back on the side stream."""
     import time
 
     dev = torch.device("cuda", torch.cuda.current_device())
 
-    def run(overlap: bool, no_wait: bool = False) -> tuple[list[float], object]:
+    def hold_back_uploads(staging) -> None:
+        """Each upload starts ~0.1 s late on the side stream (the host goes on), and no reader waits for it."""
+        upload = staging.upload
+
+        def late(src: torch.Tensor, dst: torch.Tensor) -> None:
+            with torch.cuda.stream(staging.stream):
+                torch.cuda._sleep(200_000_000)
+            upload(src, dst)
+
+        staging.upload, staging.wait_for = late, lambda mark: None
+
+    def run(overlap: bool, no_wait: bool = False, no_event: bool = False) -> tuple[list[float], object]:
         zero = ZeroConfig(
             stage=3, param_persistence_threshold=64,
             offload_optimizer=OffloadOptimizerConfig(device="cpu", staging_mb=1, overlap_step=overlap),
@@ -198,6 +211,8 @@ def test_the_overlapped_step_with_states_in_host_memory_changes_no_bit_on_cuda(p
         eng.optimizer.kernel = lambda *a, **k: (time.sleep(0.01), kernel(*a, **k))[1]
         if no_wait:
             eng.gatherer.wait_ready = None
+        if no_event:
+            hold_back_uploads(eng.staging)
         gen = torch.Generator().manual_seed(1)
         out = []
         for _ in range(4):
@@ -218,6 +233,9 @@ def test_the_overlapped_step_with_states_in_host_memory_changes_no_bit_on_cuda(p
         assert torch.equal(a, b)
     broken, _ = run(True, no_wait=True)
     assert broken != want
+    if params == "none":  # (the walk uploads each unit's new shard through the staging)
+        late, _ = run(True, no_event=True)
+        assert late != want
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

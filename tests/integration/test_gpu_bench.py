@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_bench.py"
 VARIANTS = ("zero2", "zero2-offload", "zero2-offload+spec", "zero3-offload", "zero3-offload+spec",
-            "zero3-nvme", "zero3-nvme+spec", "fsdp2-offload")  # fmt: skip
+            "zero3-offload+wait-all", "zero3-nvme", "zero3-nvme+spec", "fsdp2-offload")  # fmt: skip
 ROW = ("status", "steps", "timed_steps", "step_s", "tok_s", "mfu", "gpu_busy", "optimizer_s", "pcie",
        "peak_gpu_bytes", "peak_rss_bytes", "losses")  # fmt: skip
 

@@ -110,3 +110,54 @@ def test_rng_states_round_trip_and_skip_cuda_on_the_host() -> None:
 def test_nccl_watchdog_waits_longer_than_zoffs_own_timeout() -> None:
     assert pg_timeout_s("gloo", 600.0) == 600.0
     assert pg_timeout_s("nccl", 600.0) == 1200.0
+
+
+@pytest.mark.parametrize("per_unit", [True, False])
+def test_the_overlapped_forward_waits_for_its_own_units_uploads(per_unit: bool, monkeypatch) -> None:
+    """Stage 3 with overlap_step through the staging (as on a GPU): each trainable unit's publication in the
+    walk ends with a mark (Staging.mark, an event on the side stream there), and the next forward's reader of
+    that unit waits for that mark, not for every upload queued so far (issue 54's item 4); the same bits as
+    the step run first. PER_UNIT_UPLOAD_WAIT off (gpu_bench's +wait-all): no marks, every upload ordered."""
+    from zoff.config import OffloadParamConfig
+    from zoff.engine.step import overlap
+
+    monkeypatch.setattr(zero_mod, "needs_staging", lambda device: True)
+    monkeypatch.setattr(overlap, "PER_UNIT_UPLOAD_WAIT", per_unit)
+
+    def run(overlapped: bool) -> tuple[list[float], object, list, list]:
+        zero = ZeroConfig(
+            stage=3, param_persistence_threshold=64, offload_param=OffloadParamConfig(device="none"),
+            offload_optimizer=OffloadOptimizerConfig(device="cpu", staging_mb=1, overlap_step=overlapped),
+        )  # fmt: skip
+        torch.manual_seed(0)
+        eng = build_engine(
+            GPT(2, 2, 32, 64, 16), zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision="bf16"
+        )
+        issued, waited, st = [], [], eng.staging
+        st.mark = lambda: issued.append(("mark", len(issued))) or issued[-1]
+        st.wait_for = waited.append
+        done = st.uploads_done
+        ordered = []
+        st.uploads_done = lambda: (ordered.append(1), done())
+        gen, losses = torch.Generator().manual_seed(1), []
+        for _ in range(3):
+            eng.zero_grad()
+            x = torch.randint(0, 64, (2, 16), generator=gen)
+            loss = eng.model(x).float().logsumexp(-1).mean()
+            eng.backward(loss)
+            eng.step(1e-2)
+            losses.append(loss.item())
+        with torch.no_grad():
+            losses.append(eng.model(x).float().sum().item())  # the last walk's parameters, read by a forward
+        eng.flush()
+        return losses, eng, issued, waited, ordered
+
+    want, plain, _, _, _ = run(False)
+    got, eng, issued, waited, ordered = run(True)
+    assert eng.overlap is not None and got == want
+    units = len(eng.plan.units)
+    if per_unit:
+        assert len(issued) == 3 * units  # a mark per trainable unit per step
+        assert set(waited) == set(issued)  # each read by the next forward (backward reads some again)
+    else:
+        assert issued == [] and waited == [] and len(ordered) >= 3 * units

@@ -9,7 +9,8 @@ Cost: one host-side copy per chunk (pinned <-> pageable, and the dtype conversio
 Downloads land on one worker thread (landing.py) where the engine overlaps its reductions: the thread
 that runs backward only marks the compute stream (ready) and goes on. Uploads run on a side stream: the
 host goes on to the next unit's CPU Adam while the previous unit's parameters cross the bus;
-`uploads_done()` orders the compute stream after them (no host wait). A host-only machine has nothing to
+`uploads_done()` orders the compute stream after them (no host wait), or a reader waits for its own
+unit's (`mark()`, `wait_for()`: the overlapped step's forward). A host-only machine has nothing to
 stage and never builds one; the tests run the same chunking through unpinned host buffers with null streams
 (`Staging(..., device=cpu)`), so no arithmetic here is CUDA-only.
 """
@@ -141,6 +142,20 @@ class Staging:
             with self._on_side():
                 dst[a:b].copy_(buf, non_blocking=True)
                 event.record(self.stream)
+
+    def mark(self) -> object | None:
+        """An event after every upload issued so far (on the side stream), for one reader to wait for
+        (wait_for) instead of every later upload; None on a host-only machine."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait_for(self, mark: object | None) -> None:
+        """This thread's compute stream waits (on the GPU; the host goes on) for the uploads before `mark`."""
+        if mark is not None:
+            torch.cuda.current_stream(self.device).wait_event(mark)
 
     def uploads_done(self) -> None:
         """Order the compute stream after every upload issued so far (a GPU-side wait; the host goes on)."""

@@ -39,6 +39,7 @@ from zoff.engine.speculation import (
     speculation_of,
 )
 from zoff.engine.staging import Staging, needs_staging
+from zoff.engine.step import overlap as overlap_module
 from zoff.engine.step.grad_store import GradShards, ResidentGrads
 from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.step.overlap import UnitReadiness
@@ -172,8 +173,15 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             return None
         overlap = UnitReadiness(len(self.plan.units))
         self.gatherer.wait_ready = self._wait_unit
-        self.optimizer.on_background_end = overlap.end
+        self.optimizer.on_background_end = self._walk_ended
         return overlap
+
+    def _walk_ended(self) -> None:
+        """(On the walk thread, as it ends, even by an error.) Whatever the main thread queues after the walk (the
+        next backward, a checkpoint, an evaluation) waits for every upload on the GPU; nothing waits on the host."""
+        if self.staging is not None:
+            self.staging.uploads_done()
+        self.overlap.end()
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
         """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or under
@@ -326,12 +334,13 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         for u in skip:
             self.overlap.unit_done(u)  # committed by the speculation: published already
         copy = not self.optimizer.writes_live_shards
+        per_unit = overlap_module.PER_UNIT_UPLOAD_WAIT and self.staging is not None
 
         def on_unit(u: int, lo: int | None, master: torch.Tensor | None) -> None:
-            if lo is None:
-                self.overlap.unit_done(u)
-            else:
-                self.publication.piece(u, lo, master, copy, [])  # a shard or the swap file: no collective
+            if lo is None:  # the forward's gather of u waits for u's uploads, not for the walk's later ones
+                self.overlap.unit_done(u, self.staging.mark() if per_unit else None)
+            else:  # a shard or the swap file: no collective
+                self.publication.piece(u, lo, master, copy, [], ordered=not per_unit)
 
         self.optimizer.step(grads, lr, on_unit=on_unit, runs=runs, background=True, skip=skip)
         t1 = time.perf_counter()
@@ -357,10 +366,13 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         return result
 
     def _wait_unit(self, u: int) -> None:
-        """Before unit u's shard is read (a gather, an all-gather): its update in the walk is done."""
-        self.overlap.wait(u)
+        """Before unit u's shard is read (a gather, an all-gather): its update in the walk is done, and the
+        kernels queued from here wait for its uploads on the GPU."""
+        mark = self.overlap.wait(u)
         if self.optimizer._error is not None:
             self.optimizer.finish()  # raises the walk's error, here rather than on stale parameters
+        if mark is not None:
+            self.staging.wait_for(mark)
 
     def _global_norm_sq(self, extra: list[float]) -> tuple[float, float, list[int], list[float]]:
         """(the global squared gradient norm, overflow flags, slots no rank gave a gradient, the sums of `extra`)

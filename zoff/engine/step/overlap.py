@@ -18,19 +18,29 @@ from __future__ import annotations
 
 import threading
 
+# The forward's gather of a unit waits on the GPU for that unit's uploads only (UnitReadiness's marks); False:
+# every kernel queued after a unit's publication waits for every upload issued so far (the walk is ahead of
+# the forward, so the forward's kernels waited for units it had not reached). Only scripts/gpu_bench.py sets
+# it, to measure the difference; a host-only machine uploads nothing either way.
+PER_UNIT_UPLOAD_WAIT = True
+
 
 class UnitReadiness:
-    """Per trainable unit: whether this step's update of it is done (set from the walk thread)."""
+    """Per trainable unit: whether this step's update of it is done (set from the walk thread), and where the
+    device has uploads in flight, the mark (staging.mark) its reader's stream waits for."""
 
     def __init__(self, units: int):
         self.ready = [threading.Event() for _ in range(units)]
+        self.marks: list[object | None] = [None] * units
         self.end()
 
     def begin(self) -> None:
         for e in self.ready:
             e.clear()
+        self.marks = [None] * len(self.ready)
 
-    def unit_done(self, u: int) -> None:
+    def unit_done(self, u: int, mark: object | None = None) -> None:
+        self.marks[u] = mark
         self.ready[u].set()
 
     def end(self) -> None:
@@ -38,6 +48,9 @@ class UnitReadiness:
         for e in self.ready:
             e.set()
 
-    def wait(self, u: int) -> None:
-        if u < len(self.ready):  # stage 3's frozen units have no update
-            self.ready[u].wait()
+    def wait(self, u: int) -> object | None:
+        """Once unit u's update is in: the mark of its uploads (None: nothing in flight, or no update)."""
+        if u >= len(self.ready):  # stage 3's frozen units have no update
+            return None
+        self.ready[u].wait()
+        return self.marks[u]

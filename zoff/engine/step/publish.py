@@ -156,10 +156,11 @@ class Publication:
             self.param_disk.flush()
 
     def piece(
-        self, u: int, lo: int | None, master: torch.Tensor | None, copy_master: bool, handles: list[Handle]
-    ) -> None:
+        self, u: int, lo: int | None, master: torch.Tensor | None, copy_master: bool, handles: list[Handle],
+        ordered: bool = True,
+    ) -> None:  # fmt: skip
         """A piece of unit u's updated master (starting at element lo) into its live shard; with lo None, the
-        unit is complete and its all-gather starts."""
+        unit is complete and its all-gather starts. `ordered`: later kernels wait for its upload (tier.publish)."""
         if lo is None:
             if self.policy.gathers_after_step(self.plan.units[u].persistent):
                 handles.append(self.comm.all_gather(self.shards[u], self.full[u], async_op=True))
@@ -174,4 +175,4 @@ class Publication:
             self.wait_host_reads()
             shard.copy_(master)
         else:  # through the tier: asynchronous uploads on a GPU, which the gather waits for
-            self.optimizer.tier.publish(master, shard)
+            self.optimizer.tier.publish(master, shard, ordered)

@@ -39,7 +39,7 @@ class Tier(Protocol):
 
     def make_states(self, shards: list[torch.Tensor]) -> States: ...
     def to_kernel(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
-    def publish(self, master: torch.Tensor, shard: torch.Tensor) -> None: ...
+    def publish(self, master: torch.Tensor, shard: torch.Tensor, ordered: bool = True) -> None: ...
     def grad_store(self, numels: list[int], dtype: torch.dtype, device: torch.device) -> GradShards: ...
     def buffer_bytes(self) -> int: ...
 
@@ -73,8 +73,8 @@ class DeviceTier:
     def to_kernel(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return [g if g.dtype == torch.float32 else g.float() for g in grads]  # torch's Adam wants fp32 grads
 
-    def publish(self, master: torch.Tensor, shard: torch.Tensor) -> None:
-        shard.copy_(master)
+    def publish(self, master: torch.Tensor, shard: torch.Tensor, ordered: bool = True) -> None:
+        shard.copy_(master)  # on the compute stream: in order whatever `ordered` says
 
     def buffer_bytes(self) -> int:
         return 0
@@ -123,10 +123,13 @@ class HostTier:
             host.copy_(g)  # host to host: the shards already came down as they were reduced
         return self.host_grads
 
-    def publish(self, master: torch.Tensor, shard: torch.Tensor) -> None:
+    def publish(self, master: torch.Tensor, shard: torch.Tensor, ordered: bool = True) -> None:
+        """shard <- master. `ordered`: every kernel queued after this waits for the upload (on the GPU); else
+        its reader waits for its own unit (staging.mark: the overlapped step's forward)."""
         if self.staging is not None:
             self.staging.upload(master, shard)  # asynchronous: the next unit's step overlaps it
-            self.staging.uploads_done()  # later kernels and collectives wait for it, on the GPU
+            if ordered:
+                self.staging.uploads_done()  # later kernels and collectives wait for it, on the GPU
         else:
             shard.copy_(master)
 

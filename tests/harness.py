@@ -7,6 +7,7 @@ global batches (one forward over the whole global batch), grad clipping by torch
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 import os
 import socket
@@ -77,6 +78,7 @@ def _entry(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    gc.freeze()  # the server's imports: out of every collection (and their pages stay shared with it)
     try:
         init_rank(rank, world)
         try:

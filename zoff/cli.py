@@ -6,16 +6,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
-from zoff.config import Config, dump_yaml, load_config
+from zoff.config import dump_yaml, load_config
 from zoff.errors import UserError
 from zoff.trainer import regather, run_end
-
-if TYPE_CHECKING:
-    from torch import nn
 
 
 def _examples(*lines: str) -> str:
@@ -76,11 +72,12 @@ def train(
     from zoff.files.hub import pin as pin_hub_ids
     from zoff.launch.elastic import check_torch
     from zoff.launch.network import node_address
+    from zoff.launch.preflight import check_before_launch, check_resume
 
     check_torch()
     node_address(cfg.launch)  # the interface and the endpoint resolve, before anything starts
     cfg = pin_hub_ids(cfg)  # Hub models and tokenizers fetched once here, their commit pinned for the ranks
-    model = _preflight(cfg)
+    model = check_before_launch(cfg)
     if cfg.zero.auto:
         from zoff.planning.estimate import choose_policy  # torch-free start for the other commands
 
@@ -88,7 +85,7 @@ def train(
         print(why, flush=True)
     out_dir = Path(run_dir or cfg.log.run_dir) if (run_dir or cfg.log.run_dir) else None
     if resume is not None:
-        resume = _check_resume(resume, cfg, out_dir)
+        resume = check_resume(resume, cfg, out_dir)
     if out_dir is None:
         out_dir = Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     from zoff.planning.disk_room import check_checkpoint_room
@@ -155,10 +152,11 @@ def validate(
     if config is None:
         raise UserError("zoff validate: a CONFIG file is needed (or --explain KEY)")
     from zoff.files.hub import pin as pin_hub_ids
+    from zoff.launch.preflight import check_before_launch
 
     # Hub ids resolved to their commit (config files only: a 70B's weights are not fetched to print a config)
     cfg = pin_hub_ids(load_config(config, overrides or []), weights=False)
-    _preflight(cfg)
+    check_before_launch(cfg)
     sys.stdout.write(dump_yaml(cfg))
 
 
@@ -320,89 +318,6 @@ def bench_io(
 
     for line in run(path, parse_size(size, "--size")):
         print(line, flush=True)
-
-
-def _preflight(cfg: Config) -> nn.Module:
-    """Catch what would otherwise fail inside every worker: the model factory, the data files, the swap
-    folders. Returns the model as built on the meta device (structure only)."""
-    import torch
-
-    from zoff.data import preflight as preflight_data
-    from zoff.engine.policy import Policy
-    from zoff.models import build_model, enable_activation_checkpointing
-    from zoff.planning.disk_room import check_swap_path
-    from zoff.trainer.session import packs
-
-    # an impossible stage/offload combination, named here rather than by every rank's engine
-    invalid = None if cfg.zero.auto else Policy.of(cfg.zero).invalid()
-    if invalid is not None:
-        raise UserError(f"{invalid[0]}: {invalid[1]}")
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    if cfg.train.sequence_parallel > 1:
-        from zoff.launch.preflight import check_sequence_parallel
-
-        check_sequence_parallel(cfg, model)
-    if cfg.train.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    if cfg.train.loss_tile:
-        from zoff.models.head import output_head
-        from zoff.trainer.loss import loss_tiles
-
-        output_head(model)
-        verdict = loss_tiles(model)
-        if not verdict.ok:
-            raise UserError(
-                f"train.loss_tile: {type(model).__name__} cannot have its loss tiled: {verdict.why}; "
-                "set train.loss_tile: 0"
-            )
-    preflight_data(cfg.data, pack=cfg.data.format != "text" and packs(cfg, model, warn=True))
-    check_swap_path(cfg, model)
-    from zoff.trainer.trackers import check_installed
-
-    check_installed(cfg.log)
-    if cfg.log.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            raise UserError(
-                "log.tensorboard: needs the tensorboard package (pip install zoff[tensorboard])"
-            ) from None
-    return model
-
-
-def _check_resume(resume: str, cfg: Config, run_dir: Path | None) -> str | None:
-    """Find and fully verify the checkpoint now: a bad one is a one-line error before any rank starts.
-
-    auto: the newest intact checkpoint, every newer one skipped with a line saying why; returns what the
-    ranks load (that folder; None: none yet, start fresh)."""
-    from zoff.checkpoint.format import find_checkpoint, newest_intact, read_manifest
-    from zoff.launch.preflight import check_resumed_batch
-
-    if resume == "auto":
-        if cfg.checkpoint.dir is None and run_dir is None:
-            raise UserError(
-                "--resume auto: needs --run-dir (or checkpoint.dir) to know where checkpoints are"
-            )
-        ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-        path, skipped = newest_intact(ckpt_dir, verify=True)
-        for line in skipped:
-            print(f"zoff: --resume auto: {line}", flush=True)
-        if path is None and skipped:
-            raise UserError(
-                f"--resume auto: no intact checkpoint in {ckpt_dir} ({len(skipped)} skipped, above); "
-                "start afresh without --resume, or repair one"
-            )
-        if path is None:
-            print(f"zoff: no checkpoint in {ckpt_dir}: starting fresh", flush=True)
-            return None
-        print(f"zoff: --resume auto: resuming from {path}", flush=True)
-        check_resumed_batch(cfg, path)
-        return str(path)
-    path = find_checkpoint(resume, Path("."))
-    read_manifest(path, verify=True)
-    check_resumed_batch(cfg, path)
-    return resume
 
 
 def _make_run_dir(run_dir: Path) -> Path:

@@ -8,17 +8,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
-# The test install skips pip's byte-compilation of every installed module (torch, transformers, the trackers:
-# ~50 s of the install on 2 cores); the suite compiles the modules it imports, once, as it imports them.
-flags=()
-extra=""
-[ "${1:-}" = "test" ] && flags=(--no-compile) && extra="[test]"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "$PY" -m pip install "${flags[@]}" torch
+    "$PY" -m pip install torch
   else
-    "$PY" -m pip install "${flags[@]}" "torch==2.13.0" || "$PY" -m pip install "${flags[@]}" torch
+    "$PY" -m pip install "torch==2.13.0" || "$PY" -m pip install torch
   fi
 fi
 
-"$PY" -m pip install "${flags[@]}" -e ".${extra}"
+extra=""
+[ "${1:-}" = "test" ] && extra="[test]"
+"$PY" -m pip install -e ".${extra}"

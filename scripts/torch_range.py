@@ -16,7 +16,8 @@ For each VERSION, in /var/tmp/zoff-torch-VERSION (a real disk: never tmpfs, neve
      .[test]` under a constraint pinning the torch just installed, so no dependency can swap it;
   3. the quickstart, `python -m zoff train configs/quickstart.yaml`, and its summary.json (final loss
      against the README's "near loss 2.3 (val 2.4)");
-  4. the tests: --suite default is the README's `python -m pytest -q` (about 15 minutes on 2 cores);
+  4. the tests: --suite default is the README's `python -m pytest -q -n 2 --dist loadfile` (about 13 minutes
+     on 2 cores);
      --suite quick is tests/unit plus QUICK_SLICE (the engine at stages 0-3 on 2 ranks, a bit-exact resume,
      offload, the compiled CPU Adam, the real launcher and its stop signals);
   5. the Deprecation- and FutureWarnings whose location is in zoff/ (pytest's warnings summary, and the
@@ -71,7 +72,8 @@ QUICK_SLICE = [
     "tests/integration/test_train_cli.py",
     "tests/integration/test_stop_messages.py",
 ]
-SUITES = {"quick": ["tests/unit", *QUICK_SLICE], "default": []}  # default: the README's bare `pytest -q`
+# default: the README's `pytest -q -n 2 --dist loadfile` (both cores, a file's tests on one worker)
+SUITES = {"quick": ["tests/unit", *QUICK_SLICE], "default": ["-n", "2", "--dist", "loadfile"]}
 SUITE_TIMEOUT_S = {"quick": 40 * 60, "default": 90 * 60}
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-W", "default"]
 

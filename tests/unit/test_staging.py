@@ -47,6 +47,21 @@ def test_upload_rounds_on_the_host_like_to() -> None:
     assert st.chunks == -(-5000 * 2 // chunk_bytes(4096)) == 3  # a chunk is at least a page
 
 
+def _train(eng, steps: int, after_step=None) -> tuple[list[float], torch.Tensor]:
+    """`steps` steps of a logsumexp loss on fixed random tokens: their losses, and the last batch."""
+    gen, losses = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        eng.zero_grad()
+        x = torch.randint(0, 64, (2, 16), generator=gen)
+        loss = eng.model(x).float().logsumexp(-1).mean()
+        eng.backward(loss)
+        eng.step(1e-2)
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step()
+    return losses, x
+
+
 def _run(precision: str, delay: bool, clip: float, staged: bool, monkeypatch) -> tuple[list, list, Staging]:
     monkeypatch.setattr(zero_mod, "needs_staging", lambda device: staged)
     torch.manual_seed(0)
@@ -57,16 +72,14 @@ def _run(precision: str, delay: bool, clip: float, staged: bool, monkeypatch) ->
     eng = build_engine(
         model, zero, OptimConfig(lr=1e-2, weight_decay=0.1), precision=precision, grad_clip=clip
     )
-    gen = torch.Generator().manual_seed(1)
-    losses, grad_ptrs = [], []
-    for _ in range(4):
-        eng.zero_grad()
-        x = torch.randint(0, 64, (2, 16), generator=gen)
-        loss = eng.model(x).float().logsumexp(-1).mean()
-        eng.backward(loss)
-        eng.step(1e-2)
-        losses.append(loss.item())
-        grad_ptrs.append([g.data_ptr() if g is not None else 0 for g in eng.optimizer.tier.host_grads])
+    grad_ptrs = []
+    losses, _ = _train(
+        eng,
+        4,
+        lambda: grad_ptrs.append(
+            [g.data_ptr() if g is not None else 0 for g in eng.optimizer.tier.host_grads]
+        ),
+    )
     eng.flush()
     return losses, [m.clone() for m in eng.masters], eng, grad_ptrs
 
@@ -139,14 +152,7 @@ def test_the_overlapped_forward_waits_for_its_own_units_uploads(per_unit: bool, 
         done = st.uploads_done
         ordered = []
         st.uploads_done = lambda: (ordered.append(1), done())
-        gen, losses = torch.Generator().manual_seed(1), []
-        for _ in range(3):
-            eng.zero_grad()
-            x = torch.randint(0, 64, (2, 16), generator=gen)
-            loss = eng.model(x).float().logsumexp(-1).mean()
-            eng.backward(loss)
-            eng.step(1e-2)
-            losses.append(loss.item())
+        losses, x = _train(eng, 3)
         with torch.no_grad():
             losses.append(eng.model(x).float().sum().item())  # the last walk's parameters, read by a forward
         eng.flush()

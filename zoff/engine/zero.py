@@ -39,10 +39,9 @@ from zoff.engine.speculation import (
     speculation_of,
 )
 from zoff.engine.staging import Staging, needs_staging
-from zoff.engine.step import overlap as overlap_module
 from zoff.engine.step.grad_store import GradShards, ResidentGrads
 from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
-from zoff.engine.step.overlap import UnitReadiness
+from zoff.engine.step.overlap import OverlappedStep
 from zoff.engine.step.publish import Publication
 from zoff.engine.step.tiers import DeviceTier, HostTier
 
@@ -123,7 +122,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             param_disk=self.param_disk, next_params=self.next_params,
             wait_host_reads=self.gatherer.wait_host_reads if self.gatherer else None,
         )  # fmt: skip
-        self.overlap = self._overlapped_step_readiness()
+        self.overlap = self._overlapped_step()
         self.speculation = speculation_of(self)  # None: this rank never speculates
         # every rank alike (the config, the device's kind, the tier): whether steps carry the units' flags
         self.speculates = self.offload and speculates(
@@ -166,22 +165,16 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             [u.shard for u in self.plan.units], self.accum_dtype, self.device
         )
 
-    def _overlapped_step_readiness(self) -> UnitReadiness | None:
-        """The overlapped step (overlap.py): the walk runs while the next forward does, which waits per unit
+    def _overlapped_step(self) -> OverlappedStep | None:
+        """The overlapped step (step/overlap.py): the walk runs while the next forward does, which waits per unit
         (the config allows it with an offloaded optimizer only; `zero: auto` may choose the policy later)."""
         if not (self.zero.offload_optimizer.overlap_step and self.gatherer is not None and self.offload):
             return None
-        overlap = UnitReadiness(len(self.plan.units))
-        self.gatherer.wait_ready = self._wait_unit
-        self.optimizer.on_background_end = self._walk_ended
-        return overlap
-
-    def _walk_ended(self) -> None:
-        """(On the walk thread, as it ends, even by an error.) Whatever the main thread queues after the walk (the
-        next backward, a checkpoint, an evaluation) waits for every upload on the GPU; nothing waits on the host."""
-        if self.staging is not None:
-            self.staging.uploads_done()
-        self.overlap.end()
+        step = OverlappedStep(
+            self.plan, self.policy, self.comm, self.optimizer, self.publication, self.shard_params, self.full
+        )
+        self.gatherer.wait_ready = step.wait_unit
+        return step
 
     def _build_optimizer(self, optim: OptimConfig, rescales: bool) -> ShardOptimizer:
         """The partition's optimizer on its storage tier: the device's (torch's fused AdamW), or under
@@ -258,12 +251,12 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         """Unscale, check overflow, clip by the global norm, update this rank's shard, share the new params.
 
         The update runs one of two ways, chosen first: the overlapped step's walk in the background, the next
-        forward waiting per unit (_overlapped_update); or here, each unit published as it is stepped
+        forward waiting per unit (OverlappedStep.update); or here, each unit published as it is stepped
         (_update), where under DPU the update of this step runs in the background and the previous one is
         published first, so the next forward sees parameters one step stale (ZeRO-Offload's delayed
         parameter update). _end_step ends every step.
         """
-        update = self._update if self.overlap is None else self._overlapped_update
+        update = self._update if self.overlap is None else self.overlap.update
         try:
             self.reducer.check()  # a failed gradient landing (landing.py): never a step on a window missing one
         except BaseException:
@@ -325,36 +318,6 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             times |= {"last_walk_s": last_walk, "dpu_wait_s": self.last_flush_s}
         return times
 
-    def _overlapped_update(
-        self, grads: RescaledGrads, lr: float, runs: list | None, t0: float, skip: frozenset[int]
-    ) -> dict[str, float]:
-        """The walk in the background (overlap.py); here only what must be on this thread: the persistent
-        units' all-gathers (collectives), each once its update is in. The forward waits per unit."""
-        self.overlap.begin()
-        for u in skip:
-            self.overlap.unit_done(u)  # committed by the speculation: published already
-        copy = not self.optimizer.writes_live_shards
-        per_unit = overlap_module.PER_UNIT_UPLOAD_WAIT and self.staging is not None
-
-        def on_unit(u: int, lo: int | None, master: torch.Tensor | None) -> None:
-            if lo is None:  # the forward's gather of u waits for u's uploads, not for the walk's later ones
-                self.overlap.unit_done(u, self.staging.mark() if per_unit else None)
-            else:  # a shard or the swap file: no collective
-                self.publication.piece(u, lo, master, copy, [], ordered=not per_unit)
-
-        self.optimizer.step(grads, lr, on_unit=on_unit, runs=runs, background=True, skip=skip)
-        t1 = time.perf_counter()
-        handles = []
-        for u, unit in enumerate(self.plan.units):
-            if self.policy.gathers_after_step(unit.persistent) and u not in skip:
-                self._wait_unit(u)
-                handles.append(self.comm.all_gather(self.shard_params[u], self.full[u], async_op=True))
-        for h in handles:
-            h.wait()
-        self.publication.stepped(delayed=False)  # the forward reads each unit once its update is in
-        return {"optimizer_s": t1 - t0, "publish_s": time.perf_counter() - t1,
-                "last_walk_s": self.optimizer.last_background_s}  # fmt: skip
-
     def _end_step(self, result: StepResult, times: dict[str, float] | None) -> StepResult:
         """Where every step ends: its times (None: a skipped step keeps the last ones) with its swap I/O since
         zero_grad (the forward's gathers on), and its collectives' elements."""
@@ -364,15 +327,6 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             self.last_step_times |= self._step_extras()
         self.last_step_comm = dict(self.comm.stats.elements)
         return result
-
-    def _wait_unit(self, u: int) -> None:
-        """Before unit u's shard is read (a gather, an all-gather): its update in the walk is done, and the
-        kernels queued from here wait for its uploads on the GPU."""
-        mark = self.overlap.wait(u)
-        if self.optimizer._error is not None:
-            self.optimizer.finish()  # raises the walk's error, here rather than on stale parameters
-        if mark is not None:
-            self.staging.wait_for(mark)
 
     def _global_norm_sq(self, extra: list[float]) -> tuple[float, float, list[int], list[float]]:
         """(the global squared gradient norm, overflow flags, slots no rank gave a gradient, the sums of `extra`)

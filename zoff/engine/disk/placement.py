@@ -79,8 +79,17 @@ def subgroup_numel(subgroup_mb: int) -> int:
 
 def piece_spans(numel: int, piece: int | None) -> list[tuple[int, int]]:
     """A unit's [lo, hi) pieces of at most `piece` elements (None: the whole unit); at least one piece."""
-    step = max(1, piece or numel or 1)
+    step = _piece_step(numel, piece)
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)] or [(0, 0)]
+
+
+def piece_count(numel: int, piece: int | None) -> int:
+    """len(piece_spans(numel, piece)), without building them."""
+    return max(1, -(-numel // _piece_step(numel, piece)))
+
+
+def _piece_step(numel: int, piece: int | None) -> int:
+    return max(1, piece or numel or 1)
 
 
 def walk_pieces(
@@ -234,11 +243,11 @@ def unit_pieces(plan: PartitionPlan, subgroup: int | None) -> list[range]:
 
 @functools.lru_cache(maxsize=64)
 def _unit_pieces(shards: tuple[int, ...], subgroup: int | None) -> tuple[range, ...]:
-    """unit_pieces by the units' shard sizes, counted (len(piece_spans)) without building the spans; cached like
+    """unit_pieces by the units' shard sizes, counted (piece_count) without building the spans; cached like
     _piece_bytes (the estimate asks it for every row: a 405B model's ~1,000 units rebuilt ~60,000 span lists)."""
     out, first = [], 0
     for n in shards:
-        count = max(1, -(-n // max(1, subgroup or n or 1)))  # == len(piece_spans(n, subgroup))
+        count = piece_count(n, subgroup)
         out.append(range(first, first + count))
         first += count
     return tuple(out)

@@ -20,6 +20,13 @@ LOSS_RTOL x |loss| (else the run fails: a peer that trains a different model is 
     python scripts/bench_deepspeed.py                       # measure; writes docs/results/bench_deepspeed.json
     python scripts/bench_deepspeed.py --layers 2 --d-model 256 --steps 2 --rounds 1 --out /tmp/ds.json  # smoke
     python scripts/bench_deepspeed.py --render              # the markdown table from the JSON
+    python scripts/bench_deepspeed.py --preset unclipped --precision fp32   # issue 53's regime a, on an AVX2 host
+
+Two regimes (issue 53), each its own JSON and docs region: the default clips at --grad-clip 1.0, which this
+model from initialisation exceeds at every step (regime b); --preset unclipped puts both sides' clip above
+every norm (1e9), as in a warmed-up run that does not clip (regime a), where zoff's speculation (its recipes'
+`auto`) may commit updates computed beside backward. Each table says each side's norms against the clip and
+what zoff's speculation committed (deepspeed_report.py).
 
 Costs: --setup makes /var/tmp/zoff-deepspeed-venv (1.3 GB: torch, the same version as this venv's, CPU build;
 deepspeed 0.19.8; ninja; zoff editable) in ~3 minutes, then builds DeepSpeed's CPU Adam, pin-memory and
@@ -42,22 +49,31 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import benchlib
+from deepspeed_report import LOSS_ATOL, LOSS_RTOL, PAIRS, render, summarize
 
-JSON = benchlib.RESULTS / "bench_deepspeed.json"
+# --preset: issue 53's two regimes, each its own JSON and docs region (`render: bench_deepspeed --preset NAME`)
+PRESETS = {
+    "default": benchlib.Preset(
+        benchlib.RESULTS / "bench_deepspeed.json"
+    ),  # --grad-clip (1.0: clips from init)
+    "unclipped": benchlib.Preset(
+        benchlib.RESULTS / "bench_deepspeed_unclipped.json"
+    ),  # clip above every norm
+}
+UNCLIPPED = (
+    1e9  # --preset unclipped's clip on both sides: as in a warmed-up run whose norms stay under its clip
+)
 VENV = Path("/var/tmp/zoff-deepspeed-venv")  # a real disk: never tmpfs, never inside the repository
 PY = VENV / "bin" / "python"
 LOCK = Path("/var/tmp/zoff-deepspeed.lock")
 DEEPSPEED = "0.19.8"
 APT = "apt-get update && apt-get install -y libaio-dev"
-LOSS_ATOL, LOSS_RTOL = 1e-3, 1e-3  # ~3 digits: bf16 compute, the same math summed in other orders
-PAIRS = {"offload": "cpu", "nvme": "nvme"}
 RESULT = "BENCH_DEEPSPEED_RESULT "
 
 
@@ -195,6 +211,7 @@ def worker(spec: dict) -> dict:
     swap = Path(spec["swap"])
     cfg = zoff_config(spec, swap)
     t_start = time.perf_counter()
+    norms: list[float] = []  # each step's global gradient norm, before the clip
     if spec["side"] == "zoff":
         from zoff.trainer.loss import forward_loss
         from zoff.trainer.session import build_session
@@ -214,7 +231,7 @@ def worker(spec: dict) -> dict:
             engine.zero_grad()
             loss = forward_loss(engine.model, batches.micro_batch_at(i, 0), 1, engine.device)
             engine.backward(loss, sync=True)
-            engine.step(lr)
+            norms.append(engine.step(lr).grad_norm)
             return float(loss.detach())
 
         close = engine.close
@@ -262,6 +279,7 @@ def worker(spec: dict) -> dict:
             loss = lm_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
             return float(loss.detach())
 
         close = engine.destroy if hasattr(engine, "destroy") else (lambda: None)
@@ -273,10 +291,14 @@ def worker(spec: dict) -> dict:
         times.append(time.perf_counter() - t0)
         print(f"{spec['side']} {spec['tier']} step {i + 1}: loss {losses[-1]:.4f} {times[-1]:.2f} s", flush=True)  # fmt: skip
     threads = torch.get_num_threads()
+    # zoff's speculation (its recipes' speculate: auto), None where it never speculates
+    zs = engine.speculation if spec["side"] == "zoff" else None
+    speculation = dict(zs.counts) if zs is not None else None
     close()
     peak = max(built_peak, peak_rss())
     return {"side": spec["side"], "tier": spec["tier"], "step_s": times, "losses": losses, "init_checksum": init,
             "params": params, "peak_rss_bytes": peak, "startup_s": startup, "threads_at_end": threads,
+            "norms": norms, "speculation": speculation,
             "torch": torch.__version__, "accelerator": spec.get("deepspeed_accelerator")}  # fmt: skip
 
 
@@ -309,74 +331,14 @@ def run_side(spec: dict, log_dir: Path) -> dict:
     return {**json.loads(lines[-1][len(RESULT) :]), "wall_s": time.perf_counter() - t0}
 
 
-def quartiles(xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
-    return {"median": statistics.median(xs), "q1": q[0], "q3": q[2], "min": min(xs), "max": max(xs)}
-
-
-def steady(runs: list[dict], side: str, k: int, warmup: int) -> float:
-    """The median step of `side`'s run in round k, its first `warmup` steps left out."""
-    return statistics.median(
-        next(r for r in runs if r["side"] == side and r["round"] == k)["step_s"][warmup:]
-    )
-
-
-def summarize(runs: list[dict], warmup: int) -> dict:
-    """Per pair: the per-round ratios zoff / DeepSpeed and their quartiles, losses, checksums, peak RSS."""
-    out = {}
-    for pair, tier in PAIRS.items():
-        mine = [r for r in runs if r["tier"] == tier]
-        if not mine:
-            continue
-        rounds = sorted({r["round"] for r in mine})
-        med = lambda side, k, mine=mine: steady(mine, side, k, warmup)  # noqa: E731
-        ratios = [med("zoff", k) / med("deepspeed", k) for k in rounds]
-        first = {side: next(r for r in mine if r["side"] == side) for side in ("zoff", "deepspeed")}
-        diff = max(abs(a - b) for a, b in zip(first["zoff"]["losses"], first["deepspeed"]["losses"]))
-        tol_ok = all(abs(a - b) <= LOSS_ATOL + LOSS_RTOL * abs(b)
-                     for a, b in zip(first["zoff"]["losses"], first["deepspeed"]["losses"]))  # fmt: skip
-        spread = {s: max(abs(a - b) for r in mine if r["side"] == s for a, b in zip(r["losses"], first[s]["losses"]))
-                  for s in first}  # fmt: skip
-        out[pair] = {
-            "ratio": quartiles(ratios), "ratios": ratios,
-            "step_s": {s: quartiles([med(s, k) for k in rounds]) for s in first},
-            "losses": {s: first[s]["losses"] for s in first}, "max_abs_loss_diff": diff, "losses_agree": tol_ok,
-            "loss_spread_across_rounds": spread,
-            "init_checksum": {s: first[s]["init_checksum"] for s in first},
-            "init_equal": len({first[s]["init_checksum"] for s in first}) == 1,
-            "peak_rss_bytes": {s: max(r["peak_rss_bytes"] for r in mine if r["side"] == s) for s in first},
-            "startup_s": {s: statistics.median(r["startup_s"] for r in mine if r["side"] == s) for s in first},
-        }  # fmt: skip
-    return out
-
-
-def render(data: dict) -> str:
-    """The markdown table the docs embed (pure)."""
-    c, m = data["config"], data["config"]["model"]
-    names = {"offload": "`zero3-offload` / ZeRO-3 offload to cpu", "nvme": "`zero3-nvme` / ZeRO-3 offload to nvme"}  # fmt: skip
-    rows = []
-    for pair, s in data["summary"].items():
-        r, gib = s["ratio"], lambda b: f"{b / 2**30:.1f}"  # noqa: E731
-        rows.append([names[pair], f"{s['step_s']['zoff']['median']:.2f}", f"{s['step_s']['deepspeed']['median']:.2f}",
-                     f"**{r['median']:.2f}x** ({r['q1']:.2f}-{r['q3']:.2f})",
-                     f"{s['max_abs_loss_diff']:.4f}" + ("" if s["losses_agree"] else " (DIFFER)"),
-                     f"{gib(s['peak_rss_bytes']['zoff'])} / {gib(s['peak_rss_bytes']['deepspeed'])}"])  # fmt: skip
-    head = (f"zoff's builtin GPT, {m['layers']} layers x {m['d_model']} ({data['params'] / 1e6:.0f}M parameters), "
-            f"{m['batch']} x {m['seq_len']} tokens a step, {c['precision']}, 1 rank, {c['threads']} threads each; "
-            f"deepspeed {data['deepspeed']} (CPU accelerator, gloo), torch {data['torch']}; {c['rounds']} rounds "
-            f"in alternating order, {c['steps']} steps a run, the first {c['warmup']} not timed. Same init "
-            f"(checksums equal: {all(s['init_equal'] for s in data['summary'].values())}), same batches; losses "
-            f"agree within {LOSS_ATOL} + {LOSS_RTOL} x loss.\n\n")  # fmt: skip
-    header = ["pair (zoff / DeepSpeed)", "zoff step, s", "DeepSpeed step, s", "zoff / DeepSpeed, median (q1-q3)",
-              "max loss diff", "peak RSS GiB, zoff / DeepSpeed"]  # fmt: skip
-    return head + benchlib.md_table(header, rows) + "\n" + benchlib.measured_line(data, "bench_deepspeed")
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setup", action="store_true", help="make or update the DeepSpeed venv; measure nothing")
     ap.add_argument("--install-system-deps", action="store_true", help="--setup: apt-get install libaio-dev")
     ap.add_argument("--render", action="store_true", help="print the markdown table from --out's JSON")
+    ap.add_argument(
+        "--preset", choices=list(PRESETS), default="default", help="the regime: its clip, its JSON"
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=3072, help="64-wide heads, as gpt-3b-nvme.yaml")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -389,8 +351,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     benchlib.native_precision_arg(ap)
     ap.add_argument("--lr", type=float, default=3e-5, help="AdamW's (constant) LR, both sides")
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="both sides' (--preset unclipped: 1e9)")
     ap.add_argument("--path", type=Path, default=Path("/var/tmp/zoff-deepspeed-swap"), help="nvme swap folder")  # fmt: skip
-    ap.add_argument("--out", type=Path, default=JSON)
+    ap.add_argument("--out", type=Path, help="default: the preset's JSON under docs/results/")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     return ap
 
@@ -398,6 +361,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
+    a.out = a.out or PRESETS[a.preset].json
     if a.worker:
         print(RESULT + json.dumps(worker(json.loads(a.worker))), flush=True)
         return 0
@@ -427,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps must exceed --warmup")
     spec = {"model": {"layers": a.layers, "d_model": a.d_model, "seq_len": a.seq_len, "batch": a.batch},
             "optim": {"lr": a.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
-            "schedule": {"warmup_steps": 0, "decay": "constant"}, "grad_clip": 1.0, "precision": a.precision,
+            "schedule": {"warmup_steps": 0, "decay": "constant"}, "precision": a.precision,
+            "grad_clip": UNCLIPPED if a.preset == "unclipped" else a.grad_clip,
             "seed": 0, "steps": a.steps, "threads": a.threads}  # fmt: skip
     log_dir = Path("/var/tmp/zoff-deepspeed-logs")
     log_dir.mkdir(exist_ok=True)

@@ -180,6 +180,80 @@ def test_bench_vs_commit_trains_both_trees_in_fp32_where_bf16_is_slow(
     assert data["cpu_precision"]["computed"] == ("fp32" if host == "slow" else "bf16")
 
 
+def _fake_demo(tree: Path, steps: int, extra: tuple[str, ...] = ()) -> dict:
+    """A bench_beyond_memory result of `tree`: the base's step / floor 1.25, this tree's 1.30."""
+    ratio = 1.30 if tree.name == "head" else 1.25
+    return {"step_s": 100.0 * ratio, "floor_s": 100.0, "step_to_floor": ratio, "bound": "compute + CPU Adam",
+            "losses": [6.0, 5.5], "peak_rss_job_bytes": 1, "disk_read_per_step": 2, "overrides": [*extra],
+            "status": "ok"}  # fmt: skip
+
+
+def test_bench_vs_commit_demo_compares_step_over_floor_and_keeps_each_round(monkeypatch, tmp_path) -> None:
+    """--preset demo: each tree's own demo run in fp32, the ratio of step / floor, the JSON after every round
+    (a later round's failure leaves the finished ones on disk)."""
+    slow_host(monkeypatch)
+    bvc = _script("bench_vs_commit")
+    calls: list[tuple[str, tuple[str, ...]]] = []
+
+    def demo_run(tree: Path, steps: int, extra: tuple[str, ...] = ()) -> dict:
+        calls.append((tree.name, extra))
+        if len(calls) > 2:
+            raise SystemExit("the second round failed")
+        return _fake_demo(tree, steps, extra)
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "head").mkdir()
+    monkeypatch.setattr(bvc, "REPO", tmp_path / "head")
+    monkeypatch.setattr(bvc, "worktree", lambda rev: tmp_path / "base")
+    monkeypatch.setattr(bvc, "imports_from", lambda tree: str(tree.resolve()))
+    real_config = bvc.load_config  # (this tree's demo: the fake trees hold no config)
+    monkeypatch.setattr(bvc, "load_config", lambda path: real_config(benchlib.REPO / bvc.CONFIG))
+    monkeypatch.setattr(bvc, "demo_run", demo_run)
+    out = tmp_path / "demo.json"
+    with pytest.raises(SystemExit, match="second round"):
+        bvc.main(["--preset", "demo", "--rounds", "2", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert calls[:2] == [("base", ("train.precision=fp32",)), ("head", ("train.precision=fp32",))]
+    assert data["preset"] == "demo" and data["steps"] == 6 and len(data["rounds"]) == 1
+    assert data["median_ratio"] == pytest.approx(1.30 / 1.25) and data["same_losses"]
+    table = bvc.render(data)
+    assert "| 1 | base then head | 125.0 | 100.0 | 1.250 | 130.0 | 100.0 | 1.300 | 1.040 | 1.040 |" in table
+    assert "step / floor **1.040**" in table
+
+
+def test_bench_vs_commit_demo_runs_each_trees_own_script(monkeypatch, tmp_path) -> None:
+    """A tree that has speculation runs with it off (the base has none: the same work), and a run that measured
+    no floor stops naming the tree."""
+    bvc = _script("bench_vs_commit")
+    cmds: list[list[str]] = []
+    floor: dict = {"floor_s": 90.0, "step_to_floor": 1.2, "bound": "disk"}
+
+    def run(cmd, cwd, env, **kw):
+        cmds.append(cmd)
+        assert cwd == tree and env["PYTHONPATH"] == str(tree)
+        result = {"step_time_median_s": 108.0, "floor": floor, "steps": [{"loss": 6.0}],
+                  "peak_rss_job_bytes": 1, "disk_io_per_step": {"ranks": {"read_per_step": 2}},
+                  "overrides": [], "status": "ok"}  # fmt: skip
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(result))
+        return bvc.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bvc.subprocess, "run", run)
+    for knows in (True, False):
+        tree = tmp_path / str(knows)
+        (tree / "zoff" / "config").mkdir(parents=True)
+        sections = (
+            "    speculate: Literal['auto', True, False] = 'auto'\n" if knows else "    other: int = 1\n"
+        )
+        (tree / "zoff" / "config" / "sections.py").write_text(sections)
+        got = bvc.demo_run(tree, 6, ("train.precision=fp32",))
+        assert got["step_to_floor"] == 1.2 and got["losses"] == [6.0]
+        assert cmds[-1][1:4] == ["scripts/bench_beyond_memory.py", "--steps", "6"]
+        assert ("zero.offload_optimizer.speculate=false" in cmds[-1]) is knows
+    floor = {}
+    with pytest.raises(SystemExit, match=f"bench_vs_commit \\({tree}\\): the run measured no floor"):
+        bvc.demo_run(tree, 6)
+
+
 def test_renderings_of_json_without_the_field_are_unchanged() -> None:
     """JSONs measured before the field existed render as they did: no note, the configured precision."""
     data = {"date": "2026-01-01T00:00:00+00:00", "commit": "abc", "machine": {"cpu": "x"}, "command": "c"}

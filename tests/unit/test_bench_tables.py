@@ -151,3 +151,22 @@ def test_a_preset_of_bench_beyond_memory_adds_its_overrides_after_the_command_li
     assert bbm.benchlib.command_line(ap, a, "bench_beyond_memory") == (
         "python scripts/bench_beyond_memory.py --preset dpu-2g --steps 6 zero.offload_optimizer.host_budget=8GiB"
     )
+
+
+def test_the_deepspeed_table_says_the_regime_each_side_ran_in() -> None:
+    """Each side's norms against the clip (the engine's factor: a norm 4e-7 under the clip still clips) and what
+    zoff's speculation committed; a JSON measured before norms were recorded renders no such line."""
+    report = _script("deepspeed_report")
+    norms = [2.0, 0.5, 1.0 - 4e-7]
+    s = {
+        "norms": {"zoff": norms, "deepspeed": norms[:2]},
+        "speculation": {"committed_units": 3, "speculated_units": 4},
+    }
+    line = report.clip_line("the pair", s, 1.0)
+    assert (
+        "zoff's norms 0.5-2, clipped at 2 of 3 steps, DeepSpeed's norms 0.5-2, clipped at 1 of 2 steps"
+        in line
+    )
+    assert "committed 3 of 4 units" in line
+    assert "speculated nothing" in report.clip_line("the pair", {**s, "speculation": None}, 1.0)
+    assert report.clip_line("the pair", {}, 1.0) == ""

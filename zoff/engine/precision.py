@@ -1,4 +1,4 @@
-"""Mixed precision: compute dtypes and fp16's dynamic loss scale."""
+"""Mixed precision: compute dtypes, fp16's dynamic loss scale, and the gradients' coefficient (unscale and clip)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,13 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps, self.skipped = state["scale"], state["clean_steps"], state["skipped"]
+
+
+def clip_factor(norm: float, clip: float) -> float:
+    """The step's clipping factor for a global gradient norm (clip 0: no clipping): exactly 1.0 where the clip
+    does not trigger, which is what a speculated update's commit checks (NaN gives NaN, never 1.0);
+    scripts/clip_frequency.py counts the steps of a real run with the same function."""
+    return min(clip / (norm + 1e-6), 1.0) if clip > 0 else 1.0
 
 
 class RescaledGrads:

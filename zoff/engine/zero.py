@@ -29,7 +29,7 @@ from zoff.engine.disk.traffic import master_served_units
 from zoff.engine.engine_state import EngineState
 from zoff.engine.materialize import FlatBuffers, prepare_model
 from zoff.engine.policy import Policy, engine_plan
-from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads
+from zoff.engine.precision import DTYPES, LossScaler, RescaledGrads, clip_factor
 from zoff.engine.report import EngineReports
 from zoff.engine.speculation import (
     EngineSpeculation,
@@ -279,7 +279,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         norm = math.sqrt(total_sq) / self.scaler.scale
         coef = base = 1.0 / self.scaler.scale
         self.scaler.update(overflow=False)
-        factor = min(self.grad_clip / (norm + 1e-6), 1.0) if self.grad_clip > 0 else 1.0
+        factor = clip_factor(norm, self.grad_clip)
         if self.grad_clip > 0:
             coef *= factor
         runs = self._step_runs(unused)

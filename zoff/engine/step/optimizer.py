@@ -196,6 +196,11 @@ class ShardOptimizer:
         """Whether the next step() runs as DPU's background update (past its warm-up of exact steps)."""
         return self.delay and self.step_count + 1 > self.warmup
 
+    @property
+    def failed(self) -> bool:
+        """Whether the background step has failed (its error waits for finish() to raise it)."""
+        return self._error is not None
+
     def finish(self) -> None:
         """Join an in-flight background step, DPU's or the overlapped walk (before publishing, checkpointing,
         backward or the next step)."""

@@ -118,7 +118,7 @@ class OverlappedStep:
         """Before unit u's shard is read (a gather, an all-gather): its update in the walk is done, and the
         kernels queued from here wait for its uploads on the GPU."""
         mark = self.readiness.wait(u)
-        if self.optimizer._error is not None:
+        if self.optimizer.failed:
             self.optimizer.finish()  # raises the walk's error, here rather than on stale parameters
         if mark is not None:
             self.staging.wait_for(mark)

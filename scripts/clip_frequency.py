@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""How often the clip triggers in a real run (issue 53): a ~100M GPT trained on the shipped data at
+train.grad_clip 1.0, and, from each step's global gradient norm, the fraction of steps after warmup whose
+clipping factor is exactly 1 (the steps whose speculated update commits), and what speculate=auto would do.
+
+    python scripts/clip_frequency.py                    # 85M GPT, 3000 steps of 8 x 256 tokens (a GPU: minutes)
+    python scripts/clip_frequency.py --steps 1500 --batch 2 --seq-len 128    # what 2 CPU cores do in ~an hour
+    python scripts/clip_frequency.py --from-run RUN_DIR # the figures of a run already made (its metrics.jsonl)
+    python scripts/clip_frequency.py --render           # the markdown table from the JSON (what the docs embed)
+
+The run is `zoff train configs/quickstart.yaml` with overrides: the quickstart's data (stdlib-source: the standard
+library's sources, byte-level) and optimizer (AdamW, betas 0.9/0.95, weight decay 0.1, warmup then cosine to
+0.1x), the model at 12 layers x 768 (12 heads: 85M parameters at vocab 256), lr --lr, one rank, zero0 (the norm
+is the run's, not the policy's: every policy computes the same norm, which the pattern zoo holds), fp32. The
+factor is zoff.engine.precision.clip_factor, the function the engine's step computes it with; auto's rule is the
+engine's (Speculation.wanted): a step speculates when the one before it did not clip, and commits when it does
+not clip either. A run that stops early (`--from-run` on its folder) gives the figures of the steps it made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import benchlib
+
+from zoff.config import load_config
+from zoff.engine.precision import clip_factor
+from zoff.models import meta_model
+from zoff.planning.memory import count_params
+
+JSON = benchlib.RESULTS / "clip_frequency.json"
+CONFIG = benchlib.REPO / "configs" / "quickstart.yaml"
+MODEL = ["model.n_layer=12", "model.n_head=12", "model.d_model=768"]
+
+
+def overrides(a: argparse.Namespace) -> list[str]:
+    """The run's overrides of the quickstart config (see the module docstring)."""
+    return [
+        *MODEL, f"model.seq_len={a.seq_len}", f"data.seq_len={a.seq_len}", f"data.batch_size={a.batch}",
+        "zero=zero0", "launch.nproc_per_node=1", f"launch.threads_per_rank={a.threads}",
+        f"optim.lr={a.lr}", f"schedule.warmup_steps={a.warmup}", f"train.max_steps={a.steps}",
+        f"train.grad_clip={a.clip}", "train.precision=fp32", "train.log_every=1", "train.eval_every=0",
+        "checkpoint.enabled=false", "log.progress=false", *a.overrides,
+    ]  # fmt: skip
+
+
+def train(a: argparse.Namespace, run_dir: Path) -> None:
+    """`zoff train` into run_dir, its output passed through (hours on a CPU: the steps show as they go)."""
+    cmd = [sys.executable, "-m", "zoff", "train", str(CONFIG), *overrides(a), "--run-dir", str(run_dir)]
+    print(" ".join(cmd), flush=True)
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit(f"clip_frequency: the run failed; its steps so far: --from-run {run_dir}")
+
+
+def norms_of(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, global gradient norm) of every step the run recorded, in order."""
+    return [(r["step"], r["grad_norm"]) for r in benchlib.step_records(run_dir) if "grad_norm" in r]
+
+
+def clip_figures(norms: list[float], clip: float, warmup: int, windows: int = 5) -> dict:
+    """From each step's norm: the fraction of steps after `warmup` whose factor is exactly 1, per window of
+    those steps too, what auto would speculate and commit, and the norms' spread after warmup."""
+    free = [clip_factor(n, clip) == 1.0 for n in norms]
+    after = list(range(warmup, len(norms)))
+    if not after:
+        raise SystemExit(f"clip_frequency: {len(norms)} steps recorded, none after the warmup's {warmup}")
+    # auto (Speculation.wanted): speculate when the step before did not clip; commit when this one does not
+    speculated = [t > 0 and free[t - 1] for t in range(len(norms))]
+    committed = [speculated[t] and free[t] for t in range(len(norms))]
+    size = -(-len(after) // windows)
+    parts = [after[i : i + size] for i in range(0, len(after), size)]
+    tail = sorted(norms[t] for t in after)
+
+    def share(flags: list[bool], steps: list[int]) -> float:
+        return sum(flags[t] for t in steps) / len(steps)
+
+    return {
+        "steps": len(norms), "after_warmup": len(after), "unclipped_fraction": share(free, after),
+        "windows": [{"from_step": p[0] + 1, "to_step": p[-1] + 1, "unclipped_fraction": share(free, p)}
+                    for p in parts],
+        "auto_speculated_fraction": share(speculated, after), "auto_committed_fraction": share(committed, after),
+        "auto_wasted_fraction": share([s and not f for s, f in zip(speculated, free)], after),
+        "norm_after_warmup": {"min": tail[0], "median": statistics.median(tail),
+                              "p90": tail[int(0.9 * (len(tail) - 1))], "max": tail[-1]},
+        "first_unclipped_step": next((t + 1 for t, f in enumerate(free) if f), None),
+    }  # fmt: skip
+
+
+def render(data: dict) -> str:
+    f, n = data["figures"], data["figures"]["norm_after_warmup"]
+    rows = [
+        f"| steps {w['from_step']}-{w['to_step']} | {w['unclipped_fraction']:.1%} |" for w in f["windows"]
+    ]
+    stopped = (
+        "" if f["steps"] == data["planned_steps"] else f" (stopped early: {data['planned_steps']} planned)"
+    )
+    return "\n".join([
+        f"A {data['params_m']:.0f}M-parameter GPT (12 layers x 768) on the quickstart's data, {data['batch']} x"
+        f" {data['seq_len']} tokens a step, lr {data['lr']:g}, warmup {data['warmup']}, train.grad_clip"
+        f" {data['clip']:g}: {f['steps']} steps{stopped}.",
+        "",
+        "| steps after warmup | factor exactly 1 (not clipped) |",
+        "|---|---:|",
+        f"| all {f['after_warmup']} | **{f['unclipped_fraction']:.1%}** |",
+        *rows,
+        "",
+        f"speculate=auto over the steps after warmup (it speculates after a step that did not clip): speculated"
+        f" {f['auto_speculated_fraction']:.1%}, committed {f['auto_committed_fraction']:.1%}, speculated and"
+        f" discarded {f['auto_wasted_fraction']:.1%}. Norms after warmup: median {n['median']:.3g}, 90th"
+        f" percentile {n['p90']:.3g}, range {n['min']:.3g}-{n['max']:.3g}; the first step not clipped:"
+        f" {f['first_unclipped_step']}.",
+        "",
+        benchlib.measured_line(data, "clip_frequency"),
+    ])  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument(
+        "--warmup", type=int, default=100, help="schedule.warmup_steps; figures count the steps after"
+    )
+    ap.add_argument("--batch", type=int, default=8, help="sequences a step (data.batch_size)")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=2, help="launch.threads_per_rank")
+    ap.add_argument("--from-run", type=Path, help="a run folder already made: its figures, no training")
+    ap.add_argument("--keep-run", type=Path, help="train into this folder (kept) instead of a temporary one")
+    benchlib.output_args(ap, JSON)
+    ap.add_argument("overrides", nargs="*", help="further KEY.PATH=VALUE overrides of the run")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    a = ap.parse_args(argv)
+    if a.render:
+        return benchlib.print_rendered(a.out, render)
+    with tempfile.TemporaryDirectory(prefix="zoff-clip-") as tmp:
+        run_dir = a.from_run or a.keep_run or Path(tmp) / "run"
+        if a.from_run is None:
+            train(a, run_dir)
+        recorded = norms_of(run_dir)
+    steps, norms = [s for s, _ in recorded], [n for _, n in recorded]
+    if steps != list(range(1, len(steps) + 1)):
+        raise SystemExit(f"clip_frequency: {run_dir}/metrics.jsonl lacks steps (train.log_every must be 1)")
+    params = count_params(meta_model(load_config(CONFIG, overrides(a)).model))[0]
+    data = {
+        **benchlib.provenance(), "command": benchlib.command_line(ap, a, "clip_frequency"),
+        "config": "configs/quickstart.yaml", "overrides": overrides(a), "planned_steps": a.steps,
+        "batch": a.batch, "seq_len": a.seq_len, "lr": a.lr, "warmup": a.warmup, "clip": a.clip,
+        "params_m": params / 1e6, "norms": norms, "figures": clip_figures(norms, a.clip, a.warmup),
+    }  # fmt: skip
+    return benchlib.write_result(a.out, data, render)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

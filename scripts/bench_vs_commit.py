@@ -44,6 +44,7 @@ PRESETS = {
     "default": benchlib.Preset(benchlib.RESULTS / "bench_vs_commit.json"),
     "demo": benchlib.Preset(benchlib.RESULTS / "bench_vs_commit_demo.json"),
 }
+JSON = PRESETS["default"].json  # what the bare script writes
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "zoff/configs/gpt-3b-nvme.yaml"  # each tree's own copy (keys differ between commits)
 # keys both trees know: every state in RAM, no checkpoint, a time per step

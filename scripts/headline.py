@@ -99,7 +99,8 @@ def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
         ),
         (
             f"ZeRO-3 offload step, {ds['params'] / 1e6:.0f}M GPT ({ds['config']['model']['layers']} x "
-            f"{ds['config']['model']['d_model']}), 1 rank",
+            f"{ds['config']['model']['d_model']}), 1 rank, {ds['config']['precision']}, clip "
+            f"{ds['config']['grad_clip']:g}",
             f"CPU offload **{ds['summary']['offload']['ratio']['median']:.2f}x** DeepSpeed's step time, disk tier "
             f"**{ds['summary']['nvme']['ratio']['median']:.2f}x**; peak RSS "
             f"{_rss(ds, 'offload')} and {_rss(ds, 'nvme')} of DeepSpeed's",

@@ -121,6 +121,7 @@ PRESET_JSONS = {
         "unclipped": "bench_beyond_memory_unclipped",
     },
     "bench_overlap": {"default": "bench_overlap", "offload": "bench_overlap_offload"},
+    "bench_vs_commit": {"default": "bench_vs_commit", "demo": "bench_vs_commit_demo"},
 }  # fmt: skip
 
 

@@ -137,11 +137,21 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _refuse(why: str) -> int:
+    """Bad input (a run folder, its records): one line, exit 2."""
+    print(f"clip_frequency: {why}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
     if a.render:
         return benchlib.print_rendered(a.out, render)
+    if a.from_run is not None and not (a.from_run / "metrics.jsonl").is_file():
+        return _refuse(
+            f"--from-run {a.from_run}: no metrics.jsonl there (a `zoff train` run folder expected)"
+        )
     with tempfile.TemporaryDirectory(prefix="zoff-clip-") as tmp:
         run_dir = a.from_run or a.keep_run or Path(tmp) / "run"
         if a.from_run is None:
@@ -149,13 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         recorded = norms_of(run_dir)
     steps, norms = [s for s, _ in recorded], [n for _, n in recorded]
     if steps != list(range(1, len(steps) + 1)):
-        raise SystemExit(f"clip_frequency: {run_dir}/metrics.jsonl lacks steps (train.log_every must be 1)")
+        return _refuse(f"{run_dir}/metrics.jsonl lacks steps (the run needs train.log_every=1)")
+    try:
+        figures = clip_figures(norms, a.clip, a.warmup)
+    except SystemExit as e:  # (too few steps for --warmup)
+        return _refuse(str(e).removeprefix("clip_frequency: "))
     params = count_params(meta_model(load_config(CONFIG, overrides(a)).model))[0]
     data = {
         **benchlib.provenance(), "command": benchlib.command_line(ap, a, "clip_frequency"),
         "config": "configs/quickstart.yaml", "overrides": overrides(a), "planned_steps": a.steps,
         "batch": a.batch, "seq_len": a.seq_len, "lr": a.lr, "warmup": a.warmup, "clip": a.clip,
-        "params_m": params / 1e6, "norms": norms, "figures": clip_figures(norms, a.clip, a.warmup),
+        "params_m": params / 1e6, "norms": norms, "figures": figures,
     }  # fmt: skip
     return benchlib.write_result(a.out, data, render)
 

@@ -49,3 +49,16 @@ def test_a_tiny_run_reads_back_the_norms_the_trainer_recorded(tmp_path) -> None:
     assert cf.main([*args, "--from-run", str(run), "--json", str(again)]) == 0
     assert json.loads(again.read_text())["figures"] == data["figures"]
     assert "6 steps." in cf.render(data) and "| all 4 |" in cf.render(data)
+
+
+def test_a_folder_that_is_not_a_run_is_refused_in_one_line(tmp_path, capsys) -> None:
+    """--from-run on a folder without metrics.jsonl, or one whose records skip steps: exit 2, one line."""
+    cf = _script("clip_frequency")
+    assert cf.main(["--from-run", str(tmp_path), "--json", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--from-run {tmp_path}: no metrics.jsonl" in err
+    rows = [{"step": s, "loss": 5.0, "step_time_s": 1.0, "grad_norm": 0.5} for s in (1, 2, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cf.main(["--from-run", str(tmp_path), "--warmup", "1", *TINY]) == 2
+    assert "lacks steps" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()

@@ -100,7 +100,7 @@ def render(data: dict) -> str:
         "" if f["steps"] == data["planned_steps"] else f" (stopped early: {data['planned_steps']} planned)"
     )
     return "\n".join([
-        f"A {data['params_m']:.0f}M-parameter GPT (12 layers x 768) on the quickstart's data, {data['batch']} x"
+        f"A {data['params_m']:.1f}M-parameter GPT ({data['layers']} layers x {data['d_model']}) on the quickstart's data, {data['batch']} x"
         f" {data['seq_len']} tokens a step, lr {data['lr']:g}, warmup {data['warmup']}, train.grad_clip"
         f" {data['clip']:g}: {f['steps']} steps{stopped}.",
         "",
@@ -164,12 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         figures = clip_figures(norms, a.clip, a.warmup)
     except SystemExit as e:  # (too few steps for --warmup)
         return _refuse(str(e).removeprefix("clip_frequency: "))
-    params = count_params(meta_model(load_config(CONFIG, overrides(a)).model))[0]
+    model = load_config(CONFIG, overrides(a)).model
+    params = count_params(meta_model(model))[0]
     data = {
         **benchlib.provenance(), "command": benchlib.command_line(ap, a, "clip_frequency"),
         "config": "configs/quickstart.yaml", "overrides": overrides(a), "planned_steps": a.steps,
         "batch": a.batch, "seq_len": a.seq_len, "lr": a.lr, "warmup": a.warmup, "clip": a.clip,
-        "params_m": params / 1e6, "norms": norms, "figures": figures,
+        "params_m": params / 1e6, "layers": model.n_layer, "d_model": model.d_model, "norms": norms, "figures": figures,
     }  # fmt: skip
     return benchlib.write_result(a.out, data, render)
 

@@ -49,6 +49,7 @@ def test_a_tiny_run_reads_back_the_norms_the_trainer_recorded(tmp_path) -> None:
     assert cf.main([*args, "--from-run", str(run), "--json", str(again)]) == 0
     assert json.loads(again.read_text())["figures"] == data["figures"]
     assert "6 steps." in cf.render(data) and "| all 4 |" in cf.render(data)
+    assert "GPT (1 layers x 64)" in cf.render(data)  # the model the run trained
 
 
 def test_a_folder_that_is_not_a_run_is_refused_in_one_line(tmp_path, capsys) -> None:

@@ -20,7 +20,7 @@ and writes it all to JSON.
     python scripts/bench_beyond_memory.py --preset 2g --steps 6      # a preset: its overrides, its own JSON
 
 --preset picks one of PRESETS below: its overrides go after the command line's, and it writes its own JSON
-(docs/results/bench_beyond_memory{,_2g,_dpu,_dpu_2g,_unclipped}.json), which the docs render in the region
+(docs/results/bench_beyond_memory{,_2g,_dpu,_dpu_2g,_unclipped,_unclipped_2g}.json), which the docs render in the region
 `<!-- render: bench_beyond_memory --preset NAME -->` (the default's: `render: bench_beyond_memory`):
   default   the config as it is
   2g        the rank's host budget forced to 2 GiB: on this CPU host the model's working memory (gathered
@@ -34,6 +34,9 @@ and writes it all to JSON.
   unclipped the clip above every norm of the run (train.grad_clip=1e9), as in a warmed-up run that does not
             clip: speculate auto (the config's) computes each unit's update beside backward and commits it
             (issue 53's regime a; the demo as configured clips every step from initialisation: regime b)
+  unclipped-2g  unclipped with the host budget forced to 2 GiB: the speculated updates' second slots go to
+            disk beside every state, as far as the disk room left by the swap files allows (the plan says how
+            many units fit)
 
 --size sets model.n_layer / n_head / d_model (an hf: model maps them onto its config); without it the config's
 own model is used. Trailing KEY.PATH=VALUE overrides go to `zoff estimate` and `zoff train` alike.
@@ -93,6 +96,9 @@ PRESETS = {  # (the docstring says what each is for)
     "dpu": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_dpu.json", DPU),
     "dpu-2g": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_dpu_2g.json", (*DPU, BUDGET_2G)),
     "unclipped": benchlib.Preset(benchlib.RESULTS / "bench_beyond_memory_unclipped.json", (UNCLIPPED,)),
+    "unclipped-2g": benchlib.Preset(
+        benchlib.RESULTS / "bench_beyond_memory_unclipped_2g.json", (UNCLIPPED, BUDGET_2G)
+    ),
 }
 JSON = PRESETS["default"].json
 

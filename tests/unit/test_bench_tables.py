@@ -118,7 +118,7 @@ PRESET_JSONS = {
     "bench_beyond_memory": {
         "default": "bench_beyond_memory", "2g": "bench_beyond_memory_2g",
         "dpu": "bench_beyond_memory_dpu", "dpu-2g": "bench_beyond_memory_dpu_2g",
-        "unclipped": "bench_beyond_memory_unclipped",
+        "unclipped": "bench_beyond_memory_unclipped", "unclipped-2g": "bench_beyond_memory_unclipped_2g",
     },
     "bench_overlap": {"default": "bench_overlap", "offload": "bench_overlap_offload"},
     "bench_vs_commit": {"default": "bench_vs_commit", "demo": "bench_vs_commit_demo"},

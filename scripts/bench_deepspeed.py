@@ -243,11 +243,12 @@ def worker(spec: dict) -> dict:
         deepspeed.init_distributed(dist_backend="gloo")
         dsc = ds_config(spec, swap)
         remote = spec["tier"] if spec["tier"] == "nvme" else "cpu"
-        dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
         torch.manual_seed(cfg.train.seed)  # as build_session: the GPT draws its init seed from it
         # partitioned as built, then drawn with zoff's init one gathered parameter at a time (zoff's engine
-        # materialises its shards with the same init_parameter)
-        with deepspeed.zero.Init(config_dict_or_path=dsc, remote_device=remote, dtype=dtype):
+        # materialises its shards with the same init_parameter). The dtype comes from the config's bf16
+        # section: 0.19.8's zero.Init, handed a dtype, takes bf16 on the CPU accelerator whatever it was given
+        # (`dtype or fp16 if fp16-capable else bf16 ...`: precedence), so an fp32 run computed in bf16.
+        with deepspeed.zero.Init(config_dict_or_path=dsc, remote_device=remote):
             model = build_model(cfg.model)
         for name, p in model.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):

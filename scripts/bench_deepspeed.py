@@ -86,6 +86,13 @@ def ds_env(threads: int | None = None) -> dict:
     return env
 
 
+def stale_build_locks() -> list[Path]:
+    """torch's extension-build locks in the venv. A worker killed while it builds or loads an op leaves its lock,
+    and every later load waits on it forever (FileBaton.wait, no CPU, no message); while this script holds LOCK
+    no other run of it can be using one."""
+    return sorted((VENV / "torch_extensions").glob("*/lock"))
+
+
 def has_libaio() -> bool:
     return Path("/usr/include/libaio.h").is_file()
 
@@ -380,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         sys.exit(f"bench_deepspeed: another run holds {LOCK}: one at a time")
+    if stale := stale_build_locks():
+        sys.exit(f"bench_deepspeed: {stale[0]} was left by a DeepSpeed run killed while it built or loaded that "
+                 "op (this run holds the bench's lock, so none is using it); DeepSpeed would wait on it forever: "
+                 "remove it")  # fmt: skip
     if a.setup:
         return setup(a.install_system_deps)
     pairs = [p.strip() for p in a.pairs.split(",") if p.strip()]

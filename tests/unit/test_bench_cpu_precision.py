@@ -88,6 +88,24 @@ def test_bench_deepspeed_refuses_bf16_on_a_slow_host(monkeypatch, capsys, tmp_pa
     assert not (tmp_path / "ds.json").exists()
 
 
+def test_bench_deepspeed_refuses_a_build_lock_a_killed_run_left(monkeypatch, capsys, tmp_path: Path) -> None:
+    """A DeepSpeed worker killed while it loads its CPU Adam leaves torch's build lock: the next run would wait on
+    it forever. The bench names the file in one line instead, before it starts anything."""
+    ds = _script("bench_deepspeed")
+    monkeypatch.setattr(ds, "VENV", tmp_path / "venv")
+    monkeypatch.setattr(ds, "LOCK", tmp_path / "bench.lock")
+    lock = tmp_path / "venv" / "torch_extensions" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    with pytest.raises(SystemExit) as e:
+        ds.main(["--precision", "fp32", "--out", str(tmp_path / "ds.json")])
+    assert str(lock) in str(e.value.code) and "remove it" in str(e.value.code)
+    assert "\n" not in str(e.value.code) and lock.exists()  # (named, not removed: the user decides)
+    assert not (tmp_path / "ds.json").exists()
+    lock.unlink()
+    assert ds.stale_build_locks() == []
+
+
 def test_bench_offload_refuses_its_bf16_jobs_on_a_slow_host(monkeypatch, capsys, tmp_path: Path) -> None:
     slow_host(monkeypatch)
     with pytest.raises(SystemExit) as e:

@@ -236,9 +236,8 @@ def worker(spec: dict) -> dict:
             engine.model.train()
             engine.zero_grad()
             loss = forward_loss(engine.model, batches.micro_batch_at(i, 0), 1, engine.device)
-            engine.backward(
-                loss, sync=True, lr=lr
-            )  # (the step's lr: speculation may compute it beside backward)
+            # the step's lr, as train_loop hands it: speculation computes the update beside backward
+            engine.backward(loss, sync=True, lr=lr)
             norms.append(engine.step(lr).grad_norm)
             return float(loss.detach())
 

@@ -102,3 +102,14 @@ def test_the_servers_imports_never_ask_for_cuda() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
     )
     assert (p.returncode, p.stdout, p.stderr) == (0, "imported\n", "")
+
+
+def test_a_python_without_the_servers_private_pid_still_starts(monkeypatch) -> None:
+    """The running server's pid is multiprocessing's private attribute: where a Python lacks it, start() runs
+    (the server is not killed at exit then, and ends with this process), it does not raise."""
+    from types import SimpleNamespace
+
+    from zoff.launch import rank_server
+
+    monkeypatch.setattr(rank_server.forkserver, "_forkserver", SimpleNamespace())
+    assert rank_server._server_pid() is None

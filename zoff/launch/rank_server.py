@@ -54,7 +54,7 @@ def start(lc: LaunchConfig) -> None:
     """Start the fork server now, its imports beside the launcher's own start-up, unless this process already
     has one (a server started with other modules still serves: a rank imports what it lacks). It is killed at
     exit (atexit): a run that stops in its pre-flight does not leave it importing."""
-    if forkserver._forkserver._forkserver_pid is not None:  # type: ignore[attr-defined]
+    if _server_pid() is not None:
         return
     prepare()
     threads = str(threads_per_rank(lc, lc.nproc_per_node))
@@ -67,7 +67,15 @@ def start(lc: LaunchConfig) -> None:
             del os.environ["OMP_NUM_THREADS"]
         else:
             os.environ["OMP_NUM_THREADS"] = before
-    atexit.register(_stop, forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+    if (pid := _server_pid()) is not None:
+        atexit.register(_stop, pid)
+
+
+def _server_pid() -> int | None:
+    """The running fork server's pid, None where none runs. multiprocessing keeps it in a private attribute
+    (3.10-3.14); read with getattr so that a Python that renames it costs only the kill at exit (the server
+    then ends when this process does, once its imports are done: it sees its pipe from us close), never a run."""
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
 
 
 def _stop(pid: int) -> None:

@@ -37,39 +37,45 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from rich.console import Console
-from rich.table import Table
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 REPO = Path(__file__).resolve().parent.parent
 
 import benchlib  # noqa: E402
-from benchlib import print_targets, spawn  # noqa: E402
+from benchlib import spawn  # noqa: E402
+
+# The reporting side is checkpoint_report.py (render_docs.py and the tests call render() from here)
+from checkpoint_report import (  # noqa: E402
+    GB,
+    VARIANTS,
+    WORLD,
+    convert_result,
+    print_tables,
+    render,
+    summarize,
+    targets,
+)
 
 from zoff.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from zoff.checkpoint.format import step_dir_name  # noqa: E402
 from zoff.config import Config, config_from_dict, dump_yaml  # noqa: E402
+from zoff.engine import ZeroEngine  # noqa: E402
+from zoff.engine.partition import PartitionPlan  # noqa: E402
 from zoff.models import build_model, lm_loss  # noqa: E402
-from zoff.trainer.session import build_session  # noqa: E402
+from zoff.trainer.session import Session, build_session  # noqa: E402
 
 JSON = benchlib.RESULTS / "bench_checkpoint.json"
-WORLD = 2
-VARIANTS = ("zoff", "torch.save", "dcp")
-GB = 1e9
-MiB = 2**20
-SAVE_TARGET = 1.2  # zoff save time <= 1.2 x DCP's
-RSS_TARGET = 0.25  # zoff convert peak RSS growth <= 1/4 of the naive export's
 
 
 def make_cfg(args: dict) -> Config:
@@ -94,7 +100,8 @@ def du(path: Path) -> int:
 
 
 # -------------------------------------------------------------------------------------- the 2-rank job
-def bench_rank(rank: int, world: int, args: dict, tmp: str) -> dict:
+def trained_session(args: dict) -> tuple[Session, Config]:
+    """The model after one step at stage 3, so that the Adam moments every variant saves are populated."""
     torch.set_num_threads(args["threads"])
     cfg = make_cfg(args)
     s = build_session(cfg, torch.device("cpu"))
@@ -103,12 +110,13 @@ def bench_rank(rank: int, world: int, args: dict, tmp: str) -> dict:
     eng.zero_grad()
     eng.backward(lm_loss(eng.model(x), y), sync=True)
     eng.step(cfg.optim.lr)
-    config_yaml = dump_yaml(cfg)
-    state = eng.state_dict()
-    masters, moments = state["masters"], state["optimizer"]
-    plan = eng.plan
+    return s, cfg
 
-    # torch.save's full state: what rank 0 of a DDP job holds (gathered once here, not timed).
+
+def full_state(eng: ZeroEngine, moments: dict, lr: float) -> dict:
+    """torch.save's full state: what rank 0 of a DDP job holds (gathered once here, not timed). Every rank
+    calls it: the gathers are collectives."""
+    plan = eng.plan
     params = eng.gathered_params()
     full_opt: dict[int, dict] = {}
     for u, unit in enumerate(plan.units):
@@ -122,59 +130,96 @@ def bench_rank(rank: int, world: int, args: dict, tmp: str) -> dict:
                 **{k: v[sl.offset : sl.offset + sl.numel].view(sl.shape).clone() for k, v in full.items()},
             }
     names = {n: i for i, sl in enumerate(plan.slots) for n in sl.names}
-    full_state = {
+    return {
         "model": params,
         "optimizer": {
             "state": full_opt,
-            "param_groups": [{"params": sorted(set(names.values())), "lr": cfg.optim.lr}],
+            "param_groups": [{"params": sorted(set(names.values())), "lr": lr}],
         },
     }
-    if rank != 0:
-        full_state = None
-    del params, full_opt
 
-    # DCP's state: the same shards, as DTensors of each unit's flat (padded) buffer.
+
+def dcp_state(plan: PartitionPlan, state: dict, world: int) -> dict[str, DTensor]:
+    """DCP's state: the same shards (the engine's state_dict), as DTensors of each unit's flat (padded) buffer."""
+    masters, moments = state["masters"], state["optimizer"]
     mesh = init_device_mesh("cpu", (world,))
 
     def as_dtensor(t: torch.Tensor, u: int) -> DTensor:
         n = plan.units[u].shard
         return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(n * world,), stride=(1,))
 
-    dcp_state = {}
+    shards = {}
     for u in range(len(plan.units)):
-        dcp_state[f"u{u}.master"] = as_dtensor(masters[u], u)
-        dcp_state[f"u{u}.exp_avg"] = as_dtensor(moments["exp_avg"][u], u)
-        dcp_state[f"u{u}.exp_avg_sq"] = as_dtensor(moments["exp_avg_sq"][u], u)
+        shards[f"u{u}.master"] = as_dtensor(masters[u], u)
+        shards[f"u{u}.exp_avg"] = as_dtensor(moments["exp_avg"][u], u)
+        shards[f"u{u}.exp_avg_sq"] = as_dtensor(moments["exp_avg_sq"][u], u)
+    return shards
 
-    def save(kind: str, d: Path) -> None:
+
+class Checkpointers:
+    """The same trained state as each variant saves and loads it: zoff's shards, rank 0's full state for
+    torch.save, the shards as DTensors for DCP."""
+
+    def __init__(self, s: Session, cfg: Config, rank: int, world: int) -> None:
+        self.batches, self.eng, self.rank = s.batches, s.engine, rank
+        self.config_yaml = dump_yaml(cfg)
+        state = self.eng.state_dict()
+        self.full_state: dict | None = full_state(self.eng, state["optimizer"], cfg.optim.lr)
+        if rank != 0:  # only rank 0 writes it
+            self.full_state = None
+        self.dcp_state = dcp_state(self.eng.plan, state, world)
+
+    def save(self, kind: str, d: Path) -> None:
         if kind == "zoff":
-            save_checkpoint(eng, d, 1, {"step": 1, "data": s.batches.state_dict()}, config_yaml)
+            save_checkpoint(self.eng, d, 1, {"step": 1, "data": self.batches.state_dict()}, self.config_yaml)
         elif kind == "torch.save":
-            if rank == 0:
+            if self.rank == 0:
                 d.mkdir(parents=True)
                 with open(d / "state.pt", "wb") as f:
-                    torch.save(full_state, f)
+                    torch.save(self.full_state, f)
                     f.flush()
                     os.fsync(f.fileno())
         else:
-            dcp.save(dcp_state, checkpoint_id=str(d))
+            dcp.save(self.dcp_state, checkpoint_id=str(d))
 
-    def load(kind: str, d: Path) -> None:
+    def load(self, kind: str, d: Path) -> None:
         if kind == "zoff":
-            load_checkpoint(eng, d / step_dir_name(1))
+            load_checkpoint(self.eng, d / step_dir_name(1))
         elif kind == "torch.save":
             loaded = torch.load(d / "state.pt", map_location="cpu", weights_only=True)
             del loaded
         else:
-            dcp.load(dcp_state, checkpoint_id=str(d))
+            dcp.load(self.dcp_state, checkpoint_id=str(d))
 
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
 
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds for every rank to finish fn, from a common start."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def bench_variant(ck: Checkpointers, kind: str, d: Path, convert_src: Path | None) -> dict:
+    """One variant's save then load into `d`: seconds and bytes. The folder is deleted afterwards, or kept as
+    `convert_src` (the last zoff checkpoint feeds the convert benchmark)."""
+    t_save = timed(lambda: ck.save(kind, d))
+    t_load = timed(lambda: ck.load(kind, d))
+    dist.barrier()
+    res = {"save_s": t_save, "load_s": t_load, "bytes": du(d) if ck.rank == 0 else 0}
+    if kind == "zoff":  # the same load without the checksum pass over every file, to show its share
+        res["load_noverify_s"] = timed(lambda: load_checkpoint(ck.eng, d / step_dir_name(1), verify=False))
+    dist.barrier()
+    if ck.rank == 0:
+        os.rename(d, convert_src) if convert_src else shutil.rmtree(d)
+    dist.barrier()
+    return res
+
+
+def bench_rank(rank: int, world: int, args: dict, tmp: str) -> dict:
+    s, cfg = trained_session(args)
+    ck = Checkpointers(s, cfg, rank, world)
     rounds = []
     root = Path(tmp)
     for r in range(-1, args["rounds"]):  # round -1 warms up every code path and is not reported
@@ -182,26 +227,14 @@ def bench_rank(rank: int, world: int, args: dict, tmp: str) -> dict:
         row = {}
         for kind in order:
             d = root / f"round{r}-{kind.replace('.', '_')}"
-            t_save = timed(lambda kind=kind, d=d: save(kind, d))
-            t_load = timed(lambda kind=kind, d=d: load(kind, d))
-            dist.barrier()
-            nbytes = du(d) if rank == 0 else 0
-            row[kind] = {"save_s": t_save, "load_s": t_load, "bytes": nbytes}
-            if kind == "zoff":  # the same load without the checksum pass over every file, to show its share
-                no_verify = lambda d=d: load_checkpoint(eng, d / step_dir_name(1), verify=False)  # noqa: E731
-                row[kind]["load_noverify_s"] = timed(no_verify)
-            dist.barrier()
-            if rank == 0:
-                if kind == "zoff" and r == args["rounds"] - 1:
-                    os.rename(d, root / "convert-src")  # the last zoff checkpoint feeds the convert benchmark
-                else:
-                    shutil.rmtree(d)
-            dist.barrier()
+            last_zoff = kind == "zoff" and r == args["rounds"] - 1
+            row[kind] = bench_variant(ck, kind, d, root / "convert-src" if last_zoff else None)
         if r >= 0:
             rounds.append({"order": list(order), **row})
         if rank == 0:
             cells = "  ".join(f"{k} {row[k]['save_s']:.2f}/{row[k]['load_s']:.2f}s" for k in order)
             print(f"  round {r:>2} (save/load): {cells}", flush=True)
+    plan = s.engine.plan
     return {"rounds": rounds, "shard_numel": plan.shard_numel(), "numel": plan.numel}
 
 
@@ -294,54 +327,10 @@ def measure_convert(mode: str, ckpt: Path, out: Path) -> dict:
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise SystemExit(f"{mode} convert failed:\n{p.stderr}")
-    r = json.loads(report.read_text())
-    base, after, peak = r["base"], r["after"], r["sampled_peak"]
     out_bytes = du(out) if out.is_dir() else out.stat().st_size
-    res = {
-        "elapsed_s": r["elapsed_s"],
-        "process_wall_s": wall,
-        "output_bytes": out_bytes,
-        "gb_per_s": out_bytes / r["elapsed_s"] / GB,
-        "peak_rss_bytes": after["VmHWM"],
-        "peak_rss_growth_bytes": after["VmHWM"] - base["VmRSS"],
-        "sampled_heap_growth_bytes": peak["RssAnon"] - base["RssAnon"],
-        "sampled_file_backed_growth_bytes": peak["RssFile"] - base["RssFile"],
-        "hwm_reset": r["hwm_reset"],
-    }
+    res = convert_result(json.loads(report.read_text()), wall, out_bytes)
     shutil.rmtree(out) if out.is_dir() else out.unlink()
     return res
-
-
-# -------------------------------------------------------------------------------------- reporting
-def quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def summarize(rounds: list[dict]) -> dict:
-    out: dict = {"variants": {}, "ratios": {}}
-    for kind in VARIANTS:
-        v = {"bytes": statistics.median(r[kind]["bytes"] for r in rounds)}
-        for op in ("save", "load"):
-            secs = [r[kind][f"{op}_s"] for r in rounds]
-            v[f"{op}_s"] = statistics.median(secs)
-            v[f"{op}_gb_per_s"] = statistics.median(
-                r[kind]["bytes"] / r[kind][f"{op}_s"] / GB for r in rounds
-            )
-        out["variants"][kind] = v
-    z = out["variants"]["zoff"]
-    z["load_noverify_s"] = statistics.median(r["zoff"]["load_noverify_s"] for r in rounds)
-    z["load_noverify_gb_per_s"] = statistics.median(
-        r["zoff"]["bytes"] / r["zoff"]["load_noverify_s"] / GB for r in rounds
-    )
-    for op, zkey in (("save", "save_s"), ("load", "load_s"), ("load", "load_noverify_s")):
-        for base in ("dcp", "torch.save"):
-            xs = [r["zoff"][zkey] / r[base][f"{op}_s"] for r in rounds]
-            name = f"zoff/{base} {op}" + (" (zoff without verify)" if "noverify" in zkey else "")
-            out["ratios"][name] = {"median": statistics.median(xs), "q1_q3": quartiles(xs), "per_round": xs}
-    return out
 
 
 def machine(tmp: Path) -> dict:
@@ -355,118 +344,6 @@ def machine(tmp: Path) -> dict:
         "tmp_dir_fs": f"{best[0]} ({best[2]}) on {best[1]}" if best else "?",
         "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
     }
-
-
-def targets(summary: dict, conv: dict) -> list[dict]:
-    save = summary["ratios"]["zoff/dcp save"]["median"]
-    rss = conv["zoff"]["peak_rss_growth_bytes"] / conv["naive"]["peak_rss_growth_bytes"]
-    heap = conv["zoff"]["sampled_heap_growth_bytes"] / conv["naive"]["sampled_heap_growth_bytes"]
-    return [
-        {"target": "zoff save time / DCP save time", "value": save, "limit": SAVE_TARGET,
-         "result": "PASS" if save <= SAVE_TARGET else "MISS"},
-        {"target": "zoff convert peak RSS growth / naive's", "value": rss, "limit": RSS_TARGET,
-         "result": "PASS" if rss <= RSS_TARGET else "MISS"},
-        {"target": "  (info) heap-only (RssAnon) growth / naive's", "value": heap, "limit": RSS_TARGET,
-         "result": "info"},
-    ]  # fmt: skip
-
-
-def print_tables(result: dict) -> None:
-    con = Console(width=max(120, Console().width))
-    m, s, c = result["machine"], result["summary"], result["convert"]
-    con.print(
-        f"[bold]{result['params'] / 1e6:.1f}M-param GPT (fp32), {WORLD} ranks gloo, {result['args']['rounds']} "
-        f"rounds[/bold]; {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.1f} GiB; tmp on {m['tmp_dir_fs']}; "
-        f"torch {m['torch']}; load avg {' '.join(m['loadavg_start'])} -> {' '.join(m['loadavg_end'])}"
-    )
-    tab = Table(title="save / load (medians over rounds; loads are page-cache-hot)")
-    for col in ("variant", "bytes", "save s", "save GB/s", "load s", "load GB/s"):
-        tab.add_column(col, justify="right" if col != "variant" else "left")
-    for kind, v in s["variants"].items():
-        tab.add_row(
-            kind, f"{v['bytes'] / GB:.2f} GB", f"{v['save_s']:.2f}", f"{v['save_gb_per_s']:.2f}",
-            f"{v['load_s']:.2f}", f"{v['load_gb_per_s']:.2f}",
-        )  # fmt: skip
-    z = s["variants"]["zoff"]
-    tab.add_row(
-        "zoff load w/o verify",
-        "",
-        "",
-        "",
-        f"{z['load_noverify_s']:.2f}",
-        f"{z['load_noverify_gb_per_s']:.2f}",
-    )
-    con.print(tab)
-    tab = Table(title="per-round time ratios (median, quartiles)")
-    tab.add_column("ratio")
-    tab.add_column("median", justify="right")
-    tab.add_column("q1-q3", justify="right")
-    for k, v in s["ratios"].items():
-        tab.add_row(k, f"{v['median']:.2f}", f"{v['q1_q3'][0]:.2f}-{v['q1_q3'][1]:.2f}")
-    con.print(tab)
-    tab = Table(title="convert (fresh subprocess each; growth over the post-import RSS)")
-    for col in ("exporter", "time s", "GB/s", "peak RSS", "peak growth", "heap growth*", "file-backed*"):
-        tab.add_column(col, justify="right" if col != "exporter" else "left")
-    for k, v in c.items():
-        tab.add_row(
-            k, f"{v['elapsed_s']:.2f}", f"{v['gb_per_s']:.2f}", f"{v['peak_rss_bytes'] / MiB:.0f} MiB",
-            f"{v['peak_rss_growth_bytes'] / MiB:.0f} MiB", f"{v['sampled_heap_growth_bytes'] / MiB:.0f} MiB",
-            f"{v['sampled_file_backed_growth_bytes'] / MiB:.0f} MiB",
-        )  # fmt: skip
-    con.print(tab)
-    con.print("  * sampled every 2 ms (RssAnon / RssFile); peak growth is the kernel's exact VmHWM")
-    print_targets(con, "targets (issue 5)", result["targets"])
-
-
-LABEL = {
-    "zoff": "zoff",
-    "torch.save": "torch.save (rank 0, full state)",
-    "dcp": "torch.distributed.checkpoint",
-}
-
-
-def render(data: dict) -> str:
-    """The markdown tables the docs embed: save and load per variant with zoff's per-round ratios, the export
-    against the naive one, the targets; pure."""
-    s, c, a = data["summary"], data["convert"], data["args"]
-    v, r = s["variants"], s["ratios"]
-    ratio = lambda key: "{:.2f}x ({:.2f}-{:.2f})".format(r[key]["median"], *r[key]["q1_q3"])  # noqa: E731
-    out = [
-        f"{data['params'] / 1e6:.1f}M-parameter GPT ({a['layers']} layers x {a['d_model']}), fp32, {WORLD} ranks, "
-        f"{v['zoff']['bytes'] / GB:.2f} GB per checkpoint (master + Adam moments), {a['rounds']} interleaved "
-        f"rounds, scratch on {data['machine']['tmp_dir_fs']}; medians of rounds, ratios as median (q1-q3) of "
-        "per-round ratios; loads follow saves, page-cache-hot.\n\n"
-    ]
-    rows = [
-        ["save s", *(f"{v[k]['save_s']:.2f}" for k in VARIANTS)],
-        ["save GB/s", *(f"{v[k]['save_gb_per_s']:.2f}" for k in VARIANTS)],
-        ["zoff / peer, save", "", ratio("zoff/torch.save save"), ratio("zoff/dcp save")],
-        ["load s", *(f"{v[k]['load_s']:.2f}" for k in VARIANTS)],
-        ["load s, zoff without checksum verify", f"{v['zoff']['load_noverify_s']:.2f}", "", ""],
-        ["zoff / peer, load", "", ratio("zoff/torch.save load"), ratio("zoff/dcp load")],
-    ]
-    out += [benchlib.md_table(["", *(LABEL[k] for k in VARIANTS)], rows), "\n"]
-    names = {"zoff": "`zoff convert` (streams tensor by tensor, verifies every checksum)",
-             "naive": "naive: load all shards, merge, save"}  # fmt: skip
-    rows = [
-        [
-            names[k],
-            f"{x['elapsed_s']:.1f} s",
-            f"{x['gb_per_s']:.2f}",
-            f"{x['peak_rss_growth_bytes'] / MiB:.0f} MiB",
-        ]
-        + [f"{x['sampled_heap_growth_bytes'] / MiB:.0f} MiB"]
-        for k, x in c.items()
-    ]
-    header = ["export", "time", "GB/s", "peak RSS growth (VmHWM)", "heap growth (RssAnon, sampled)"]
-    out += [
-        benchlib.md_table(header, rows),
-        "\n",
-        benchlib.md_targets(data["targets"]),
-        "\n",
-        benchlib.measured_line(data, "bench_checkpoint"),
-    ]
-    return "".join(out)
 
 
 # -------------------------------------------------------------------------------------- main

@@ -47,14 +47,29 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "scripts") not in sys.path:  # the tests load this file by path, without scripts/ on sys.path
+    sys.path.insert(0, str(REPO / "scripts"))
+
+# The reading half (what pip, pytest and the quickstart printed or wrote; the JSON merged; the table) is
+# torch_range_report.py. passed(), pytest_counts() and first_failures() are imported here too (F401), where
+# the tests have always found them.
+from torch_range_report import (  # noqa: E402, F401
+    first_failures,
+    merge,
+    passed,
+    pip_error,
+    pytest_counts,
+    quickstart_result,
+    render,
+    suite_result,
+    tail,
+    zoff_warnings,
+)
+
 JSON = REPO / "docs" / "results" / "torch_range.json"
 ROOT = Path("/var/tmp")
 LOCK = ROOT / "zoff-torch-range.lock"
 FREE_BYTES = 12 * 2**30  # a CUDA build of torch with its nvidia-* wheels is ~6 GB installed, plus the unpack
-
-# The README's quickstart: "ends near loss 2.3 (val 2.4, from 5.35) after 300 steps".
-README_QUICKSTART = {"final_loss": 2.3, "final_val_loss": 2.4}
-QUICKSTART_TOLERANCE = 0.25  # another torch's kernels may move the last step's loss a little (none has yet)
 
 # Fast, but each touches what a torch release can break: the engine at stages 0-3 over 2 gloo ranks against
 # plain PyTorch, a bit-exact resume, CPU offload, the CPU Adam extension compiled against this torch's
@@ -78,8 +93,6 @@ SUITE_TIMEOUT_S = {"quick": 40 * 60, "default": 90 * 60}
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "-W", "default"]
 
 VERSION = re.compile(r"\d+\.\d+\.\d+")
-WARNING = re.compile(r"(?P<path>/\S+?\.py):(?P<line>\d+): (?P<cat>\w*Warning): (?P<msg>.*)")
-COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b")
 
 
 class BadInput(Exception):
@@ -90,147 +103,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's usage block: one line instead, like zoff's CLI
         print(f"torch_range: {message} (--help lists the options)", file=sys.stderr)
         sys.exit(2)
-
-
-# ------------------------------------------------------------------------------------------ pure helpers
-def version_key(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
-
-
-def pytest_counts(output: str) -> dict:
-    """passed/failed/skipped/errors from pytest's closing line (the last line that counts anything)."""
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-    for line in reversed(output.splitlines()):
-        found = COUNT.findall(line)
-        if found and re.search(r" in [\d.]+s", line):
-            for n, what in found:
-                key = "errors" if what.startswith("error") else what
-                if key in counts:
-                    counts[key] = int(n)
-            break
-    return counts
-
-
-def first_failures(output: str, limit: int = 25) -> list[str]:
-    """Node ids from pytest's -rfE short summary ("FAILED node - why", "ERROR node - why")."""
-    ids = [m[2] for m in re.finditer(r"^(FAILED|ERROR) (\S+)", output, re.M)]
-    return list(dict.fromkeys(ids))[:limit]
-
-
-def zoff_warnings(text: str, src: Path) -> tuple[list[dict], list[dict]]:
-    """Unique Deprecation/FutureWarnings in `text`: (those located in src/zoff/, those located elsewhere).
-    A torch deprecation names its caller's line (stacklevel), so a zoff call to a deprecated API lands in
-    the first list; the second keeps what torch or a library warns about inside itself, for the reader."""
-    mine: dict[tuple, dict] = {}
-    other: dict[tuple, dict] = {}
-    root = str(src / "zoff") + os.sep
-    for m in WARNING.finditer(text):
-        if m["cat"] not in ("DeprecationWarning", "FutureWarning", "PendingDeprecationWarning"):
-            continue
-        path = m["path"]
-        if path.startswith(root):
-            where = f"zoff/{path[len(root) :]}:{m['line']}"
-            mine.setdefault((where, m["msg"]), {"where": where, "category": m["cat"], "message": m["msg"]})
-        else:
-            short = path.split("site-packages/", 1)[-1]
-            where = f"{short}:{m['line']}"
-            other.setdefault((where, m["msg"]), {"where": where, "category": m["cat"], "message": m["msg"]})
-    return list(mine.values()), list(other.values())[:10]
-
-
-def merge(old: dict, entries: dict[str, dict]) -> dict:
-    """The JSON with `entries` replacing those versions' entries; every other version kept."""
-    versions = {**old.get("versions", {}), **entries}
-    return {"versions": {v: versions[v] for v in sorted(versions, key=version_key)}}
-
-
-def _cell(v: object) -> str:
-    return str(v).replace("|", "\\|")
-
-
-def _failures(e: dict) -> set[str] | None:
-    """A version's failing and erroring tests; None where the suite did not finish or some went unnamed."""
-    t = e.get("tests", {})
-    if not t or t.get("timed_out") or t["failed"] + t["errors"] > len(t["first_failures"]):
-        return None
-    return set(t["first_failures"])
-
-
-def common_failures(data: dict) -> set[str]:
-    """Tests failing on every version that ran (at least two): the tree's failures, not a torch's."""
-    sets = [_failures(e) for e in data.get("versions", {}).values() if e.get("tests")]
-    return set.intersection(*sets) if len(sets) >= 2 and None not in sets else set()
-
-
-def passed(data: dict) -> list[str]:
-    """The releases checked: installed, the quickstart near the README's loss, and no failing test that the
-    other versions pass (zoff/host/versions.py's TORCH_CHECKED_CPU holds these)."""
-    common, out = common_failures(data), []
-    for e in data.get("versions", {}).values():
-        fails = _failures(e)
-        if e["install"]["ok"] and e.get("quickstart", {}).get("near_readme") and fails is not None:
-            if fails <= common:
-                out.append(e["torch_version"].split("+")[0])
-    return out
-
-
-def render(data: dict) -> str:
-    """A markdown table, one row per checked torch version, then its failures and zoff's warnings."""
-    header = [
-        "torch",
-        "build",
-        "Python",
-        "install",
-        "quickstart loss (val), s",
-        "suite",
-        "passed",
-        "failed",
-        "skipped",
-        "errors",
-        "tests, s",
-        "zoff warnings",
-        "result",
-        "commit, date",
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 6 + "---:|" * 6 + "---|---|"]
-    notes = []
-    good, common = passed(data), common_failures(data)
-    for v, e in data.get("versions", {}).items():
-        inst, qs, t = e.get("install", {}), e.get("quickstart", {}), e.get("tests", {})
-        if qs.get("final_loss") is not None:
-            near = "" if qs.get("near_readme") else ", not near the README's 2.3"
-            loss = f"{qs['final_loss']:.2f} ({qs['final_val_loss']:.2f}), {qs['seconds']:.0f}{near}"
-        else:
-            loss = "failed" if qs else "not run"
-        ran = bool(t)
-        row = [
-            e.get("torch_version", v),
-            e.get("build", "?"),
-            e.get("python", "?"),
-            "ok" if inst.get("ok") else "failed",
-            loss,
-            e.get("suite", "?") + (" (timed out)" if t.get("timed_out") else ""),
-            *(str(t.get(k, 0)) if ran else "-" for k in ("passed", "failed", "skipped", "errors")),
-            f"{t['seconds']:.0f}" if ran else "-",
-            str(len(e.get("warnings", []))),
-            "pass" if e.get("torch_version", v).split("+")[0] in good else "FAIL",
-            f"{e.get('commit', '?')}, {e.get('date', '?')[:10]}",
-        ]
-        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
-        own = [n for n in t.get("first_failures", []) if n not in common]
-        if own:
-            notes.append(f"- {v} failures: " + ", ".join(f"`{n}`" for n in own))
-        if not inst.get("ok") and inst.get("error"):
-            notes.append(f"- {v} install: {_cell(inst['error'])}")
-        for w in e.get("warnings", []):
-            notes.append(f"- {v} warning: `{w['where']}` {w['category']}: {_cell(w['message'])}")
-    if common:
-        notes.insert(
-            0,
-            "- failing on every version (the commit's, not torch's; not held against a release): "
-            + ", ".join(f"`{n}`" for n in sorted(common)),
-        )
-    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 # ----------------------------------------------------------------------------------------- the machinery
@@ -311,30 +183,133 @@ def run(cmd: list[str], log: Path, timeout: float, **kw) -> tuple[int | None, st
     return code, log.read_text(errors="replace"), time.perf_counter() - start
 
 
-def pip_error(out: str) -> str:
-    """What pip said went wrong: its conflict's lines (who asked for what), else its last ERROR line."""
-    lines = [ln.strip() for ln in out.splitlines()]
-    why = [ln for ln in lines if " depends on " in ln or ln.startswith("The user requested")]
-    errors = [ln for ln in lines if ln.startswith("ERROR:") and "ResolutionImpossible" not in ln]
-    return " / ".join(why[:3] or errors[-1:] or [tail(out, 2)])[:400]
+class Home:
+    """ROOT/zoff-torch-VERSION, where one release is checked: the sources, the venv and its torch pin, the logs,
+    and the environment every step runs in."""
+
+    def __init__(self, root: Path, version: str) -> None:
+        self.root, self.version = root, version
+        self.path = root / f"zoff-torch-{version}"
+        self.src, self.venv, self.logs = self.path / "src", self.path / "venv", self.path / "logs"
+        self.py = str(self.venv / "bin" / "python")
+        self.pins = self.path / "constraints.txt"
+        self.env = venv_env(self.venv, self.pins, self.path / "cache")
+
+    def say(self, msg: str) -> None:
+        print(f"torch {self.version}: {msg}", flush=True)
+
+    def start_clean(self) -> None:
+        """An empty folder for the sources and the logs, on a disk with room for a venv."""
+        if self.path.exists():  # a --keep'd or interrupted run: start clean, an install is what is checked
+            shutil.rmtree(self.path)
+        free = shutil.disk_usage(self.root).free
+        if free < FREE_BYTES:
+            raise BadInput(
+                f"{self.root}: {free / 2**30:.1f} GiB free, a torch venv needs ~{FREE_BYTES / 2**30:.0f}"
+            )
+        for d in (self.src, self.logs):
+            d.mkdir(parents=True)
+
+    def clean_up(self, entry: dict, keep: bool) -> None:
+        """The folder deleted (--keep keeps it); a version that failed keeps its logs beside it."""
+        if keep:
+            self.say(f"kept {self.path}")
+            return
+        t = entry.get("tests", {})
+        ok = entry.get("quickstart", {}).get("ok") and not (t.get("failed") or t.get("errors"))
+        if not ok and self.logs.is_dir():  # the logs say why (a pip conflict, a traceback); the GBs go
+            kept = self.root / f"zoff-torch-{self.version}-logs"
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.move(str(self.logs), kept)
+            self.say(f"logs kept in {kept}")
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
-def tail(text: str, n: int = 1) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return " / ".join(lines[-n:])[:300]
+def venv_env(venv: Path, pins: Path, cache: Path) -> dict[str, str]:
+    """This process's environment, made the venv's for pip, the quickstart and the tests."""
+    # PIP_CONSTRAINT replaces any machine-wide constraint (one here caps torch below the newest release);
+    # PATH and VIRTUAL_ENV make a test's `zoff` or `python` this venv's; ZOFF_CACHE_DIR keeps the CPU
+    # Adam build and corpora inside the folder that is deleted afterwards.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(
+        PIP_CONSTRAINT=str(pins),
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        VIRTUAL_ENV=str(venv),
+        PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        ZOFF_CACHE_DIR=str(cache),
+    )
+    return env
+
+
+def install(home: Home, entry: dict) -> bool:
+    """A venv with torch, then zoff[test] under a pin of the torch installed; entry's build, python and install
+    fields. False where pip failed."""
+    subprocess.run([sys.executable, "-m", "venv", str(home.venv)], check=True)
+    home.pins.write_text(f"torch=={home.version}\n")
+    home.say("installing torch (the CPU build if pip reaches one)")
+    start = time.perf_counter()
+    code, out = install_torch(home)
+    if code == 0:
+        got = installed_torch(home, entry)
+        # `-e .[test]` may not replace the torch just installed. Pinned by release, not build: PyPI's
+        # wheel says 2.12.0+cu130 inside but its file name has no +cu130, so pip finds no candidate
+        # for ==2.12.0+cu130 and gives up; an installed torch that satisfies ==2.12.0 is left alone.
+        home.pins.write_text(f"torch=={got.split('+')[0]}\n")
+        home.say(f"installed {got}; installing zoff[test]")
+        zoff = [home.py, "-m", "pip", "install", "-e", f"{home.src}[test]"]
+        code, out, _ = run(zoff, home.logs / "pip-zoff.log", 1800, env=home.env)
+    entry["install"] = {
+        "ok": code == 0,
+        "seconds": round(time.perf_counter() - start, 1),
+        "venv_gib": round(sum(f.stat().st_size for f in home.venv.rglob("*") if f.is_file() and not f.is_symlink()) / 2**30, 2),
+        "error": None if code == 0 else pip_error(out),
+    }  # fmt: skip
+    entry.setdefault("python", platform.python_version())
+    if code != 0:
+        home.say(f"install failed: {entry['install']['error']}")
+    return code == 0
+
+
+def install_torch(home: Home) -> tuple[int | None, str]:
+    """pip's torch==VERSION+cpu, else the registry's default build: (pip's exit code, what it printed)."""
+    pip = [home.py, "-m", "pip", "install", "--no-cache-dir"]  # GBs of wheels: not kept in ~/.cache/pip
+    code, out, _ = run(
+        [*pip, f"torch=={home.version}+cpu"], home.logs / "pip-torch-cpu.log", 1800, env=home.env
+    )
+    if code != 0:
+        code, out, _ = run([*pip, f"torch=={home.version}"], home.logs / "pip-torch.log", 3600, env=home.env)
+    return code, out
+
+
+def installed_torch(home: Home, entry: dict) -> str:
+    """The torch the venv holds: its version, build and Python into `entry`; the version."""
+    probe = "import json, platform, torch; print(json.dumps([torch.__version__, torch.version.cuda, platform.python_version()]))"
+    got, cuda, python = json.loads(
+        subprocess.run(
+            [home.py, "-c", probe], capture_output=True, text=True, env=home.env, check=True
+        ).stdout
+    )
+    entry.update(torch_version=got, build=f"cu{cuda.replace('.', '')}" if cuda else "cpu", python=python)
+    return got
+
+
+def quickstart(home: Home, entry: dict) -> str:
+    """configs/quickstart.yaml trained in the venv; entry["quickstart"]: its losses against the README's.
+    Returns what it and its ranks printed (their warnings count too)."""
+    home.say("quickstart")
+    qs_dir = home.path / "quickstart"
+    qenv = {**home.env, "PYTHONWARNINGS": "default::DeprecationWarning,default::FutureWarning"}
+    train = [home.py, "-m", "zoff", "train", "configs/quickstart.yaml", "--run-dir", str(qs_dir)]
+    code, qs_out, secs = run(train, home.logs / "quickstart.log", 1800, env=qenv, cwd=home.src)
+    entry["quickstart"] = quickstart_result(code, qs_out, secs, qs_dir / "summary.json")
+    rank_logs = "".join(p.read_text(errors="replace") for p in qs_dir.rglob("*.log") if p.is_file())
+    return qs_out + rank_logs
 
 
 def check_version(version: str, root: Path, suite: str, keep: bool, source: str = "head") -> dict:
     """Install torch `version` in its own venv, run the quickstart and the suite; the JSON entry."""
-    home = root / f"zoff-torch-{version}"
-    if home.exists():  # a --keep'd or interrupted run: start clean, an install is what is checked
-        shutil.rmtree(home)
-    free = shutil.disk_usage(root).free
-    if free < FREE_BYTES:
-        raise BadInput(f"{root}: {free / 2**30:.1f} GiB free, a torch venv needs ~{FREE_BYTES / 2**30:.0f}")
-    src, venv, logs = home / "src", home / "venv", home / "logs"
-    for d in (src, logs):
-        d.mkdir(parents=True)
+    home = Home(root, version)
+    home.start_clean()
     entry: dict = {
         "torch": version,
         "suite": suite,
@@ -342,113 +317,27 @@ def check_version(version: str, root: Path, suite: str, keep: bool, source: str 
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
     }
-    say = lambda msg: print(f"torch {version}: {msg}", flush=True)  # noqa: E731
     try:
-        entry["commit"] = snapshot(src, source)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        py = str(venv / "bin" / "python")
-        pins = home / "constraints.txt"
-        pins.write_text(f"torch=={version}\n")
-        # PIP_CONSTRAINT replaces any machine-wide constraint (one here caps torch below the newest release);
-        # PATH and VIRTUAL_ENV make a test's `zoff` or `python` this venv's; ZOFF_CACHE_DIR keeps the CPU
-        # Adam build and corpora inside the folder that is deleted afterwards.
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        env.update(
-            PIP_CONSTRAINT=str(pins),
-            PIP_DISABLE_PIP_VERSION_CHECK="1",
-            VIRTUAL_ENV=str(venv),
-            PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-            ZOFF_CACHE_DIR=str(home / "cache"),
-        )
-
-        say("installing torch (the CPU build if pip reaches one)")
-        start = time.perf_counter()
-        pip = [py, "-m", "pip", "install", "--no-cache-dir"]  # GBs of wheels: not kept in ~/.cache/pip
-        code, out, _ = run([*pip, f"torch=={version}+cpu"], logs / "pip-torch-cpu.log", 1800, env=env)
-        if code != 0:
-            code, out, _ = run([*pip, f"torch=={version}"], logs / "pip-torch.log", 3600, env=env)
-        if code == 0:
-            probe = "import json, platform, torch; print(json.dumps([torch.__version__, torch.version.cuda, platform.python_version()]))"
-            got, cuda, python = json.loads(
-                subprocess.run([py, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout
-            )
-            entry.update(
-                torch_version=got, build=f"cu{cuda.replace('.', '')}" if cuda else "cpu", python=python
-            )
-            # `-e .[test]` may not replace the torch just installed. Pinned by release, not build: PyPI's
-            # wheel says 2.12.0+cu130 inside but its file name has no +cu130, so pip finds no candidate
-            # for ==2.12.0+cu130 and gives up; an installed torch that satisfies ==2.12.0 is left alone.
-            pins.write_text(f"torch=={got.split('+')[0]}\n")
-            say(f"installed {got}; installing zoff[test]")
-            code, out, _ = run(
-                [py, "-m", "pip", "install", "-e", f"{src}[test]"], logs / "pip-zoff.log", 1800, env=env
-            )
-        entry["install"] = {
-            "ok": code == 0,
-            "seconds": round(time.perf_counter() - start, 1),
-            "venv_gib": round(sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink()) / 2**30, 2),
-            "error": None if code == 0 else pip_error(out),
-        }  # fmt: skip
-        entry.setdefault("python", platform.python_version())
-        if code != 0:
-            say(f"install failed: {entry['install']['error']}")
+        entry["commit"] = snapshot(home.src, source)
+        if not install(home, entry):
             return entry
-
-        say("quickstart")
-        qs_dir = home / "quickstart"
-        qenv = {**env, "PYTHONWARNINGS": "default::DeprecationWarning,default::FutureWarning"}
-        code, qs_out, secs = run(
-            [py, "-m", "zoff", "train", "configs/quickstart.yaml", "--run-dir", str(qs_dir)],
-            logs / "quickstart.log",
-            1800,
-            env=qenv,
-            cwd=src,
+        qs_out = quickstart(home, entry)
+        qs = entry["quickstart"]
+        home.say(f"quickstart: {qs.get('final_loss', qs.get('error'))}; pytest --suite {suite}")
+        pytest = [home.py, *PYTEST, *SUITES[suite]]
+        code, t_out, secs = run(
+            pytest, home.logs / "pytest.log", SUITE_TIMEOUT_S[suite], env=home.env, cwd=home.src
         )
-        summary = qs_dir / "summary.json"
-        qs: dict = {"ok": code == 0 and summary.is_file(), "seconds": round(secs, 1)}
-        if qs["ok"]:
-            s = json.loads(summary.read_text())
-            qs.update(
-                final_loss=round(s["final_loss"], 4),
-                final_val_loss=round(s["final_val_loss"], 4),
-                first_loss=round(s["first_loss"], 4),
-                near_readme=all(abs(s[k] - v) <= QUICKSTART_TOLERANCE for k, v in README_QUICKSTART.items()),
-            )
-        else:
-            qs["error"] = "timed out" if code is None else tail(qs_out, 2)
-        entry["quickstart"] = qs
-        rank_logs = "".join(p.read_text(errors="replace") for p in qs_dir.rglob("*.log") if p.is_file())
-        say(f"quickstart: {qs.get('final_loss', qs.get('error'))}; pytest --suite {suite}")
-
-        args = [py, *PYTEST, *SUITES[suite]]
-        code, t_out, secs = run(args, logs / "pytest.log", SUITE_TIMEOUT_S[suite], env=env, cwd=src)
-        entry["tests"] = {
-            "command": "python -m pytest -q" + "".join(f" {a}" for a in SUITES[suite]),
-            **pytest_counts(t_out),
-            "seconds": round(secs, 1),
-            "exit_code": code,
-            "timed_out": code is None,
-            "first_failures": first_failures(t_out),
-        }
-        mine, other = zoff_warnings(t_out + qs_out + rank_logs, src)
+        entry["tests"] = suite_result(code, t_out, secs, SUITES[suite])
+        mine, other = zoff_warnings(t_out + qs_out, home.src)
         entry["warnings"], entry["warnings_elsewhere"] = mine, other
         t = entry["tests"]
-        say(
+        home.say(
             f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, {t['errors']} errors in {secs:.0f} s; {len(mine)} zoff warning(s)"
         )
         return entry
     finally:
-        if keep:
-            say(f"kept {home}")
-        else:
-            t = entry.get("tests", {})
-            ok = entry.get("quickstart", {}).get("ok") and not (t.get("failed") or t.get("errors"))
-            if not ok and logs.is_dir():  # the logs say why (a pip conflict, a traceback); the GBs go
-                kept = root / f"zoff-torch-{version}-logs"
-                shutil.rmtree(kept, ignore_errors=True)
-                shutil.move(str(logs), kept)
-                say(f"logs kept in {kept}")
-            shutil.rmtree(home, ignore_errors=True)
+        home.clean_up(entry, keep)
 
 
 def main(argv: list[str] | None = None) -> int:

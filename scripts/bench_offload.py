@@ -45,6 +45,8 @@ and clipping expressions step() uses vs a temporary-free norm (step_overhead_pro
 kernel's fused 16-bit copy-out (out16) vs the kernel followed by a separate fp32->bf16 copy, which is what
 the engine's publish does today (copy_out_probe).
 
+The reduction of the ranks' records to the JSON's summary, and the tables, are offload_report.py's.
+
     python scripts/bench_offload.py [--layers 12] [--d-model 768] [--seq-len 128] [--batch 1] [--rounds 5]
         [--steps-per-round 2] [--worlds 1,2] [--precisions fp32,bf16] [--out docs/results/bench_offload.json]
     python scripts/bench_offload.py --render   # the markdown tables from the JSON (what the docs embed)
@@ -72,8 +74,7 @@ import benchlib
 import torch
 import torch.distributed as dist
 from benchlib import gpt_config, spawn
-from rich.console import Console
-from rich.table import Table
+from offload_report import VARIANTS, print_table, render, summarize
 
 from zoff.config import Config
 from zoff.data import GlobalBatches, load_corpus
@@ -83,13 +84,11 @@ from zoff.optim import backend_info, cpu_adam_step
 from zoff.trainer.session import build_session
 
 JSON = benchlib.RESULTS / "bench_offload.json"
-VARIANTS = ("stage2", "offload", "dpu")
 OFFLOAD = {
     "stage2": {"device": "none"},
     "offload": {"device": "cpu"},
     "dpu": {"device": "cpu", "delay_update": True},
 }
-PHASES = ("fwd", "bwd", "step", "total", "optimizer", "publish", "wait", "join", "publish_m", "cpu_step")
 GiB = 2**30
 
 
@@ -280,230 +279,6 @@ def timing_rank(rank: int, world: int, args: argparse.Namespace, precision: str)
         "copy_out_probe": probe,
         "step_overhead_probe": overhead,
     }
-
-
-# --------------------------------------------------------------------------------------- reduction
-def quartiles(xs: list[float]) -> list[float]:
-    """q1, q3 (statistics' default method, clamped to the data: with 2-3 rounds it would extrapolate)."""
-    if len(xs) < 2:
-        return xs * 2
-    return [min(max(q, min(xs)), max(xs)) for q in statistics.quantiles(xs, n=4)[::2]]
-
-
-def med_q(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "q1_q3": quartiles(xs)}
-
-
-def summarize(per_rank: list[dict]) -> dict:
-    n_rounds = len(per_rank[0]["rounds"])
-
-    def phase(k: str, p: str, agg=statistics.fmean) -> list[float]:
-        """Per round: `agg` over ranks of the mean over the round's timed steps."""
-        return [
-            agg(statistics.fmean(s[p] for s in pr["rounds"][r][k]) for pr in per_rank)
-            for r in range(n_rounds)
-        ]
-
-    # A step ends when the slowest rank ends: the step time of a round is the max over ranks.
-    step = {k: phase(k, "total", max) for k in VARIANTS}
-    ph = {k: {p: phase(k, p) for p in PHASES} for k in VARIANTS}
-    ratio = lambda a, b: [x / y for x, y in zip(a, b)]  # noqa: E731
-    out: dict = {"variants": {}}
-    for k in VARIANTS:
-        v = {
-            "ms_per_step": 1e3 * statistics.median(step[k]),
-            "ms": {p: 1e3 * statistics.median(ph[k][p]) for p in PHASES},
-            "fwd_bwd_ms": 1e3 * statistics.median([f + b for f, b in zip(ph[k]["fwd"], ph[k]["bwd"])]),
-            # grad norm, clipping, grad conversion: step() minus what the engine's timers cover
-            "step_other_ms": 1e3
-            * statistics.median(
-                [
-                    s - o - p - w
-                    for s, o, p, w in zip(*(ph[k][x] for x in ("step", "optimizer", "publish", "wait")))
-                ]
-            ),
-            "vs_stage2": med_q(ratio(step[k], step["stage2"])),
-            "cpu_step_share": med_q(ratio(ph[k]["optimizer"], ph[k]["total"])),
-            "fwd_bwd_vs_stage2": med_q(
-                ratio(
-                    [f + b for f, b in zip(ph[k]["fwd"], ph[k]["bwd"])],
-                    [f + b for f, b in zip(ph["stage2"]["fwd"], ph["stage2"]["bwd"])],
-                )
-            ),
-            "clipped_fraction": statistics.fmean(
-                s["clipped"] for pr in per_rank for rd in pr["rounds"] for s in rd[k]
-            ),
-            "per_round_ms": [1e3 * t for t in step[k]],
-        }
-        out["variants"][k] = v
-    # DPU: how much of the synchronous CPU step (the offload variant's, same round) the overlap hid. The join
-    # wait is measured around optimizer.finish(); the engine's dpu_wait_s also counts the publish of the
-    # delayed update (copy + all-gather), which is not CPU-step time, so it is reported beside it.
-    sync_cpu = ph["offload"]["optimizer"]
-    out["dpu"] = {
-        "hidden_fraction": med_q([1 - w / o for w, o in zip(ph["dpu"]["join"], sync_cpu)]),
-        "hidden_fraction_engine_wait": med_q([1 - w / o for w, o in zip(ph["dpu"]["wait"], sync_cpu)]),
-        # the overlapped CPU step's own duration, over the same step run synchronously
-        "bg_cpu_step_vs_sync": med_q(ratio(ph["dpu"]["cpu_step"], ph["offload"]["cpu_step"])),
-        "bg_cpu_step_ms": 1e3 * statistics.median(ph["dpu"]["cpu_step"]),
-        "cpu_steps_per_timed_step": statistics.fmean(
-            s["cpu_steps"] for pr in per_rank for rd in pr["rounds"] for s in rd["dpu"]
-        ),
-        "vs_offload": med_q(ratio(step["dpu"], step["offload"])),
-        # what the step saved, as a fraction of the synchronous CPU step it tried to hide
-        "saved_of_cpu_step": med_q(
-            [(so - sd) / o for so, sd, o in zip(step["offload"], step["dpu"], ph["offload"]["optimizer"])]
-        ),
-    }
-    out["offload_vs_stage2_optimizer"] = med_q(ratio(ph["offload"]["optimizer"], ph["stage2"]["optimizer"]))
-    out["info_rank0"] = per_rank[0]["info"]
-    out["threads_per_rank"] = per_rank[0]["threads"]
-    probes = [pr["copy_out_probe"] for pr in per_rank if pr["copy_out_probe"]]
-    if probes:
-        reps = len(probes[0]["fused_s"])
-        sep = [max(p["separate_s"][i] for p in probes) for i in range(reps)]
-        fused = [max(p["fused_s"][i] for p in probes) for i in range(reps)]
-        out["copy_out_probe"] = {
-            "separate_ms": 1e3 * statistics.median(sep),
-            "fused_ms": 1e3 * statistics.median(fused),
-            "fused_vs_separate": med_q(ratio(fused, sep)),
-            "shard_numel_rank0": probes[0]["numel"],
-        }
-    ov = [pr["step_overhead_probe"] for pr in per_rank]
-    reps = len(ov[0]["norm_engine_s"])
-    worst = {k: [max(o[k][i] for o in ov) for i in range(reps)] for k in ov[0]}
-    out["step_overhead_probe"] = {
-        **{k.replace("_s", "_ms"): 1e3 * statistics.median(v) for k, v in worst.items()},
-        "norm_vector_norm_vs_engine": med_q(ratio(worst["norm_vector_norm_s"], worst["norm_engine_s"])),
-    }
-    return out
-
-
-# ------------------------------------------------------------------------------------------- output
-def fmt_q(d: dict, pct: bool = False) -> str:
-    f = (lambda x: f"{100 * x:.0f}%") if pct else (lambda x: f"{x:.2f}")  # noqa: E731
-    lo, hi = d["q1_q3"]
-    sep = " to " if min(lo, hi) < 0 else "-"  # "-343%-90%" would read as a range of two negatives
-    return f"{f(d['median'])} ({f(lo)}{sep}{f(hi)})"
-
-
-def print_table(result: dict) -> None:
-    con = Console(width=max(160, Console().width))
-    mc = result["machine"]
-    con.print(
-        f"[bold]zoff offload benchmark[/]: GPT {result['params'] / 1e6:.1f}M params, ZeRO stage 2, batch "
-        f"{result['args']['batch']}x{result['args']['seq_len']} tokens per rank; {mc['cpu']}, {mc['cores']} "
-        f"cores, torch {mc['torch']}, CPU Adam {mc['cpu_adam']['backend']} ({mc['cpu_adam']['simd']})"
-    )
-    tab = Table(
-        title="ms: medians over rounds, for scale only; ratios, shares: median (q1-q3) of per-round values"
-    )
-    cols = ("ranks", "prec", "variant", "ms/step", "x stage2", "fwd+bwd", "CPU step", "publish")
-    cols += ("DPU wait", "other", "CPU-step share", "DPU hidden")
-    for c in cols:
-        tab.add_column(c, justify="right", no_wrap=True)
-    for job in result["jobs"]:
-        s = job["summary"]
-        for k in VARIANTS:
-            v = s["variants"][k]
-            share = "(launch only)" if k == "dpu" else fmt_q(v["cpu_step_share"], pct=True)
-            ms = (
-                v["ms_per_step"],
-                v["fwd_bwd_ms"],
-                *(v["ms"][p] for p in ("optimizer", "publish_m", "join")),
-            )
-            tab.add_row(
-                str(job["world"]),
-                job["precision"],
-                k,
-                f"{ms[0]:.0f}",
-                fmt_q(v["vs_stage2"]),
-                *(f"{x:.0f}" for x in ms[1:]),
-                f"{v['step_other_ms']:.0f}",
-                share,
-                fmt_q(s["dpu"]["hidden_fraction"], pct=True) if k == "dpu" else "",
-                end_section=k == VARIANTS[-1],
-            )
-    con.print(tab)
-    for job in result["jobs"]:
-        s = job["summary"]
-        line = (
-            f"{job['world']} rank(s) {job['precision']}: zoff CPU Adam / torch fused AdamW (optimizer_s) "
-            f"{fmt_q(s['offload_vs_stage2_optimizer'])}; dpu / offload step {fmt_q(s['dpu']['vs_offload'])}; "
-            f"DPU saved {fmt_q(s['dpu']['saved_of_cpu_step'], pct=True)} of the sync CPU step; fwd+bwd vs stage2: "
-            f"offload {fmt_q(s['variants']['offload']['fwd_bwd_vs_stage2'])}, "
-            f"dpu {fmt_q(s['variants']['dpu']['fwd_bwd_vs_stage2'])}; clipped steps "
-            f"{max(v['clipped_fraction'] for v in s['variants'].values()):.0%}"
-        )
-        d, o = s["dpu"], s["step_overhead_probe"]
-        line += (
-            f"\n    DPU: the overlapped CPU step took {d['bg_cpu_step_ms']:.0f} ms, "
-            f"{fmt_q(d['bg_cpu_step_vs_sync'])} x the synchronous one; engine dpu_wait_s "
-            f"{s['variants']['dpu']['ms']['wait']:.0f} ms (join + publish) -> hidden "
-            f"{fmt_q(d['hidden_fraction_engine_wait'], pct=True)}"
-            f"\n    step() overhead probe: norm as engine {o['norm_engine_ms']:.0f} ms, with vector_norm "
-            f"{o['norm_vector_norm_ms']:.0f} ms; clip as engine {o['clip_engine_ms']:.0f} ms"
-        )
-        if "copy_out_probe" in s:
-            p = s["copy_out_probe"]
-            line += (
-                f"\n    copy-out probe: kernel + separate bf16 copy {p['separate_ms']:.0f} ms, kernel with fused "
-                f"out16 {p['fused_ms']:.0f} ms, fused/separate {fmt_q(p['fused_vs_separate'])}"
-            )
-        con.print(line)
-
-
-def render(data: dict) -> str:
-    """The markdown tables the docs embed: each job's variants (ms for scale, ratios and shares as medians
-    (q1-q3) of per-round values), then what each job says of zoff's CPU Adam and of DPU; pure."""
-    a, mc = data["args"], data["machine"]
-    out = [
-        f"{data['params'] / 1e6:.1f}M-parameter GPT ({a['layers']} layers x {a['d_model']}), ZeRO stage 2, batch "
-        f"{a['batch']}x{a['seq_len']} tokens per rank, {a['rounds']} interleaved rounds of {a['steps_per_round']} "
-        f"timed steps, gradient clipping at {a['grad_clip']}; CPU Adam {mc['cpu_adam']['backend']} "
-        f"({mc['cpu_adam']['simd']}). ms are medians over rounds, for scale only; ratios and shares are medians "
-        "(q1-q3) of per-round values. CPU step: the optimizer's time in step() (under DPU only the gradient copy "
-        "and the launch); DPU join: the wait for the delayed CPU step; other: the gradient norm and clipping.\n\n"
-    ]
-    header = [
-        "ranks",
-        "precision",
-        "variant",
-        "ms/step",
-        "/ stage2",
-        "fwd+bwd ms",
-        "CPU step ms",
-        "publish ms",
-    ]
-    header += ["DPU join ms", "other ms", "CPU-step share", "DPU hidden"]
-    rows = []
-    for job in data["jobs"]:
-        s = job["summary"]
-        for k in VARIANTS:
-            v = s["variants"][k]
-            ms = (v["ms_per_step"], v["fwd_bwd_ms"], v["ms"]["optimizer"], v["ms"]["publish_m"])
-            rows.append(
-                [str(job["world"]), job["precision"], k, f"{ms[0]:.0f}", fmt_q(v["vs_stage2"])]
-                + [f"{x:.0f}" for x in ms[1:]]
-                + [f"{v['ms']['join']:.0f}" if k == "dpu" else "", f"{v['step_other_ms']:.0f}"]
-                + ["(launch only)" if k == "dpu" else fmt_q(v["cpu_step_share"], pct=True)]
-                + [fmt_q(s["dpu"]["hidden_fraction"], pct=True) if k == "dpu" else ""]
-            )
-    out += [benchlib.md_table(header, rows), "\n"]
-    header = ["ranks", "precision", "zoff CPU Adam / torch fused AdamW", "DPU step / offload step"]
-    header += ["DPU saved, of the sync CPU step", "fwd+bwd / stage2: offload, dpu", "clipped steps"]
-    rows = []
-    for job in data["jobs"]:
-        s = job["summary"]
-        fb = (fmt_q(s["variants"][k]["fwd_bwd_vs_stage2"]) for k in ("offload", "dpu"))
-        clipped = max(v["clipped_fraction"] for v in s["variants"].values())
-        rows.append(
-            [str(job["world"]), job["precision"], fmt_q(s["offload_vs_stage2_optimizer"])]
-            + [fmt_q(s["dpu"]["vs_offload"]), fmt_q(s["dpu"]["saved_of_cpu_step"], pct=True), ", ".join(fb)]
-            + [f"{100 * clipped:.0f}%"]
-        )
-    out += [benchlib.md_table(header, rows), "\n", benchlib.measured_line(data, "bench_offload")]
-    return "".join(out)
 
 
 def mem_available() -> int:

@@ -52,12 +52,31 @@ def _rss(ds: dict, pair: str) -> str:
     return f"{rss['zoff'] / rss['deepspeed']:.2f}x"
 
 
+def _offload_figures(off: dict) -> str:
+    """zoff's CPU Adam against torch's, and the least DPU hides, over bench_offload's jobs."""
+    cpu_vs_torch = [j["summary"]["offload_vs_stage2_optimizer"]["median"] for j in off["jobs"]]
+    hidden = [j["summary"]["dpu"]["hidden_fraction"]["median"] for j in off["jobs"]]
+    return (
+        f"zoff's CPU Adam {min(cpu_vs_torch):.2f}-{max(cpu_vs_torch):.2f}x the time of torch's; DPU hides "
+        f"**{min(hidden):.0%}** of the CPU step"
+    )
+
+
+def _sequence_parallel_figures(sp: dict) -> str:
+    """N = 2 and 4 against N = 1: tokens/s, the all-to-all's share of the step, a rank's peak RSS."""
+    cells = sp["cells"]
+    rss = [cells[n]["peak_rss_mib"] / cells["1"]["peak_rss_mib"] for n in ("2", "4")]
+    return (
+        f"**{sp['speedup']['2']:.2f}x** / **{sp['speedup']['4']:.2f}x** N = 1's tokens/s on the same 2 cores; "
+        f"all-to-all {100 * cells['2']['exchange_share']:.1f}% / {100 * cells['4']['exchange_share']:.1f}% "
+        f"of the step; peak RSS a rank {rss[0]:.2f}x / {rss[1]:.2f}x; losses equal"
+    )
+
+
 def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
     """(benchmark, zoff, peer beside it, where it lives in the page, JSON name)."""
     bm, eng, adam, off, ck, nv, ds, sp = (d[n] for n in NAMES)
     a16, a64 = _adam(adam, 16 << 20), _adam(adam, 64 << 20)
-    cpu_vs_torch = [j["summary"]["offload_vs_stage2_optimizer"]["median"] for j in off["jobs"]]
-    hidden = [j["summary"]["dpu"]["hidden_fraction"]["median"] for j in off["jobs"]]
     return [
         (
             f"{bm['params'] / 1e9:.1f}B GPT, {bm['nproc']} rank, `zero3-nvme`, on a {bm['machine']['ram_bytes'] / GIB:.1f} GiB "
@@ -91,8 +110,7 @@ def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
         ),
         (
             "offload step, 85M GPT, stage 2, 1-2 ranks",
-            f"zoff's CPU Adam {min(cpu_vs_torch):.2f}-{max(cpu_vs_torch):.2f}x the time of torch's; DPU hides "
-            f"**{min(hidden):.0%}** of the CPU step",
+            _offload_figures(off),
             "torch fused AdamW on the same shards (stage 2 without offload)",
             "offload-step",
             "bench_offload",
@@ -119,10 +137,7 @@ def _rows(d: dict) -> list[tuple[str, str, str, str, str]]:
         ),
         (
             f"one sequence of {sp['model']['seq']:,} tokens over N = 2 and 4 ranks (`train.sequence_parallel`)",
-            f"**{sp['speedup']['2']:.2f}x** / **{sp['speedup']['4']:.2f}x** N = 1's tokens/s on the same 2 cores; "
-            f"all-to-all {100 * sp['cells']['2']['exchange_share']:.1f}% / {100 * sp['cells']['4']['exchange_share']:.1f}% "
-            f"of the step; peak RSS a rank {sp['cells']['2']['peak_rss_mib'] / sp['cells']['1']['peak_rss_mib']:.2f}x / "
-            f"{sp['cells']['4']['peak_rss_mib'] / sp['cells']['1']['peak_rss_mib']:.2f}x; losses equal",
+            _sequence_parallel_figures(sp),
             "the same sequence on one rank (N = 1), interleaved in the same run",
             "one-sequence-over-n-ranks",
             "bench_sequence_parallel",

@@ -48,8 +48,9 @@ its floor compute in fp32 (train.cpu_precision=fp32, added after the command lin
 The JSON goes to the preset's file under docs/results/ (--json), the RSS time series beside it
 (its .series.json): the table needs only the peaks, which the JSON holds.
 
-The /proc readings and the sampler are beyond_memory_probe.py's; the measured fields, set against the estimate,
-and the table are beyond_memory_report.py's.
+The swap folders, the estimate, the disk's room and its bandwidth before the run are beyond_memory_plan.py's;
+the /proc readings and the sampler are beyond_memory_probe.py's; the measured fields, set against the
+estimate, and the table are beyond_memory_report.py's.
 """
 
 from __future__ import annotations
@@ -57,14 +58,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import benchlib
+from beyond_memory_plan import (
+    configured_estimate,
+    disk_bandwidth,
+    nvme_sections,
+    saves_final_checkpoint,
+    short_of_room,
+)
 from beyond_memory_probe import Sampler, block_device, import_baseline_rss, meminfo
 from beyond_memory_report import measure, render, title
 from offload_floor import floor, measure_compute, overlapped_bound
@@ -72,10 +78,7 @@ from rich.console import Console
 
 from zoff.config import CONFIGS_DIR, Config, load_config
 from zoff.engine.footprint import data_parallel_bytes
-from zoff.planning.estimate import detect_budget, to_json
-from zoff.planning.memory import estimate
-from zoff.planning.speculation_costs import swap_free_bytes
-from zoff.units import human, parse_size
+from zoff.planning.memory import Estimate
 
 # model.* of each --size (64-wide heads); parameters of the builtin GPT at vocab 256, seq_len 128
 SIZES: dict[str, dict[str, int]] = {
@@ -101,56 +104,6 @@ PRESETS = {  # (the docstring says what each is for)
     ),
 }
 JSON = PRESETS["default"].json
-
-
-# -------------------------------------------------------------------------------------------- planning
-
-
-def nvme_sections(cfg: Config) -> dict[str, Path]:
-    """The zero.* sections whose device is nvme, each with its swap folder (offload_param falls back to
-    offload_optimizer's nvme_path, as the engine does)."""
-    out = {}
-    oo = cfg.zero.offload_optimizer
-    for name in ("offload_optimizer", "offload_param"):
-        sec = getattr(cfg.zero, name)
-        if getattr(sec, "device", None) == "nvme":
-            path = getattr(sec, "nvme_path", None) or oo.nvme_path
-            out[name] = Path(path).expanduser()
-    return out
-
-
-def saves_final_checkpoint(cfg: Config) -> bool:
-    """zoff train saves a checkpoint at the last step (checkpoint.every_steps 0 = only at the end) unless the
-    config can switch checkpoints off; `checkpoint.enabled: false` is the switch this script looks for."""
-    return getattr(cfg.checkpoint, "enabled", True) is not False
-
-
-def configured_row(est_json: dict) -> dict:
-    rows = [p for p in est_json["policies"] if p["configured"]]
-    if not rows:
-        raise SystemExit("bench_beyond_memory: zoff estimate has no row for this config's policy")
-    return rows[0]
-
-
-def io_bandwidth(path: Path, nbytes: int, threads: int, request_mb: int) -> dict:
-    """zoff bench-io's measurements at the config's io setting: raw O_DIRECT each way, then the engine's swap."""
-    from zoff.planning.bench_io import measure_swap, raw_bandwidth
-
-    work = Path(tempfile.mkdtemp(prefix="zoff-bench-io-", dir=path))
-    try:
-        raw = raw_bandwidth(work, nbytes, threads, request_mb)
-        swap = measure_swap(work, nbytes, threads, request_mb)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return {
-        "bytes": nbytes,
-        "threads": threads,
-        "request_mb": request_mb,
-        "raw_write_gbps": raw["write"],
-        "raw_read_gbps": raw["read"],
-        "swap_read_gbps": swap["read"],
-        "swap_write_gbps": swap["write"],
-    }
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -233,95 +186,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     swap_dirs = sorted(set(sections.values()))
     swap_root = swap_dirs[0] if swap_dirs else None
-    mem = meminfo()
-    local = cfg.launch.nproc_per_node
-
-    # ---- the estimate, in-process: the functions `zoff estimate --json` prints
-    budget, device_type = detect_budget(None, None)
-    # in the precision the ranks compute in: train.cpu_precision=fp32 builds them in fp32 (the swap files' bytes)
-    run_train = dataclasses.replace(cfg.train, precision=cpu.computed)
-    # (the free disk as the engine will see it: speculation's second slots take the room the swap files leave)
-    est = estimate(
-        cfg.model,
-        cfg.data,
-        run_train,
-        cfg.zero,
-        local,
-        1,
-        device_type,
-        disk_free=swap_free_bytes(cfg.zero) or None,
-    )
-    est_json = to_json(est, budget, cfg.zero, run_train)
-    row = configured_row(est_json)
-    # no CUDA: the ranks' "GPU" bytes are host bytes too, so the node's RAM is both columns
-    pred_ram = (row["gpu_bytes"] * local if budget.shared else 0) + row["cpu_bytes_per_node"]
-    pred_disk = row["disk_bytes_per_node"]
-    states = data_parallel_bytes(est.trainable_params)
-    ckpt_bytes = 12 * est.trainable_params if saves_final_checkpoint(cfg) else 0  # fp32 master + 2 moments
-    result: dict = {
-        **benchlib.provenance(),
-        "command": benchlib.command_line(ap, a, "bench_beyond_memory"),
-        "config": str(a.config), "size": a.size, "overrides": overrides, "nproc": local,
-        "params": est.params, "trainable_params": est.trainable_params, "precision": cfg.train.precision,
-        "cpu_precision": cpu.to_json(),
-        "model_state_bytes": states, "model_state_to_ram": states / mem["MemTotal"],
-        "nvme_sections": {k: str(v) for k, v in sections.items()}, "swap_paths": [str(d) for d in swap_dirs],
-        "estimate": {"policy": row["name"], "ram_bytes": pred_ram, "disk_bytes": pred_disk,
-                     "disk_read_bytes_per_step": row["disk_read_bytes_per_step_per_node"],
-                     "disk_written_bytes_per_step": row["disk_written_bytes_per_step_per_node"],
-                     "gpu": row["gpu"], "cpu": row["cpu"], "startup": est_json["startup"],
-                     "host_budget": row.get("host_budget")},
-        "final_checkpoint_bytes": ckpt_bytes,
-    }  # fmt: skip
+    result, est, row = planned_result(ap, a, overrides, cfg, cpu, sections, swap_dirs)
 
     # ---- room on the disk first
     if swap_root is not None:
-        for d in swap_dirs:
-            d.mkdir(parents=True, exist_ok=True)
-        # folders on one device share its free bytes (two devices: the smaller figure, conservatively)
-        free = min(shutil.disk_usage(d).free for d in swap_dirs)
-        second = (row.get("speculation") or {}).get("second_slot_bytes_per_node", 0)  # (only the room left)
-        need = pred_disk - second + ckpt_bytes + parse_size(a.margin, "--margin")
-        result["disk_free_bytes"], result["disk_needed_bytes"] = free, need
-        if free < need:
-            msg = (
-                f"bench_beyond_memory: {swap_root} has {human(free)} free; this run needs {human(need)} "
-                f"(swap files {human(pred_disk)}"
-                + (f", the final checkpoint {human(ckpt_bytes)}" if ckpt_bytes else "")
-                + f", margin {a.margin}): not run"
-            )
-            con.print(msg)
+        refusal = short_of_room(swap_dirs, row, a.margin, result)
+        if refusal is not None:
+            con.print(refusal)
             result["status"] = "no room"
             _write(a.out, result, con)
             return 0
 
     # ---- the disk's own bandwidth, with the tier's I/O at the config's setting
-    io_bytes = parse_size(a.io_size, "--io-size") if a.io_size not in ("0", "") else 0
-    if swap_root is not None and io_bytes:
-        io = cfg.zero.offload_optimizer.io
-        con.print(
-            f"bench-io on {swap_root}: {human(io_bytes)} at {io.threads} threads x {io.request_mb} MiB ..."
-        )
-        result["bench_io"] = io_bandwidth(swap_root, io_bytes, io.threads, io.request_mb)
+    bench_io = disk_bandwidth(a.io_size, swap_root, cfg, con)
+    if bench_io is not None:
+        result["bench_io"] = bench_io
     baseline = import_baseline_rss()
     result["import_baseline_rss_bytes"] = baseline
     floor_samples, before = floor_before(a, cfg, overrides, con)  # (the rest of the floor after the run)
 
     # ---- the run
-    run_dir = a.run_dir or Path("runs/bench") / f"beyond-memory-{time.strftime('%Y%m%d-%H%M%S')}"
-    cmd = [sys.executable, "-m", "zoff", "train", str(a.config), *overrides, "--run-dir", str(run_dir)]
-    con.print("running: " + " ".join(cmd))
-    dev = block_device(swap_root) if swap_root else None
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd)
-    sampler = Sampler(proc.pid, swap_dirs, dev, run_dir / "metrics.jsonl", cfg.train.max_steps)
-    while proc.poll() is None:
-        sampler.sample()
-        time.sleep(a.interval)
-    sampler.sample()  # the last lines of metrics.jsonl
-    wall = time.perf_counter() - t0
-    result["returncode"], result["wall_s"], result["run_dir"] = proc.returncode, wall, str(run_dir)
-    result["status"] = "ok" if proc.returncode == 0 else "failed"
+    returncode, sampler, run_dir, wall = run_sampled(a, cfg, overrides, swap_dirs, con)
+    result["returncode"], result["wall_s"], result["run_dir"] = returncode, wall, str(run_dir)
+    result["status"] = "ok" if returncode == 0 else "failed"
     result.update(measure(sampler, run_dir, result, baseline))
     # the floor and the prediction after the run: a failure there is recorded beside the run's figures
     try:
@@ -335,7 +222,50 @@ def main(argv: list[str] | None = None) -> int:
     print(title(result))
     sys.stdout.write(render(result))
     _write(a.out, result, con)
-    return 0 if proc.returncode == 0 else 1
+    return 0 if returncode == 0 else 1
+
+
+def planned_result(
+    ap: argparse.ArgumentParser, a: argparse.Namespace, overrides: list[str], cfg: Config,
+    cpu: benchlib.CpuPrecision, sections: dict[str, Path], swap_dirs: list[Path],
+) -> tuple[dict, Estimate, dict]:  # fmt: skip
+    """The JSON's fields known before the run (the command, the model, its states against RAM, the swap
+    folders, `zoff estimate`'s figures), with the estimate and its configured policy's row."""
+    mem = meminfo()
+    est, row, figures = configured_estimate(cfg, cpu.computed)
+    states = data_parallel_bytes(est.trainable_params)
+    ckpt_bytes = 12 * est.trainable_params if saves_final_checkpoint(cfg) else 0  # fp32 master + 2 moments
+    result: dict = {
+        **benchlib.provenance(),
+        "command": benchlib.command_line(ap, a, "bench_beyond_memory"),
+        "config": str(a.config), "size": a.size, "overrides": overrides, "nproc": cfg.launch.nproc_per_node,
+        "params": est.params, "trainable_params": est.trainable_params, "precision": cfg.train.precision,
+        "cpu_precision": cpu.to_json(),
+        "model_state_bytes": states, "model_state_to_ram": states / mem["MemTotal"],
+        "nvme_sections": {k: str(v) for k, v in sections.items()}, "swap_paths": [str(d) for d in swap_dirs],
+        "estimate": figures,
+        "final_checkpoint_bytes": ckpt_bytes,
+    }  # fmt: skip
+    return result, est, row
+
+
+def run_sampled(
+    a: argparse.Namespace, cfg: Config, overrides: list[str], swap_dirs: list[Path], con: Console
+) -> tuple[int, Sampler, Path, float]:
+    """`zoff train` as a subprocess, its processes sampled from /proc every --interval seconds until it ends:
+    (its return code, the sampler, its run directory, its wall seconds)."""
+    run_dir = a.run_dir or Path("runs/bench") / f"beyond-memory-{time.strftime('%Y%m%d-%H%M%S')}"
+    cmd = [sys.executable, "-m", "zoff", "train", str(a.config), *overrides, "--run-dir", str(run_dir)]
+    con.print("running: " + " ".join(cmd))
+    dev = block_device(swap_dirs[0]) if swap_dirs else None
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    sampler = Sampler(proc.pid, swap_dirs, dev, run_dir / "metrics.jsonl", cfg.train.max_steps)
+    while proc.poll() is None:
+        sampler.sample()
+        time.sleep(a.interval)
+    sampler.sample()  # the last lines of metrics.jsonl
+    return proc.returncode, sampler, run_dir, time.perf_counter() - t0
 
 
 def floor_before(

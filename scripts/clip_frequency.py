@@ -8,6 +8,10 @@ clipping factor is exactly 1 (the steps whose speculated update commits), and wh
     python scripts/clip_frequency.py --from-run RUN_DIR # the figures of a run already made (its metrics.jsonl)
     python scripts/clip_frequency.py --render           # the markdown table from the JSON (what the docs embed)
 
+With --noise-batches (default 1, 4, 16 and 64 times --batch sequences; '' for none) the run saves its last step's checkpoint and
+the script then measures the final model's gradient norm over batches of those sizes, which says why the run
+clips or not and from what batch it would stop (gradient_noise.py; ~B sequences' forward and backward each).
+
 The run is `zoff train configs/quickstart.yaml` with overrides: the quickstart's data (stdlib-source: the standard
 library's sources, byte-level) and optimizer (AdamW, betas 0.9/0.95, weight decay 0.1, warmup then cosine to
 0.1x), the model at 12 layers x 768 (12 heads: 85M parameters at vocab 256), lr --lr, one rank, zero0 (the norm
@@ -27,9 +31,12 @@ import tempfile
 from pathlib import Path
 
 import benchlib
+import gradient_noise
+import torch
 
 from zoff.config import load_config
 from zoff.engine.precision import clip_factor
+from zoff.errors import UserError
 from zoff.models import meta_model
 from zoff.planning.memory import count_params
 
@@ -45,7 +52,7 @@ def overrides(a: argparse.Namespace) -> list[str]:
         "zero=zero0", "launch.nproc_per_node=1", f"launch.threads_per_rank={a.threads}",
         f"optim.lr={a.lr}", f"schedule.warmup_steps={a.warmup}", f"train.max_steps={a.steps}",
         f"train.grad_clip={a.clip}", "train.precision=fp32", "train.log_every=1", "train.eval_every=0",
-        "checkpoint.enabled=false", "log.progress=false", *a.overrides,
+        f"checkpoint.enabled={'false' if a.noise_batches == '' else 'true'}", "log.progress=false", *a.overrides,
     ]  # fmt: skip
 
 
@@ -114,9 +121,20 @@ def render(data: dict) -> str:
         f" discarded {f['auto_wasted_fraction']:.1%}. Norms after warmup: median {n['median']:.3g}, 90th"
         f" percentile {n['p90']:.3g}, range {n['min']:.3g}-{n['max']:.3g}; the first step not clipped:"
         f" {f['first_unclipped_step']}.",
+        *(["", *gradient_noise.render_lines(data["noise"], data["clip"], data["seq_len"])] if data.get("noise") else []),
         "",
         benchlib.measured_line(data, "clip_frequency"),
     ])  # fmt: skip
+
+
+def noise_of(a: argparse.Namespace, sizes: list[int], run_dir: Path) -> dict:
+    """gradient_noise's probe of the run's final model, over its stream past the planned steps (never read)."""
+    torch.set_num_threads(a.threads)
+    cfg = load_config(CONFIG, overrides(a))
+    print(f"clip_frequency: the gradient-noise probe, batches of {sizes} sequences ...", flush=True)
+    norms = gradient_noise.probe(cfg, run_dir, sizes, a.noise_draws, first_step=a.steps)
+    return {"first_step": a.steps, "norms": {str(b): ns for b, ns in norms.items()},
+            "fit": gradient_noise.fit(norms, a.clip, a.seq_len)}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -130,6 +148,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2, help="launch.threads_per_rank")
+    ap.add_argument(
+        "--noise-batches",
+        help="the probe's batches, in sequences (default: 1, 4, 16, 64 x --batch; '': no probe)",
+    )
+    ap.add_argument("--noise-draws", type=int, default=8, help="batches drawn of each size up to 8 sequences")
     ap.add_argument("--from-run", type=Path, help="a run folder already made: its figures, no training")
     ap.add_argument("--keep-run", type=Path, help="train into this folder (kept) instead of a temporary one")
     benchlib.output_args(ap, JSON)
@@ -152,18 +175,26 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(
             f"--from-run {a.from_run}: no metrics.jsonl there (a `zoff train` run folder expected)"
         )
+    try:  # before hours of training
+        default = ",".join(str(k * a.batch) for k in (1, 4, 16, 64))
+        sizes = gradient_noise.parse_sizes(default if a.noise_batches is None else a.noise_batches, a.batch)
+    except ValueError as e:
+        return _refuse(str(e))
     with tempfile.TemporaryDirectory(prefix="zoff-clip-") as tmp:
         run_dir = a.from_run or a.keep_run or Path(tmp) / "run"
         if a.from_run is None:
             train(a, run_dir)
         recorded = norms_of(run_dir)
-    steps, norms = [s for s, _ in recorded], [n for _, n in recorded]
-    if steps != list(range(1, len(steps) + 1)):
-        return _refuse(f"{run_dir}/metrics.jsonl lacks steps (the run needs train.log_every=1)")
-    try:
-        figures = clip_figures(norms, a.clip, a.warmup)
-    except SystemExit as e:  # (too few steps for --warmup)
-        return _refuse(str(e).removeprefix("clip_frequency: "))
+        steps, norms = [s for s, _ in recorded], [n for _, n in recorded]
+        if steps != list(range(1, len(steps) + 1)):
+            return _refuse(f"{run_dir}/metrics.jsonl lacks steps (the run needs train.log_every=1)")
+        try:
+            figures = clip_figures(norms, a.clip, a.warmup)
+            noise = noise_of(a, sizes, run_dir) if sizes else None
+        except SystemExit as e:  # (too few steps for --warmup)
+            return _refuse(str(e).removeprefix("clip_frequency: "))
+        except UserError as e:  # (no checkpoint in the run folder)
+            return _refuse(f"the gradient-noise probe: {e} (--noise-batches '' skips it)")
     model = load_config(CONFIG, overrides(a)).model
     params = count_params(meta_model(model))[0]
     data = {
@@ -171,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": "configs/quickstart.yaml", "overrides": overrides(a), "planned_steps": a.steps,
         "batch": a.batch, "seq_len": a.seq_len, "lr": a.lr, "warmup": a.warmup, "clip": a.clip,
         "params_m": params / 1e6, "layers": model.n_layer, "d_model": model.d_model, "norms": norms, "figures": figures,
+        "noise": noise,
     }  # fmt: skip
     return benchlib.write_result(a.out, data, render)
 

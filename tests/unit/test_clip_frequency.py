@@ -63,3 +63,61 @@ def test_a_folder_that_is_not_a_run_is_refused_in_one_line(tmp_path, capsys) -> 
     assert cf.main(["--from-run", str(tmp_path), "--warmup", "1", *TINY]) == 2
     assert "lacks steps" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
+
+
+def test_the_probes_norm_is_the_trainers_on_the_same_model_and_batch(tmp_path) -> None:
+    """At a constant LR, a 7-step run's 7th step sees the model a 6-step run ends with and reads the stream's
+    7th batch: the probe's norm of the 6-step run's checkpoint over that batch is the trainer's 7th norm."""
+    cf = _script("clip_frequency")
+    common = ["--warmup", "0", "--batch", "2", "--seq-len", "32", "--threads", "1", *TINY,
+              "schedule.warmup_steps=0", "schedule.decay=constant"]  # fmt: skip
+    seven = tmp_path / "seven"
+    assert cf.main(["--steps", "7", "--noise-batches", "", "--keep-run", str(seven), *common,
+                    "--json", str(tmp_path / "7.json")]) == 0  # fmt: skip
+    assert not (seven / "checkpoints").exists()  # no probe, no checkpoint
+    six = tmp_path / "six.json"
+    assert (
+        cf.main(["--steps", "6", "--noise-batches", "2,8", "--noise-draws", "3", *common, "--json", str(six)])
+        == 0
+    )
+    noise = json.loads(six.read_text())["noise"]
+    trainer = json.loads(tmp_path.joinpath("7.json").read_text())["norms"][6]
+    assert noise["norms"]["2"][0] == pytest.approx(trainer, rel=1e-5)
+    assert len(noise["norms"]["2"]) == 3 and len(noise["norms"]["8"]) == 3  # draws_for: 8 * 3 // 8 = 3
+    assert noise["first_step"] == 6 and noise["fit"]["by_batch"]["8"]["draws"] == 3
+
+
+def test_the_fit_recovers_the_mean_gradient_and_the_noise() -> None:
+    """Norms that follow |g_B|^2 = |G|^2 + tr(S)/B exactly give back |G|^2 and tr(S), and the batch from which
+    the expected squared norm is under the clip's; a mean gradient above the clip gives none."""
+    gn = _script("gradient_noise")
+    g2, trace = 0.25, 30.0
+    norms = {b: [(g2 + trace / b) ** 0.5] * 2 for b in (2, 8, 32, 128)}
+    f = gn.fit(norms, clip=1.0, tokens_per_sequence=256)
+    assert f["mean_sq_norm"] == pytest.approx(g2) and f["noise_trace"] == pytest.approx(trace)
+    assert f["unclipped_from_sequences"] == pytest.approx(trace / (1.0 - g2))
+    assert f["unclipped_from_tokens"] == pytest.approx(256 * trace / (1.0 - g2))
+    assert f["noise_scale"] == pytest.approx(trace / g2)
+    assert gn.fit(norms, clip=0.5, tokens_per_sequence=256)["unclipped_from_sequences"] is None
+    assert "no batch would stop it clipping" in "\n".join(
+        gn.render_lines({"fit": gn.fit(norms, 0.5, 256)}, 0.5, 256)
+    )
+
+
+def test_a_probe_that_cannot_run_is_refused_in_one_line(tmp_path, capsys) -> None:
+    """Batch sizes that are not multiples of --batch: refused before any training; a run folder without a
+    checkpoint: refused naming the folder, nothing written."""
+    cf = _script("clip_frequency")
+    out = tmp_path / "c.json"
+    assert cf.main(["--batch", "2", "--noise-batches", "2,3", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--noise-batches 2,3: each size a positive multiple of --batch 2" in err
+    rows = [{"step": s, "loss": 5.0, "step_time_s": 1.0, "grad_norm": 0.5} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert (
+        cf.main(["--from-run", str(tmp_path), "--warmup", "1", "--batch", "2", *TINY, "--json", str(out)])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the gradient-noise probe:" in err and "--noise-batches ''" in err
+    assert not out.exists()

@@ -34,7 +34,8 @@ import benchlib
 import gradient_noise
 import torch
 
-from zoff.config import load_config
+from zoff.config import derive_grad_accum, load_config
+from zoff.data import GlobalBatches, load_corpus
 from zoff.engine.precision import clip_factor
 from zoff.errors import UserError
 from zoff.models import meta_model
@@ -127,14 +128,33 @@ def render(data: dict) -> str:
     ])  # fmt: skip
 
 
+def probe_plan(a: argparse.Namespace) -> list[int]:
+    """The probe's batch sizes, checked before hours of training: valid sizes and draws, and run and probe
+    within the stream's first epoch (so that the probe reads no window the run read)."""
+    default = ",".join(str(k * a.batch) for k in (1, 4, 16, 64))
+    sizes = gradient_noise.parse_sizes(default if a.noise_batches is None else a.noise_batches, a.batch)
+    if a.noise_draws < 1:
+        raise UserError(f"--noise-draws {a.noise_draws}: at least 1")
+    if sizes and a.from_run is None:
+        cfg = load_config(CONFIG, overrides(a))
+        micro = cfg.data.batch_size
+        per_step = micro * derive_grad_accum(cfg.train, micro, 1)
+        windows = GlobalBatches(
+            load_corpus(cfg.data, cfg.train.seed), cfg.data.seq_len, micro, 1, 0, 1, 0
+        ).num_windows
+        gradient_noise.check_one_epoch(a.steps * per_step, sizes, a.noise_draws, windows)
+    return sizes
+
+
 def noise_of(a: argparse.Namespace, sizes: list[int], run_dir: Path) -> dict:
-    """gradient_noise's probe of the run's final model, over its stream past the planned steps (never read)."""
+    """gradient_noise's probe of the run's last checkpoint, over the stream's windows after the run's."""
     torch.set_num_threads(a.threads)
     cfg = load_config(CONFIG, overrides(a))
     print(f"clip_frequency: the gradient-noise probe, batches of {sizes} sequences ...", flush=True)
-    norms = gradient_noise.probe(cfg, run_dir, sizes, a.noise_draws, first_step=a.steps)
-    return {"first_step": a.steps, "norms": {str(b): ns for b, ns in norms.items()},
-            "fit": gradient_noise.fit(norms, a.clip, a.seq_len)}  # fmt: skip
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    norms, first = gradient_noise.probe(cfg, ckpt_dir, sizes, a.noise_draws)
+    return {"first_sequence": first, "probe_sequences": gradient_noise.probe_sequences(sizes, a.noise_draws),
+            "norms": {str(b): ns for b, ns in norms.items()}, "fit": gradient_noise.fit(norms, a.clip, a.seq_len)}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -175,10 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(
             f"--from-run {a.from_run}: no metrics.jsonl there (a `zoff train` run folder expected)"
         )
-    try:  # before hours of training
-        default = ",".join(str(k * a.batch) for k in (1, 4, 16, 64))
-        sizes = gradient_noise.parse_sizes(default if a.noise_batches is None else a.noise_batches, a.batch)
-    except ValueError as e:
+    try:
+        sizes = probe_plan(a)
+    except UserError as e:
         return _refuse(str(e))
     with tempfile.TemporaryDirectory(prefix="zoff-clip-") as tmp:
         run_dir = a.from_run or a.keep_run or Path(tmp) / "run"
@@ -190,11 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             return _refuse(f"{run_dir}/metrics.jsonl lacks steps (the run needs train.log_every=1)")
         try:
             figures = clip_figures(norms, a.clip, a.warmup)
-            noise = noise_of(a, sizes, run_dir) if sizes else None
         except SystemExit as e:  # (too few steps for --warmup)
             return _refuse(str(e).removeprefix("clip_frequency: "))
-        except UserError as e:  # (no checkpoint in the run folder)
-            return _refuse(f"the gradient-noise probe: {e} (--noise-batches '' skips it)")
+        try:
+            noise, failed = (noise_of(a, sizes, run_dir) if sizes else None), None
+        except UserError as e:  # (no checkpoint in the run folder, another model's, ...)
+            noise, failed = None, f"the gradient-noise probe: {e} (--noise-batches '' skips it)"
+    if failed and a.from_run is not None:
+        return _refuse(failed)  # nothing written: the run's figures are still there to read again
     model = load_config(CONFIG, overrides(a)).model
     params = count_params(meta_model(model))[0]
     data = {
@@ -204,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         "params_m": params / 1e6, "layers": model.n_layer, "d_model": model.d_model, "norms": norms, "figures": figures,
         "noise": noise,
     }  # fmt: skip
-    return benchlib.write_result(a.out, data, render)
+    written = benchlib.write_result(a.out, data, render)
+    # a fresh run's figures are written without the probe; the run itself is gone unless --keep-run kept it
+    return _refuse(failed) if failed else written
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.conftest import REPO_ROOT
 from tests.unit.test_bench_tables import _script
 from zoff.engine.precision import clip_factor
 
@@ -84,24 +85,57 @@ def test_the_probes_norm_is_the_trainers_on_the_same_model_and_batch(tmp_path) -
     trainer = json.loads(tmp_path.joinpath("7.json").read_text())["norms"][6]
     assert noise["norms"]["2"][0] == pytest.approx(trainer, rel=1e-5)
     assert len(noise["norms"]["2"]) == 3 and len(noise["norms"]["8"]) == 3  # draws_for: 8 * 3 // 8 = 3
-    assert noise["first_step"] == 6 and noise["fit"]["by_batch"]["8"]["draws"] == 3
+    assert noise["first_sequence"] == 12 and noise["probe_sequences"] == 3 * 2 + 3 * 8
+    assert noise["fit"]["by_batch"]["8"]["draws"] == 3
 
 
 def test_the_fit_recovers_the_mean_gradient_and_the_noise() -> None:
-    """Norms that follow |g_B|^2 = |G|^2 + tr(S)/B exactly give back |G|^2 and tr(S), and the batch from which
-    the expected squared norm is under the clip's; a mean gradient above the clip gives none."""
+    """Norms that follow |g_B|^2 = |G|^2 + tr(S)/B exactly give back |G|^2 and tr(S), and B* where the RMS norm
+    is the clip; each case without a B* says so, and a fitted |G|^2 below 0 gives B*'s lower bound."""
     gn = _script("gradient_noise")
-    g2, trace = 0.25, 30.0
-    norms = {b: [(g2 + trace / b) ** 0.5] * 2 for b in (2, 8, 32, 128)}
-    f = gn.fit(norms, clip=1.0, tokens_per_sequence=256)
-    assert f["mean_sq_norm"] == pytest.approx(g2) and f["noise_trace"] == pytest.approx(trace)
-    assert f["unclipped_from_sequences"] == pytest.approx(trace / (1.0 - g2))
-    assert f["unclipped_from_tokens"] == pytest.approx(256 * trace / (1.0 - g2))
-    assert f["noise_scale"] == pytest.approx(trace / g2)
-    assert gn.fit(norms, clip=0.5, tokens_per_sequence=256)["unclipped_from_sequences"] is None
-    assert "no batch would stop it clipping" in "\n".join(
-        gn.render_lines({"fit": gn.fit(norms, 0.5, 256)}, 0.5, 256)
+
+    def norms(g2: float, trace: float) -> dict:
+        return {b: [max(g2 + trace / b, 0.0) ** 0.5] * 2 for b in (2, 8, 32, 128)}
+
+    f = gn.fit(norms(0.25, 30.0), clip=1.0, tokens_per_sequence=256)
+    assert f["mean_sq_norm"] == pytest.approx(0.25) and f["noise_trace"] == pytest.approx(30.0)
+    assert f["rms_under_clip_from_sequences"] == pytest.approx(30.0 / 0.75)
+    assert f["rms_under_clip_from_tokens"] == pytest.approx(256 * 30.0 / 0.75)
+    assert f["noise_scale"] == pytest.approx(120.0) and "B* of about **40 sequences" in gn.verdict(f, 1.0)
+    above = gn.fit(norms(0.25, 30.0), clip=0.5, tokens_per_sequence=256)
+    assert above["rms_under_clip_from_sequences"] is None and "no batch brings" in gn.verdict(above, 0.5)
+    flat = gn.fit({2: [0.9, 0.9], 8: [0.9]}, clip=1.0, tokens_per_sequence=256)
+    assert flat["rms_under_clip_from_sequences"] is None and "no noise term" in gn.verdict(flat, 1.0)
+    rising = gn.fit({2: [0.5], 8: [0.9]}, clip=1.0, tokens_per_sequence=256)  # (noise, not a trend)
+    assert rising["noise_trace"] < 0 and "no B*" in gn.verdict(rising, 1.0)
+    negative = gn.fit({2: [3.0], 8: [1.0]}, clip=1.0, tokens_per_sequence=256)
+    assert negative["mean_sq_norm"] < 0 and negative["noise_scale"] is None
+    assert negative["rms_under_clip_from_sequences"] == pytest.approx(negative["noise_trace"])  # tr(S)/clip^2
+    assert "at least" in gn.verdict(negative, 1.0)
+
+
+def test_a_probe_batch_is_one_global_batch_of_its_micro_batches() -> None:
+    """batch_norm over 4 micro-batches: the norm of one mean loss over their 8 sequences (the trainer's global
+    batch), not of their sum or of one of them."""
+    import torch
+
+    gn = _script("gradient_noise")
+    from zoff.config import load_config
+    from zoff.data import GlobalBatches, load_corpus
+    from zoff.models import build_model, lm_loss
+
+    cfg = load_config(
+        REPO_ROOT / "configs" / "quickstart.yaml", [*TINY, "data.seq_len=32", "model.seq_len=32"]
     )
+    batches = GlobalBatches(load_corpus(cfg.data, 0), 32, 2, 1, 0, 1, 0)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    probe = gn.batch_norm(model, batches, range(5, 9))
+    mbs = [batches.micro_batch_at(i, 0) for i in range(5, 9)]
+    model.zero_grad()
+    lm_loss(model(torch.cat([m.inputs for m in mbs])), torch.cat([m.targets for m in mbs])).backward()
+    whole = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert probe == pytest.approx(float(whole), rel=1e-5)
 
 
 def test_a_probe_that_cannot_run_is_refused_in_one_line(tmp_path, capsys) -> None:
@@ -120,4 +154,14 @@ def test_a_probe_that_cannot_run_is_refused_in_one_line(tmp_path, capsys) -> Non
     )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the gradient-noise probe:" in err and "--noise-batches ''" in err
+    assert not out.exists()
+    for args, why in [
+        (["--noise-batches", "8"], "at least two sizes"),
+        (["--noise-batches", "2,a"], "expected sizes in sequences"),
+        (["--noise-draws", "0"], "--noise-draws 0: at least 1"),
+        (["--steps", "200000", "--seq-len", "32", *TINY], "past the stream's first epoch"),
+    ]:
+        assert cf.main(["--batch", "2", *args, "--json", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err, (args, err)
     assert not out.exists()

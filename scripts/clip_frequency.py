@@ -35,7 +35,6 @@ import gradient_noise
 import torch
 
 from zoff.config import derive_grad_accum, load_config
-from zoff.data import GlobalBatches, load_corpus
 from zoff.engine.precision import clip_factor
 from zoff.errors import UserError
 from zoff.models import meta_model
@@ -139,9 +138,7 @@ def probe_plan(a: argparse.Namespace) -> list[int]:
         cfg = load_config(CONFIG, overrides(a))
         micro = cfg.data.batch_size
         per_step = micro * derive_grad_accum(cfg.train, micro, 1)
-        windows = GlobalBatches(
-            load_corpus(cfg.data, cfg.train.seed), cfg.data.seq_len, micro, 1, 0, 1, 0
-        ).num_windows
+        windows = gradient_noise.micro_batches(cfg).num_windows
         gradient_noise.check_one_epoch(a.steps * per_step, sizes, a.noise_draws, windows)
     return sizes
 

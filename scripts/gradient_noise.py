@@ -107,6 +107,15 @@ def batch_norm(model: torch.nn.Module, batches: GlobalBatches, steps: range) -> 
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
+def micro_batches(cfg: Config) -> GlobalBatches:
+    """The run's stream one micro-batch (data.batch_size sequences) a step, as one rank without accumulation
+    reads it: micro_batch_at(k, 0) holds its sequences k * micro .. (k + 1) * micro - 1."""
+    micro = cfg.data.batch_size
+    return GlobalBatches(
+        load_corpus(cfg.data, cfg.train.seed), cfg.data.seq_len, micro, 1, 0, 1, cfg.train.seed
+    )
+
+
 def probe(cfg: Config, ckpt_dir: Path, sizes: list[int], draws: int) -> tuple[dict[int, list[float]], int]:
     """({B: [|g_B| of each draw]}, the first sequence read) of the newest checkpoint's model, the batches read
     from the run's stream from where the checkpoint's step left it, none twice."""
@@ -114,9 +123,7 @@ def probe(cfg: Config, ckpt_dir: Path, sizes: list[int], draws: int) -> tuple[di
     data = manifest["trainer"]["data"]
     first = manifest["trainer"]["step"] * data["global_batch"]
     micro = cfg.data.batch_size
-    batches = GlobalBatches(
-        load_corpus(cfg.data, cfg.train.seed), cfg.data.seq_len, micro, 1, 0, 1, cfg.train.seed
-    )
+    batches = micro_batches(cfg)
     check_one_epoch(first, sizes, draws, batches.num_windows)
     out, step = {}, first // micro  # (the global batch is a multiple of the micro-batch)
     for b in sizes:

@@ -165,3 +165,31 @@ def test_a_probe_that_cannot_run_is_refused_in_one_line(tmp_path, capsys) -> Non
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and why in err, (args, err)
     assert not out.exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, capsys) -> None:
+    """--from-run on a run whose checkpoint holds another model than the arguments build: one line, exit 2,
+    nothing written (not load_state_dict's traceback)."""
+    cf = _script("clip_frequency")
+    run, out = tmp_path / "run", tmp_path / "c.json"
+    common = [
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--threads",
+        "1",
+        "--noise-batches",
+        "2,4",
+    ]
+    assert cf.main([*common, *TINY, "--keep-run", str(run), "--json", str(tmp_path / "a.json")]) == 0
+    capsys.readouterr()
+    other = ["model.n_layer=1", "model.n_head=2", "model.d_model=32"]
+    assert cf.main([*common, *other, "--from-run", str(run), "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its weights are not the model these arguments build" in err
+    assert not out.exists()

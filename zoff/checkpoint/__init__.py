@@ -61,6 +61,7 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it. Returns the final folder. With `base` (base_ref.base_reference: the
     model.path the run started from), frozen parameters are not saved: the folder holds them."""
+    engine.stop_speculation()  # a worker between backward and step owns the disk tier's buffers
     rank, world = engine.comm.rank, engine.comm.world
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
@@ -212,6 +213,7 @@ def load_checkpoint(engine: ZeroEngine, path: Path, verify: bool = True, base: d
     """Load into `engine` whatever its world size and stage; returns the trainer state. Every rank calls it.
     A checkpoint that names its base (save_checkpoint) leaves the frozen parameters as the engine read them
     from model.path (`base`: that folder's reference, checked against the saved one)."""
+    engine.stop_speculation()
     manifest = read_manifest(path, verify=False)
     from_base = "base" in manifest
     if from_base:

@@ -12,6 +12,7 @@ import torch
 class EngineState:
     def gathered_params(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter at full size in fp32, from the masters (a collective: call on all ranks)."""
+        self.stop_speculation()  # (every reader first: the worker owns the disk tier's buffers while it runs)
         self.optimizer.finish()
         out = {}
         for u, unit in enumerate(self.plan.units):
@@ -26,6 +27,7 @@ class EngineState:
         return out
 
     def state_dict(self) -> dict:
+        self.stop_speculation()
         opt = self.optimizer.state_dict()
         return {
             "optimizer": opt,
@@ -36,6 +38,7 @@ class EngineState:
 
     def load_frozen_shards(self, shards: list[torch.Tensor]) -> None:
         """Stage 3's frozen parameter shards (plan.frozen_units, in order), e.g. from a checkpoint."""
+        self.stop_speculation()
         n = len(self.plan.units)
         for u, (dst, src) in enumerate(zip(self.shard_params[n:], shards, strict=True), start=n):
             if self.param_disk is not None and self.param_disk.holds(u):
@@ -47,11 +50,13 @@ class EngineState:
 
     def param_shard(self, u: int) -> torch.Tensor:
         """Unit u's live parameter shard: in memory, or a copy read from the parameter swap file."""
+        self.stop_speculation()
         if self.param_disk is not None and self.param_disk.holds(u):
             return self.param_disk.load(u)
         return self.shard_params[u]
 
     def load_state_dict(self, state: dict) -> None:
+        self.stop_speculation()
         skipped = state.get("skipped_steps", {})
         self.skipped_steps = [int(skipped.get(s.names[0], 0)) for s in self.plan.slots]
         self.optimizer.load_state_dict(state["optimizer"])

@@ -23,8 +23,8 @@ from zoff.engine.disk.grad_swap import DiskGrads
 from zoff.engine.disk.placement import disk_bytes, grad_disk_bytes
 from zoff.engine.disk.second_slots import SecondSlots, host_second_units, room_left, second_slots
 from zoff.engine.disk.swapfile import AlignedBuffer
-from zoff.engine.step.optimizer import all_runs, step_runs
-from zoff.engine.step.speculate import Speculation, SpeculationError
+from zoff.engine.step.optimizer import step_runs
+from zoff.engine.step.speculate import Speculation, commit_set
 
 
 def speculates(oo: OffloadOptimizerConfig, device: torch.device, tier: str) -> bool:
@@ -105,69 +105,94 @@ class EngineSpeculation:
         spec = self.speculation
         if spec is not None:
             if spec.active or spec.stopped:  # a sync backward whose step never came (nothing of it commits)
-                self._discard_speculation(quiet=True)
+                self._discard_speculation()
             spec.last = {}  # (this step's counts, if it speculates)
-        if spec is None or lr is None or not spec.wanted() or not self._second_places():
+        if spec is None or lr is None or spec.failure or not spec.wanted() or not self._second_places():
             return False
-        step = self.optimizer.step_count + 1
-        if any(self.skipped_steps):  # parameters that missed earlier steps keep their own Adam step
-            runs = step_runs(self.plan, self.rank, set(), self.skipped_steps, step)
-        else:
-            runs = all_runs(self.optimizer.runs, step)
+        # the runs the step takes where every parameter gets a gradient (optimizer.unit_runs: per unit)
+        runs = step_runs(self.plan, self.rank, set(), self.skipped_steps, self.optimizer.step_count + 1)
         spec.begin(lr, 1.0 / self.scaler.scale, runs)
         return True
 
     def _second_places(self) -> bool:
         """The second slots' disk space, claimed at the first speculated step (a run that never speculates
-        never takes it); a disk without the room turns speculation off for the run, saying so once."""
+        never takes it); a disk without the room turns speculation off for the run on every rank (the next
+        step's all-reduce carries it: speculation_failed)."""
         try:
             self.optimizer.states.allocate_second()
             if self.param_disk is not None:
                 self.param_disk.allocate_second()
         except OSError as e:
-            print(f"zoff: warning: speculation off for this run: {e}", flush=True)
-            self.speculation = None
+            self.speculation.failure = str(e)
             return False
         return True
 
-    def _speculation_flags(self) -> list[float]:
+    def _speculation_flags(self, lr: float, base: float) -> list[float]:
         """Before the norm's all-reduce, which carries them: per trainable unit, 1 where this rank's worker
-        completed it untainted (the worker stopped, the unit in hand finished). A unit commits only where every
-        rank's flag is 1: the all-gathers after the step follow the committed set, so every rank must have the
-        same one. [] where the config never speculates (every rank alike)."""
+        completed it untainted with this step's lr and coefficient `base` (the worker stopped, the unit in
+        hand finished), then per rank, 1 at this rank if its speculation failed. A unit commits only where
+        every rank's flag is 1 (commit_set): the all-gathers after the step follow the committed set, so every
+        rank must have the same one. [] where the config never speculates (every rank alike)."""
         if not self.speculates:
             return []
-        spec, done = self.speculation, set()
-        if spec is not None and spec.active:
-            try:
-                done = spec.stop(commit=True) - spec.tainted
-            except SpeculationError:
-                self._end_speculation(frozenset())
-                raise
-        return [1.0 if u in done else 0.0 for u in range(len(self.plan.units))]
+        spec, n = self.speculation, len(self.plan.units)
+        flags = [0.0] * (n + self.comm.world)
+        if spec is not None:
+            if spec.active:
+                spec.stop(commit=True)
+            if spec.stopped:
+                flags[:n] = spec.unit_flags(lr, base)
+            flags[n + self.comm.rank] = 1.0 if spec.failure else 0.0
+        return flags
 
-    def _commit_speculation(
-        self, lr: float, base: float, exact: bool, runs: list | None, flags: list[float]
-    ) -> frozenset[int]:
+    def _commit_speculation(self, exact: bool, unused: list[int], sums: list[float]) -> frozenset[int]:
         """After the norm: the units every rank completed whose speculative update is the step's (`exact`:
-        factor 1, no overflow; the same runs, lr and coefficient) become the step's, published; the rest is
-        discarded. Returns the committed units."""
+        may_commit; no parameter of theirs in `unused`, the slots no rank gave a gradient) become the step's,
+        published; the rest is discarded. Returns the committed units. `sums`: the all-reduced flags."""
+        n = len(self.plan.units)
+        failed = [r for r, x in enumerate(sums[n:]) if x]
+        if failed:
+            self._speculation_failed(failed)
+            return frozenset()
         spec = self.speculation
         if spec is None:
             return frozenset()
         spec.last_unclipped = exact
         if not spec.stopped:
             return frozenset()
-        everywhere = {u for u, n in enumerate(flags) if n == self.comm.world}
-        step_runs_ = runs or all_runs(self.optimizer.runs, self.optimizer.step_count + 1)
-        units = spec.committable(everywhere, lr, base, step_runs_) if exact else frozenset()
+        blocked = {self.plan.slots[s].unit for s in unused}
+        units = commit_set(sums[:n], self.comm.world, exact, blocked)
         self._end_speculation(units)
         spec.record(len(units))
         return units
 
-    def _discard_speculation(self, quiet: bool = False, overflowed: bool = False) -> None:
+    def _speculation_failed(self, ranks: list[int]) -> None:
+        """A speculation failed on `ranks` (every rank knows it from the same all-reduce): every rank discards
+        this step's speculation and turns it off for the run, saying so once; the step walks as without it."""
+        spec = self.speculation
+        why = spec.failure if spec is not None and spec.failure else None
+        self._discard_speculation()
+        self.speculation, self.speculates = None, False
+        where = "this rank" if why else f"rank(s) {', '.join(map(str, ranks))}"
+        print(
+            f"zoff: warning: speculation (zero.offload_optimizer.speculate) off for the rest of this run: it "
+            f"failed on {where}{': ' + why if why else ''}; this step and the next walk without it (the same "
+            f"bits, without the overlap)",
+            flush=True,
+        )
+
+    def stop_speculation(self) -> None:
+        """Stop a worker still running from a backward whose step has not come, discarding what it computed
+        (the step then walks every unit: the same bits). Whatever reads or writes the states or parameters
+        between backward and step calls this first: the worker owns the disk tier's buffers until it stops."""
+        spec = self.speculation
+        if spec is not None and (spec.active or spec.stopped):
+            self._discard_speculation()
+
+    def _discard_speculation(self, overflowed: bool = False) -> None:
         """A step that will not use the speculation (`overflowed`: fp16's, which auto counts as a clipped step;
-        a failed landing, a backward that raised, a window that never stepped)."""
+        a failed landing, a backward that raised, a window that never stepped, a reader before the step). A
+        worker's error stays in `failure` for the next step's all-reduce."""
         spec = self.speculation
         if spec is None:
             return
@@ -175,13 +200,8 @@ class EngineSpeculation:
             spec.last_unclipped = False
         if not spec.active and not spec.stopped:
             return
-        try:
-            if spec.active:
-                spec.stop(commit=False)
-        except SpeculationError:
-            if not quiet:
-                self._end_speculation(frozenset())
-                raise
+        if spec.active:
+            spec.stop(commit=False)
         self._end_speculation(frozenset())
         spec.record(0)
 

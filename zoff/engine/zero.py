@@ -43,6 +43,7 @@ from zoff.engine.step.grad_store import GradShards, ResidentGrads
 from zoff.engine.step.optimizer import ShardOptimizer, cpu_fused_kernel, step_runs, torch_fused_kernel
 from zoff.engine.step.overlap import OverlappedStep
 from zoff.engine.step.publish import Publication
+from zoff.engine.step.speculate import may_commit
 from zoff.engine.step.tiers import DeviceTier, HostTier
 
 
@@ -235,7 +236,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         except BaseException:
             self.reducer.settle()  # landings already queued finish before the error leaves backward
-            self._discard_speculation(quiet=True)
+            self._discard_speculation()
             raise
         finally:
             if self.gatherer is not None:
@@ -260,7 +261,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         try:
             self.reducer.check()  # a failed gradient landing (landing.py): never a step on a window missing one
         except BaseException:
-            self._discard_speculation(quiet=True)
+            self._discard_speculation()
             raise
         t_wait = time.perf_counter()
         self.optimizer.finish()  # (an overlapped step's walk is joined already, by backward)
@@ -270,21 +271,22 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             self.gatherer.release_all()
         if self.param_disk is not None:
             self.param_disk.trim()  # the gathers' kept read buffers: not held through the step
-        total_sq, bad, unused, done = self._global_norm_sq(self._speculation_flags())
+        # Unscale with the scale these gradients were computed with; it may grow only afterwards (GradScaler).
+        coef = base = 1.0 / self.scaler.scale
+        total_sq, bad, unused, flags = self._global_norm_sq(self._speculation_flags(lr, base))
         if bad > 0 and self.scaler.enabled:
+            self._commit_speculation(False, unused, flags)  # (a failed worker is heard all the same)
             self._discard_speculation(overflowed=True)
             self.scaler.update(overflow=True)
             return self._end_step(StepResult(float("inf"), stepped=False), times=None)
-        # Unscale with the scale these gradients were computed with; it may grow only afterwards (GradScaler).
         norm = math.sqrt(total_sq) / self.scaler.scale
-        coef = base = 1.0 / self.scaler.scale
         self.scaler.update(overflow=False)
         factor = clip_factor(norm, self.grad_clip)
         if self.grad_clip > 0:
             coef *= factor
         runs = self._step_runs(unused)
         # speculation: commit only where the factor is exactly 1 (NaN fails it) and nothing overflowed
-        committed = self._commit_speculation(lr, base, factor == 1.0 and bad == 0, runs, done)
+        committed = self._commit_speculation(may_commit(factor, bad > 0), unused, flags)
         # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
         delayed = self.overlap is None and self.optimizer.next_step_delayed
         grads = RescaledGrads(self.grads.for_step(delayed), coef, fused=self.optimizer.fuses_grad_scale)
@@ -362,7 +364,8 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
     @property
     def masters(self) -> list[torch.Tensor] | None:
         """The resident fp32 masters (None on the disk tier: read them with optimizer.read); a background
-        update in flight (DPU's, the overlapped walk) is joined first."""
+        update in flight (DPU's, the overlapped walk) is joined first, a speculation's worker stopped."""
+        self.stop_speculation()
         self.optimizer.finish()
         return self.optimizer.masters
 
@@ -373,7 +376,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
     def zero_grad(self) -> None:
         """Start an accumulation window: full-gradient buffers (stages 0-1 without offload) are zeroed,
         gradient shards are overwritten next time."""
-        self._discard_speculation(quiet=True)  # (only if a backward's speculation found no step)
+        self._discard_speculation()  # (only if a backward's speculation found no step)
         for g in self.gfull:
             g.zero_()
         for p in self._params:
@@ -386,7 +389,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
     def close(self) -> None:
         """Release what outlives the process's memory: the disk tier's swap files (removed at a clean exit)."""
         try:
-            self._discard_speculation(quiet=True)  # (a worker still running: stopped before its files close)
+            self._discard_speculation()  # (a worker still running: stopped before its files close)
             self.optimizer.close()  # (re-raises a background step's error: the other files close all the same)
         finally:
             self.reducer.close()  # the landing thread, before the gradient file it writes closes

@@ -218,17 +218,25 @@ class SwappedStates(States):
             if j in self.resident:
                 continue
             ahead -= 1
-            if j in self.holds or j == i:
-                continue
-            held = set(self.holds.values())
-            hit = [b for b, c in enumerate(self.contents) if c == j and b not in held and b != current]
-            if hit:
-                self.holds[j] = hit[0]
-                continue
-            idle = [b for b in range(self.n_buffers) if b != current and b not in held and self._idle(b)]
-            if not idle:
+            if j != i and not self._claim(j, current):
                 return
-            self._read_into(min(idle, key=lambda b: self.used[b]), j)
+
+    def _claim(self, j: int, current: int | None) -> bool:
+        """Streamed piece j held for a coming take without waiting: already held; adopted from the buffer that
+        has its bytes (its write-back may still be in flight: a read from the file now could overtake that
+        write and bring last step's states); else read into an idle buffer. False: no idle buffer."""
+        if j in self.holds:
+            return True
+        held = set(self.holds.values())
+        hit = [b for b, c in enumerate(self.contents) if c == j and b not in held and b != current]
+        if hit:
+            self.holds[j] = hit[0]
+            return True
+        idle = [b for b in range(self.n_buffers) if b != current and b not in held and self._idle(b)]
+        if not idle:
+            return False
+        self._read_into(min(idle, key=lambda b: self.used[b]), j)
+        return True
 
     def _drain(self) -> None:
         for b in range(self.n_buffers):
@@ -272,12 +280,8 @@ class SwappedStates(States):
         """Streamed piece k's states in a ring buffer, updated there and written to the slot it was not read
         from; `after`: the next piece the speculation will take, read meanwhile."""
         b = self._take(k)
-        if after is not None and after not in self.holds and after not in self.resident:
-            idle = [
-                x for x in range(self.n_buffers) if x != b and x not in self.holds.values() and self._idle(x)
-            ]
-            if idle:
-                self._read_into(min(idle, key=lambda x: self.used[x]), after)
+        if after is not None and after not in self.resident:
+            self._claim(after, b)
         try:
             yield self._views(b, k)
         finally:
@@ -286,7 +290,10 @@ class SwappedStates(States):
             self.contents[b] = None  # speculative bytes: never taken for the piece's states
 
     def commit(self, k: int) -> None:
+        """Piece k's states are the other slot's now: no buffer may still claim its old bytes."""
         self.where[k] ^= 1
+        self.contents = [None if c == k else c for c in self.contents]
+        self.holds.pop(k, None)
 
     def end_speculation(self) -> None:
         self._drain()  # a committed piece's write lands before anything reads its slot

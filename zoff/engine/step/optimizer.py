@@ -48,22 +48,35 @@ def step_runs(
     no token picked on any rank): no weight decay, no moment decay, and its step count (bias correction)
     stays behind. zoff does the same, so its numbers equal plain PyTorch's; a zero gradient instead would
     still move the parameter. Cost: runs split at those parameters (one kernel call per run).
+
+    A unit's runs depend on its own parameters only (unit_runs): a unit none of whose parameters is unused
+    now or was skipped before steps as `all_runs` has it, whatever the other units' parameters do. So the runs
+    a speculation took at begin (no parameter unused) are the step's for exactly the units without an unused
+    parameter, a fact every rank holds alike (the step's all-reduce gives `unused`).
     """
-    out: list[list[StepRun]] = []
-    for unit in plan.units:
-        lo, hi = plan.shard_range(unit.index, rank)
-        runs: list[StepRun] = []
-        for si in unit.slots:
-            s = plan.slots[si]
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a >= b or si in unused:
-                continue
-            run = (a - lo, b - lo, s.decay, step - skipped[si])
-            if runs and runs[-1][1] == run[0] and runs[-1][2:] == run[2:]:
-                run = (runs.pop()[0], *run[1:])
-            runs.append(run)
-        out.append(runs)
-    return out
+    return [unit_runs(plan, u.index, rank, unused, skipped, step) for u in plan.units]
+
+
+def unit_runs(
+    plan: PartitionPlan, unit: int, rank: int, unused: set[int], skipped: list[int], step: int
+) -> list[StepRun]:
+    """step_runs of one unit: its decay runs (padding included, as `all_runs`) when every parameter of it
+    steps at `step`, else run by run over the parameters that step, each at its own Adam step."""
+    u = plan.units[unit]
+    if not any(si in unused or skipped[si] for si in u.slots):
+        return [(a, b, decay, step) for a, b, decay in plan.decay_runs(unit, rank)]
+    lo, hi = plan.shard_range(unit, rank)
+    runs: list[StepRun] = []
+    for si in u.slots:
+        s = plan.slots[si]
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a >= b or si in unused:
+            continue
+        run = (a - lo, b - lo, s.decay, step - skipped[si])
+        if runs and runs[-1][1] == run[0] and runs[-1][2:] == run[2:]:
+            run = (runs.pop()[0], *run[1:])
+        runs.append(run)
+    return runs
 
 
 def torch_fused_kernel(

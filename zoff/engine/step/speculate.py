@@ -13,9 +13,13 @@ final (grad_store.GradShards.on_final); the worker updates the unit into its pie
 (States.speculate: a second slot per piece on the disk tier, second buffers on the host tier) and keeps its
 new parameters apart (Publication.speculated_piece). After the one all-reduce that gives the norm, the engine
 commits a unit only if the clipping factor is exactly 1.0 (compared as the factor, not `norm <= clip`: NaN
-fails it by itself), nothing overflowed, its gradient was final once (no late correction: a second final
-landing taints it), its runs (which parameters step, at which Adam step) and the lr and coefficient are those
-the step uses, and no landing failed (the step raises before this). Everything else is discarded, and the
+fails it by itself), nothing overflowed, every rank's worker completed it with the lr and coefficient the step
+uses from a gradient final once (no late correction: a second final landing taints it), none of its
+parameters went without a gradient on every rank (its runs would differ: optimizer.unit_runs), and no landing
+failed (the step raises before this). Every one of these facts is the same on every rank: the rank-local ones
+travel as per-unit flags in the norm's all-reduce (commit_set), so all ranks commit the same units, which
+their all-gathers after the step rely on. A worker that fails on any rank turns speculation off on every rank
+(the same all-reduce carries it) and the step walks as without it. Everything else is discarded, and the
 walk steps it from the stored gradients as before; a unit the worker did not reach goes to the walk too, and
 a committed unit stays exact whatever the walk does with the others. Never the live states or parameters
 until commit: a discarded speculation leaves every byte of them as it was.
@@ -37,8 +41,19 @@ from zoff.engine.step.grad_store import GradShards
 from zoff.engine.step.optimizer import ShardOptimizer, StepRun
 
 
-class SpeculationError(RuntimeError):
-    """The speculation's worker failed: the step is not applied."""
+def may_commit(factor: float, overflowed: bool) -> bool:
+    """Whether a step may use speculated updates at all: its clipping factor exactly 1 (NaN fails) and no
+    overflow. Every rank computes both from the same all-reduce."""
+    return factor == 1.0 and not overflowed
+
+
+def commit_set(flags: list[float], world: int, exact: bool, blocked: set[int]) -> frozenset[int]:
+    """The units a step commits: with `exact` (may_commit), those whose flag every rank set (`flags`: the
+    all-reduced sums of the ranks' unit_flags) and none of whose parameters went without a gradient on every
+    rank (`blocked`). Only facts every rank holds alike."""
+    if not exact:
+        return frozenset()
+    return frozenset(u for u, n in enumerate(flags) if n == world and u not in blocked)
 
 
 class Speculation:
@@ -57,6 +72,9 @@ class Speculation:
         # run totals, for the records (tainted: units a late correction changed after their final landing)
         self.counts = {"steps": 0, "committed_units": 0, "speculated_units": 0, "tainted_units": 0}
         self.last: dict[str, int] = {}  # the last step's: speculated, committed, units (the trainable ones)
+        self.failure: str | None = None  # what failed (the worker, its second places), until the step says so
+        self.done: set[int] = set()
+        self.tainted: set[int] = set()
 
     def wanted(self) -> bool:
         """Whether the coming step speculates: always (true), or (auto) when the last step did not clip."""
@@ -114,7 +132,9 @@ class Speculation:
 
     def stop(self, commit: bool) -> set[int]:
         """End the worker (`commit`: it finishes the unit in hand; else it stops at the next piece) and return
-        the units it completed; raise SpeculationError if it failed."""
+        the units it completed; a failed worker completed none, and its error waits in `failure` for the
+        step's all-reduce (every rank then turns speculation off: a raise here would leave the others waiting
+        in that all-reduce)."""
         self.grads.on_final = None
         self.closing, self.aborting = True, not commit
         self.queue.put(None)
@@ -123,26 +143,22 @@ class Speculation:
         if self.error is not None:
             err, self.error = self.error, None
             where = f" on unit {self.failed_unit}" if self.failed_unit is not None else ""
-            raise SpeculationError(
-                f"zoff: the speculative optimizer step (zero.offload_optimizer.speculate) failed{where}: "
-                f"{type(err).__name__}: {err}; no update of this step was applied"
-            ) from err
+            self.failure = f"the speculative optimizer step failed{where}: {type(err).__name__}: {err}"
+            self.done = set()
         return set(self.done)
 
-    def committable(
-        self, done: set[int], lr: float, coef: float, runs: list[list[StepRun]]
-    ) -> frozenset[int]:
-        """Of the completed units, those whose update is the step's: the same lr, coefficient and runs, and a
-        gradient final once (the engine has checked the factor and overflow)."""
-        if lr != self.lr or coef != self.coef:
-            return frozenset()
-        return frozenset(u for u in done if u not in self.tainted and runs[u] == self.runs[u])
+    def unit_flags(self, lr: float, coef: float) -> list[float]:
+        """This rank's per-unit flags for the step's all-reduce (the worker stopped): 1 where it completed the
+        unit untainted with the step's lr and coefficient."""
+        same = lr == self.lr and coef == self.coef
+        done = self.done - self.tainted if same else set()
+        return [1.0 if u in done else 0.0 for u in range(len(self.optimizer.shards))]
 
     def record(self, committed: int) -> None:
         """The step's counts (run totals and the last step's)."""
-        speculated = len(self.done) if hasattr(self, "done") else 0
+        speculated = len(self.done)
         self.last = {"speculated": speculated, "committed": committed, "units": len(self.optimizer.shards)}
         self.counts["steps"] += 1
         self.counts["speculated_units"] += speculated
         self.counts["committed_units"] += committed
-        self.counts["tainted_units"] += len(getattr(self, "tainted", ()))
+        self.counts["tainted_units"] += len(self.tainted)

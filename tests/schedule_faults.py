@@ -41,7 +41,9 @@ def _read_ahead():
     def speculate(self, k, after=None):
         b = self._take(k)
         if after is not None and after not in self.holds and after not in self.resident:
-            idle = [x for x in range(self.n_buffers) if x != b and x not in self.holds.values() and self._idle(x)]
+            idle = [
+                x for x in range(self.n_buffers) if x != b and x not in self.holds.values() and self._idle(x)
+            ]
             if idle:  # (no look for a buffer that holds `after` with its write in flight)
                 self._read_into(min(idle, key=lambda x: self.used[x]), after)
         try:
@@ -67,7 +69,11 @@ def _rank_local():
         if not spec.stopped:
             return frozenset()
         step = self.optimizer.step_count + 1
-        runs = _old_step_runs(self.plan, self.rank, set(unused), self.skipped_steps, step) if unused else spec.runs
+        runs = (
+            _old_step_runs(self.plan, self.rank, set(unused), self.skipped_steps, step)
+            if unused
+            else spec.runs
+        )
         done = spec.done - spec.tainted
         units = frozenset(u for u in done if runs[u] == spec.runs[u]) if exact else frozenset()
         self._end_speculation(units)

@@ -68,7 +68,7 @@ def case_of(seed: int) -> Case:
         overlap=stage == 3 and r.random() < 0.4, accum=r.choice((1, 1, 2, 3)),
         clip=r.choice(("never", "always", "alternate", "edge", "below", "below")),
         widths=tuple(r.choice((64, 3000, 6144, 12288)) for _ in range(r.choice((1, 2)))),
-        unused=r.choice(("none", "everywhere", "one_rank", "some_steps")), 
+        unused=r.choice(("none", "everywhere", "one_rank", "some_steps")),
         bucket=r.choice((1500, 1 << 20)), steps=r.choice((3, 4)), drain=r.random() < 0.6,
         delay_ms=r.choice((0.0, 0.5, 2.0)), slow_writes_ms=r.choice((0.0, 0.0, 5.0, 30.0)),
     )  # fmt: skip
@@ -80,9 +80,10 @@ class ScheduleModel(nn.Module):
 
     def __init__(self, widths: tuple[int, ...], unused: str, rank: int, vocab: int = 64, d: int = 32):
         super().__init__()
+        # d+1 elements, first: a unit of its own, padded at every world size > 1, after the spare's in the walk
+        self.odd = nn.Parameter(torch.randn(d + 1) * 0.1)
         self.emb = nn.Embedding(vocab, d)
         self.wide = nn.ModuleList(nn.Sequential(nn.Linear(d, w), nn.GELU(), nn.Linear(w, d)) for w in widths)
-        self.odd = nn.Parameter(torch.randn(d + 1) * 0.1)  # d+1 elements: padding at every world size > 1
         self.spare = nn.Parameter(torch.randn(d, d) * 0.1)
         self.head = nn.Linear(d, vocab)
         self.unused, self.rank, self.step = unused, rank, 0
@@ -132,7 +133,11 @@ class Delays:
         from zoff.engine.step.speculate import Speculation
 
         saved = [
-            (swapfile, "_full", self._io(swapfile._full)),  # every read and write request, on its pool's thread
+            (
+                swapfile,
+                "_full",
+                self._io(swapfile._full),
+            ),  # every read and write request, on its pool's thread
             (Landings, "submit", self._before_task(Landings.submit)),
             (Speculation, "_work", self._before_call(Speculation._work)),
             (ShardOptimizer, "speculate_unit", self._before_call(ShardOptimizer.speculate_unit)),
@@ -181,8 +186,14 @@ class Delays:
 
 
 def _engine(case: Case, spec: bool, clip: float, swap: Path, rank: int):
-    from zoff.config import IoConfig, OffloadOptimizerConfig, OffloadParamConfig, OptimConfig, OptimizerIoConfig
-    from zoff.config import ZeroConfig
+    from zoff.config import (
+        IoConfig,
+        OffloadOptimizerConfig,
+        OffloadParamConfig,
+        OptimConfig,
+        OptimizerIoConfig,
+        ZeroConfig,
+    )
     from zoff.engine import build_engine
 
     torch.manual_seed(case.seed)
@@ -337,15 +348,30 @@ def run_cases(cases: list[int | Case], swap: Path, fault: str | None = None) -> 
         by_world.setdefault(case.world, []).append(case)
     reports = []
     for world, group in sorted(by_world.items()):
+        reports += _spawned(world, group, swap, fault)
+    return reports
+
+
+def _spawned(world: int, group: list[Case], swap: Path, fault: str | None) -> list[dict]:
+    """One spawn's reports. A rank that dies (gloo aborts a collective whose sizes differ between ranks) takes
+    the spawn with it: each case then runs in a spawn of its own, and the one that dies is reported so."""
+    try:
         ranks = spawn(case_rank, world, group, str(swap), fault)
-        for i, case in enumerate(group):
-            per_rank = [r[i] for r in ranks]
-            diffs = [f"rank {r}: {d}" for r, rep in enumerate(per_rank) for d in rep.get("diffs", ())]
-            errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(per_rank) if "error" in rep]
-            reports.append({"seed": case.seed, "case": asdict(case), "diffs": diffs, "errors": errors,
-                            "committed": [rep.get("committed", 0) for rep in per_rank],
-                            "speculated": [rep.get("speculated", 0) for rep in per_rank],
-                            "norms": per_rank[0].get("norms")})  # fmt: skip
+    except RuntimeError as e:
+        if len(group) > 1:
+            return [r for case in group for r in _spawned(world, [case], swap, fault)]
+        why = str(e).strip().splitlines()[-1]
+        return [{"seed": group[0].seed, "case": asdict(group[0]), "diffs": [], "errors": [f"crashed: {why}"],
+                 "committed": [0] * world, "speculated": [0] * world, "norms": None}]  # fmt: skip
+    reports = []
+    for i, case in enumerate(group):
+        per_rank = [r[i] for r in ranks]
+        diffs = [f"rank {r}: {d}" for r, rep in enumerate(per_rank) for d in rep.get("diffs", ())]
+        errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(per_rank) if "error" in rep]
+        reports.append({"seed": case.seed, "case": asdict(case), "diffs": diffs, "errors": errors,
+                        "committed": [rep.get("committed", 0) for rep in per_rank],
+                        "speculated": [rep.get("speculated", 0) for rep in per_rank],
+                        "norms": per_rank[0].get("norms")})  # fmt: skip
     return reports
 
 

@@ -4,7 +4,7 @@ that vary the configuration and the order of the engine's threads' events; the t
 
 - default suite: SLICE (fixed seeds covering worlds 1-3, both tiers, every clip mode and precision) and the
   pinned reproductions and planted faults;
-- `python -m pytest -q -m schedules`: SCHEDULE_CASES seeds more (ZOFF_SCHEDULE_CASES, default 500; or
+- `python -m pytest -q -n 2 -m schedules`: SCHEDULE_CASES seeds more, in chunks of CHUNK (ZOFF_SCHEDULE_CASES, default 500; or
   ZOFF_SCHEDULE_SEEDS=1,2,3 for given ones: what a failing case's message says to run).
 """
 
@@ -27,12 +27,15 @@ SEEDS = [int(s) for s in os.environ.get("ZOFF_SCHEDULE_SEEDS", "").split(",") if
 # 51a0203's first bug: a parameter no rank uses, one of odd size (padding), 2 ranks of zero2-offload
 NEVER_USED = Case(
     seed=101, world=2, stage=2, opt="cpu", par="none", precision="fp32", overlap=False, accum=1, clip="never",
-    widths=(64,), unused="everywhere", bucket=1500, steps=4, drain=True, delay_ms=0.0, slow_writes_ms=0.0,
+    widths=(64,), unused="everywhere", bucket=1000, steps=4, drain=True, delay_ms=0.0, slow_writes_ms=0.0,
 )  # fmt: skip
-# its second: zero3-nvme, units of several sub-groups, a disk whose writes lag 50 ms
+# its second: the disk tier, units of several sub-groups, a disk whose writes lag (0-100 ms each), a step that
+# walks a unit (a parameter of it unused by every rank) and a next one that speculates it: the read-ahead
+# raced the walk's write-backs
 SLOW_WRITES = Case(
-    seed=102, world=1, stage=3, opt="nvme", par="nvme", precision="fp32", overlap=False, accum=1, clip="never",
-    widths=(12288,), unused="none", bucket=1500, steps=4, drain=True, delay_ms=0.0, slow_writes_ms=50.0,
+    seed=102, world=2, stage=2, opt="nvme", par="none", precision="fp32", overlap=False, accum=1, clip="never",
+    widths=(12288,), unused="some_steps", bucket=1 << 20, steps=5, drain=True, delay_ms=0.0,
+    slow_writes_ms=50.0,
 )  # fmt: skip
 
 
@@ -65,7 +68,7 @@ def test_a_speculated_read_never_overtakes_a_write_back(swap: Path) -> None:
     flight in another buffer: last step's states, by up to 0.003."""
     (report,) = run_cases([SLOW_WRITES], swap)
     _check([report])
-    assert report["committed"][0] > 0
+    assert min(report["committed"]) > 0
 
 
 # each planted fault with cases that expose it (found by running the harness with the fault planted)
@@ -73,7 +76,7 @@ CATCHES = {
     "lax_commit": [replace(case_of(5), seed=201, clip="below", drain=True)],
     "read_ahead": [SLOW_WRITES],
     "rank_local": [NEVER_USED],
-    "skip_piece": [replace(SLOW_WRITES, slow_writes_ms=0.0)],
+    "skip_piece": [replace(SLOW_WRITES, slow_writes_ms=0.0, steps=3)],
 }
 
 
@@ -83,7 +86,12 @@ def test_the_harness_catches_a_planted_fault(fault: str, swap: Path) -> None:
     assert any(verdict(r) for r in reports), f"{fault}: the harness saw no difference"
 
 
+CHUNK = 25  # cases per test of the marker's run: pytest-xdist's workers share the chunks
+_MANY = SEEDS or list(range(1000, 1000 + SCHEDULE_CASES))
+CHUNKS = [_MANY[i : i + CHUNK] for i in range(0, len(_MANY), CHUNK)]
+
+
 @pytest.mark.schedules
-def test_many_schedules_are_bit_for_bit(swap: Path) -> None:
-    seeds = SEEDS or list(range(1000, 1000 + SCHEDULE_CASES))
+@pytest.mark.parametrize("seeds", CHUNKS, ids=[f"seeds{c[0]}-{c[-1]}" for c in CHUNKS])
+def test_many_schedules_are_bit_for_bit(seeds: list[int], swap: Path) -> None:
     _check(run_cases(seeds, swap))

@@ -16,6 +16,9 @@ against float64 zoff's own fp32 rounding is itself ~1e-5 in some cells (ckpt_blo
 - default suite (`-m slow` selects it too): world 2, grad_accum 3, every pattern x stages 1 and 3, plus
   stage 0 of moe and branch, all in one spawn; the disk tier (zero3-nvme, and the overlapped step on disk
   and in host memory) for the four patterns that stress the walk's order;
+- speculation forced on against off, bit for bit, some unit committed in each cell (the clip far above
+  every norm): the four walk-order patterns on disk and in host memory by default, every pattern on disk,
+  with the overlapped step and in host memory in `-m grid`;
 - full grid (`-m grid`): every pattern x stages 0-3 x world 2, 3 x grad_accum 1, 3, one spawn per
   (world, grad_accum). Marked `slow` as well, so `-m "not slow"` never picks it up.
 
@@ -89,6 +92,13 @@ OVERLAP_DEFAULT = ("ckpt_block", "moe", "functional_tie", "layer_drop")
 DISK_SLICE = [(p, s) for s in (DISK, OVERLAP, OFFLOAD_OVERLAP) for p in OVERLAP_DEFAULT]
 FULL = [(p, s) for p in PATTERNS for s in (*STAGES, DISK, OVERLAP, OFFLOAD_OVERLAP)]
 GRID = [(w, a, p, s) for w in WORLDS for a in ACCUMS for p, s in FULL]
+
+# The zoo with speculation forced on against off, bit for bit, and some unit committed in every cell (the
+# clip far above every norm, so every step may commit): the walk-order patterns on disk and in host memory by
+# default, every pattern on disk, with the overlapped step and in host memory in -m grid.
+SPEC_SLICE = [(p, s) for s in (DISK, OFFLOAD_OVERLAP) for p in OVERLAP_DEFAULT]
+SPEC_FULL = [(p, s) for p in PATTERNS for s in (DISK, OVERLAP, OFFLOAD_OVERLAP)]
+SPEC_CLIP = 100.0
 
 # ZOFF_ZOO_SPECULATE=1: the offload cells speculate every step (zero.offload_optimizer.speculate: true; the
 # default, auto, speculates on the disk cells only after a step that did not clip): the zoo with exact
@@ -321,6 +331,34 @@ def _assert_matches(got: dict, ref: dict) -> None:
     assert_close_params(got["params"], ref["params"])
 
 
+def spec_cfg(pattern: str, stage: str, accum: int, spec: bool) -> dict:
+    """A disk or host-offload cell with speculation forced on or off, and a clip that never triggers."""
+    cfg = cell_cfg(pattern, stage, accum)
+    cfg["zero"]["offload_optimizer"]["speculate"] = spec
+    cfg["train"]["grad_clip"] = SPEC_CLIP
+    return cfg
+
+
+def check_speculation(zoo: Zoo, pattern: str, stage: str, group: list[tuple[str, str]]) -> None:
+    """The cell with speculation on equals it off, bit for bit (losses, norms, parameters); some unit committed."""
+    key = (SLICE_WORLD, SLICE_ACCUM, "spec", pattern, stage)
+    if key not in zoo.runs:
+        cells = [(p, s, spec) for p, s in group for spec in (False, True)]
+        got = run_cells([spec_cfg(p, s, SLICE_ACCUM, spec) for p, s, spec in cells], SLICE_WORLD)
+        for (p, s, spec), result in zip(cells, got, strict=True):
+            zoo.runs[(SLICE_WORLD, SLICE_ACCUM, "spec" if spec else "nospec", p, s)] = result
+    off, on = zoo.runs[(SLICE_WORLD, SLICE_ACCUM, "nospec", pattern, stage)], zoo.runs[key]
+    for got in (off, on):
+        if "error" in got:
+            pytest.fail(f"crashed: {got['error']}", pytrace=False)
+    assert on["losses"] == off["losses"]
+    assert on["grad_norms"] == off["grad_norms"]
+    for name, t in off["params"].items():
+        assert torch.equal(on["params"][name], t), name
+    assert on["stats"]["speculation"]["committed_units"] > 0, on["stats"]["speculation"]
+    assert off["stats"]["speculation"] is None
+
+
 @pytest.fixture(scope="module")
 def zoo() -> Zoo:
     return Zoo()
@@ -336,6 +374,19 @@ def test_slice(zoo: Zoo, pattern: str, stage: int) -> None:
 @pytest.mark.parametrize(("pattern", "stage"), DISK_SLICE, ids=[f"{p}-{s}" for p, s in DISK_SLICE])
 def test_slice_on_disk(zoo: Zoo, pattern: str, stage: str) -> None:
     zoo.check(SLICE_WORLD, SLICE_ACCUM, pattern, stage, DISK_SLICE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pattern", "stage"), SPEC_SLICE, ids=[f"{p}-{s}" for p, s in SPEC_SLICE])
+def test_speculation_on_equals_off(zoo: Zoo, pattern: str, stage: str) -> None:
+    check_speculation(zoo, pattern, stage, SPEC_SLICE)
+
+
+@pytest.mark.slow
+@pytest.mark.grid
+@pytest.mark.parametrize(("pattern", "stage"), SPEC_FULL, ids=[f"{p}-{s}" for p, s in SPEC_FULL])
+def test_grid_speculation_on_equals_off(zoo: Zoo, pattern: str, stage: str) -> None:
+    check_speculation(zoo, pattern, stage, SPEC_FULL)
 
 
 @pytest.mark.slow

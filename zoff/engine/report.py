@@ -147,6 +147,8 @@ class EngineReports:
             "cpu_adam": _cpu_adam_backend() if self.offload else None,
             "cpu_step_threads": self.cpu_threads,
             "last_step_times": {**self.last_step_times, "dpu_wait_s": self.last_flush_s},
+            # run totals of the speculation (steps, speculated, committed, tainted units); None: it never ran
+            "speculation": dict(self.speculation.counts) if self.speculation is not None else None,
         }
 
 

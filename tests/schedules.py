@@ -8,7 +8,9 @@ factor 1 there, or just below it), a model whose units span 1 to many disk piece
 rank, on one rank or in some steps, world 1-3, and delays (`Delays`) injected into the disk tier's reads and
 writes, the landing thread, the worker's start and each unit, with a tiny thread switch interval. The same run
 goes once with speculation off and once forced on; losses, gradient norms, parameters, optimizer states and
-the checkpoint's bytes must be equal bit for bit. A failing case names its seed: `ZOFF_SCHEDULE_SEEDS=1234
+the checkpoint's bytes must be equal bit for bit. Under the same delays, the run with speculation on is then
+resumed from its checkpoint into a new engine and both take one step more (the same bits), and the case's twin
+(`twin_of`: overlap_step flipped, or a host budget that keeps every state in RAM) must equal the run without. A failing case names its seed: `ZOFF_SCHEDULE_SEEDS=1234
 python -m pytest -q -m schedules tests/integration/test_schedules.py` runs it again.
 
 Planted faults (`FAULTS`, applied in the ranks) prove the harness can fail: each must make some case differ.
@@ -17,12 +19,14 @@ Planted faults (`FAULTS`, applied in the ranks) prove the harness can fail: each
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -52,7 +56,8 @@ class Case:
     steps: int
     drain: bool  # the step waits for the worker to take every landed unit (then some unit must commit)
     delay_ms: float  # the largest injected delay
-    slow_writes_ms: float  # every disk write waits this long first (a disk whose writes lag)
+    slow_writes_ms: float  # every disk write waits 0-2x this long first (a disk whose writes lag)
+    budget: str = "min"  # the disk tier's host budget (twin_of: one that keeps every state in RAM)
 
 
 def case_of(seed: int) -> Case:
@@ -201,7 +206,7 @@ def _engine(case: Case, spec: bool, clip: float, swap: Path, rank: int):
     nvme = case.opt == "nvme"
     # the disk tier streams every piece (a budget that keeps these small models' states in RAM leaves nothing
     # to speculate); the host tier has room for every unit's second buffers
-    budget = "min" if nvme else "64GiB"
+    budget = case.budget if nvme else "64GiB"
     zero = ZeroConfig(
         stage=case.stage, reduce_bucket_size=case.bucket, param_persistence_threshold=64,
         offload_optimizer=OffloadOptimizerConfig(
@@ -232,20 +237,43 @@ def _train(eng, case: Case, rank: int) -> dict:
     gen = torch.Generator().manual_seed(case.seed * 7 + rank)
     losses, norms, commits = [], [], []
     for step in range(case.steps):
-        eng.model.step = step
-        lr = 1e-2 * (1 + step) / case.steps  # a new lr every step: the worker must use the step's
-        eng.zero_grad()
-        for micro in range(case.accum):
-            loss = eng.model(torch.randint(0, 64, (2, 16), generator=gen)).float().logsumexp(-1).mean()
-            loss = loss / case.accum * (float("inf") if case.precision == "fp16" and step == 1 else 1.0)
-            eng.backward(loss, sync=micro == case.accum - 1, lr=lr)
-        if case.drain and eng.speculation is not None and eng.speculation.active:
-            _drained(eng.speculation)
-        result = eng.step(lr)
-        losses.append(loss.item())
-        norms.append(result.grad_norm)
+        loss, norm = _step(eng, case, step, gen)
+        losses.append(loss)
+        norms.append(norm)
         commits.append(dict(eng.speculation.last) if eng.speculation is not None else {})
     return {"losses": losses, "norms": norms, "commits": commits}
+
+
+def _step(eng, case: Case, step: int, gen: torch.Generator) -> tuple[float, float]:
+    """One step of the case (its loss, its global gradient norm)."""
+    eng.model.step = step
+    lr = 1e-2 * (1 + step) / case.steps  # a new lr every step: the worker must use the step's
+    eng.zero_grad()
+    for micro in range(case.accum):
+        loss = eng.model(torch.randint(0, 64, (2, 16), generator=gen)).float().logsumexp(-1).mean()
+        loss = loss / case.accum * (float("inf") if case.precision == "fp16" and step == 1 else 1.0)
+        eng.backward(loss, sync=micro == case.accum - 1, lr=lr)
+    if case.drain and eng.speculation is not None and eng.speculation.active:
+        _drained(eng.speculation)
+    return loss.item(), eng.step(lr).grad_norm
+
+
+def _resumed(case: Case, eng, ckpt: Path, clip: float, swap: Path, rank: int) -> list[str]:
+    """One step more of `eng`, and of a new engine resumed from its checkpoint `ckpt`: what differs (the
+    resume is bit for bit under the same orders)."""
+    from zoff.checkpoint import load_checkpoint
+
+    results = []
+    fresh = _engine(case, True, clip, swap, rank)
+    try:
+        load_checkpoint(fresh, ckpt)
+        for e in (eng, fresh):
+            loss, norm = _step(e, case, case.steps, torch.Generator().manual_seed(case.seed * 13 + rank))
+            results.append({"losses": [loss], "norms": [norm], "files": {},
+                            "tensors": {f"p.{k}": v for k, v in e.gathered_params().items()}})  # fmt: skip
+    finally:
+        fresh.close()
+    return [f"resumed: {d}" for d in differences(*results)]
 
 
 def _final(eng, ckpt: Path) -> dict:
@@ -262,7 +290,7 @@ def _final(eng, ckpt: Path) -> dict:
         for f in sorted(folder.glob("*.safetensors"))
         if not f.name.startswith("rng_")
     }
-    return {"tensors": out, "files": digests}
+    return {"tensors": out, "files": digests, "folder": folder}
 
 
 def clip_of(case: Case, norms: list[float]) -> float:
@@ -280,12 +308,18 @@ def clip_of(case: Case, norms: list[float]) -> float:
     return {"never": NEVER, "always": ALWAYS}[case.clip]
 
 
-def _run(case: Case, spec: bool, clip: float, swap: Path, rank: int, delays: Delays | None) -> dict:
-    eng = _engine(case, spec, clip, swap / f"run{spec}", rank)
+def _run(
+    case: Case, spec: bool, clip: float, swap: Path, rank: int, delays: Delays | None, resume: bool = False
+) -> dict:
+    """One run of the case (`resume`: then one step more against a new engine resumed from its checkpoint)."""
+    tag = f"{spec}{case.overlap}{case.budget}{clip}"
+    eng = _engine(case, spec, clip, swap / f"run{tag}", rank)
     try:
         with delays.installed() if delays is not None else _nothing():
             run = _train(eng, case, rank)
-            run |= _final(eng, swap / f"ckpt{spec}{clip}")
+            run |= _final(eng, swap / f"ckpt{tag}")
+            if resume:
+                run["resume_diffs"] = _resumed(case, eng, run["folder"], clip, swap / f"resumed{tag}", rank)
     finally:
         eng.close()
     return run
@@ -328,15 +362,36 @@ def case_rank(rank: int, world: int, cases: list[Case], swap: str, fault: str | 
 
 
 def _case(case: Case, folder: Path, rank: int) -> dict:
+    """Speculation off, on (then resumed), and the case's twin (speculation off): all the same bits."""
     clip = NEVER if case.clip == "never" else ALWAYS
     if case.clip in ("edge", "below", "alternate"):
         clip = clip_of(case, _run(case, False, NEVER, folder / "probe", rank, None)["norms"])
     off = _run(case, False, clip, folder, rank, Delays(case.seed, case.delay_ms, case.slow_writes_ms))
-    on = _run(case, True, clip, folder, rank, Delays(case.seed + 1, case.delay_ms, case.slow_writes_ms))
+    on = _run(case, True, clip, folder, rank, Delays(case.seed + 1, case.delay_ms, case.slow_writes_ms), True)
+    diffs = differences(off, on) + on["resume_diffs"]
+    twin, what = twin_of(case), None
+    if twin is not None:
+        other = _run(
+            twin, False, clip, folder, rank, Delays(case.seed + 2, case.delay_ms, case.slow_writes_ms)
+        )
+        what = "overlap_step" if twin.overlap != case.overlap else "host budget"
+        diffs += [f"{what} {getattr(twin, 'overlap' if what == 'overlap_step' else 'budget')}: {d}"
+                  for d in differences(off, other)]  # fmt: skip
     committed = sum(c.get("committed", 0) for c in on["commits"])
     speculated = sum(c.get("speculated", 0) for c in on["commits"])
-    return {"seed": case.seed, "diffs": differences(off, on), "committed": committed, "speculated": speculated,
-            "norms": off["norms"]}  # fmt: skip
+    return {"seed": case.seed, "diffs": diffs, "committed": committed, "speculated": speculated,
+            "norms": off["norms"], "twin": what}  # fmt: skip
+
+
+def twin_of(case: Case) -> Case | None:
+    """The case with one thing changed that must not change a bit (drawn from the seed): overlap_step flipped
+    (stage 3 with the optimizer offloaded), or the disk tier's host budget holding every state in RAM."""
+    choices = []
+    if case.stage == 3:
+        choices.append(replace(case, overlap=not case.overlap))
+    if case.opt == "nvme":
+        choices.append(replace(case, budget="64GiB"))
+    return random.Random(case.seed + 3).choice(choices) if choices else None
 
 
 def run_cases(cases: list[int | Case], swap: Path, fault: str | None = None) -> list[dict]:
@@ -349,7 +404,18 @@ def run_cases(cases: list[int | Case], swap: Path, fault: str | None = None) -> 
     reports = []
     for world, group in sorted(by_world.items()):
         reports += _spawned(world, group, swap, fault)
+    _record(reports)
     return reports
+
+
+def _record(reports: list[dict]) -> None:
+    """ZOFF_SCHEDULE_REPORT=FILE: every case's report appended to FILE as a JSON line (the seed, the case, its
+    differences, errors and commit counts), as the cases finish."""
+    path = os.environ.get("ZOFF_SCHEDULE_REPORT")
+    if path:
+        with open(path, "a") as f:
+            for r in reports:
+                f.write(json.dumps(r, default=str) + "\n")
 
 
 def _spawned(world: int, group: list[Case], swap: Path, fault: str | None) -> list[dict]:
@@ -371,7 +437,7 @@ def _spawned(world: int, group: list[Case], swap: Path, fault: str | None) -> li
         reports.append({"seed": case.seed, "case": asdict(case), "diffs": diffs, "errors": errors,
                         "committed": [rep.get("committed", 0) for rep in per_rank],
                         "speculated": [rep.get("speculated", 0) for rep in per_rank],
-                        "norms": per_rank[0].get("norms")})  # fmt: skip
+                        "norms": per_rank[0].get("norms"), "twin": per_rank[0].get("twin")})  # fmt: skip
     return reports
 
 

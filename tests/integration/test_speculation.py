@@ -361,3 +361,33 @@ def test_a_link_planted_at_the_second_slots_file_leaves_its_target_alone(kind: s
     assert eng.speculation.counts["committed_units"] > 0  # (the second slots were really written and used)
     eng.close()
     assert victim.read_bytes() == b"someone else's data\n" * 1000 and victim.stat().st_nlink == 1
+
+
+def _one_rank_fails(rank: int, world: int, swap: str) -> dict:
+    """Speculation off, then forced on with rank 1's worker failing from the second step on."""
+    out = {}
+    for spec in (False, True):
+        eng = _engine(spec, Path(swap) / f"{spec}{rank}", stage=2, opt="cpu", par="none")
+        if spec:
+            _worker_drained_before_the_step(eng)  # (so that the first step surely commits something)
+        if spec and rank == 1:
+            _broken_on_step(eng, 2)
+        run = _train(eng, steps=4, seed=1 + rank)
+        run["params"], run["off_after"] = (
+            eng.gathered_params(),
+            eng.speculation is None and not eng.speculates,
+        )
+        eng.close()
+        out[spec] = run
+    return out
+
+
+def test_a_worker_failing_on_one_rank_turns_speculation_off_on_every_rank(swap: Path) -> None:
+    """The failing rank's peers hear of it in the norm's all-reduce (no wait until the timeout): every rank
+    discards that step's speculation, turns it off, and the step walks: the same bits as never speculating."""
+    for rank_result in spawn(_one_rank_fails, 2, str(swap)):
+        off, on = rank_result[False], rank_result[True]
+        assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
+        assert all(torch.equal(on["params"][k], v) for k, v in off["params"].items())
+        assert on["commits"][0]["committed"] > 0 and on["commits"][1:] == [None, None, None]
+        assert on["off_after"]

@@ -84,21 +84,9 @@ def _rank_local():
 
 
 def _old_step_runs(plan, rank, unused, skipped, step):
-    out = []
-    for unit in plan.units:
-        lo, hi = plan.shard_range(unit.index, rank)
-        runs = []
-        for si in unit.slots:
-            s = plan.slots[si]
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a >= b or si in unused:
-                continue
-            run = (a - lo, b - lo, s.decay, step - skipped[si])
-            if runs and runs[-1][1] == run[0] and runs[-1][2:] == run[2:]:
-                run = (runs.pop()[0], *run[1:])
-            runs.append(run)
-        out.append(runs)
-    return out
+    from zoff.engine.step.optimizer import slot_runs
+
+    return [slot_runs(plan, u.index, rank, unused, skipped, step) for u in plan.units]
 
 
 def _skip_piece():

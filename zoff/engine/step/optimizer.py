@@ -62,9 +62,17 @@ def unit_runs(
 ) -> list[StepRun]:
     """step_runs of one unit: its decay runs (padding included, as `all_runs`) when every parameter of it
     steps at `step`, else run by run over the parameters that step, each at its own Adam step."""
-    u = plan.units[unit]
-    if not any(si in unused or skipped[si] for si in u.slots):
+    if not any(si in unused or skipped[si] for si in plan.units[unit].slots):
         return [(a, b, decay, step) for a, b, decay in plan.decay_runs(unit, rank)]
+    return slot_runs(plan, unit, rank, unused, skipped, step)
+
+
+def slot_runs(
+    plan: PartitionPlan, unit: int, rank: int, unused: set[int], skipped: list[int], step: int
+) -> list[StepRun]:
+    """One unit's runs parameter by parameter (padding left out): those with a gradient somewhere, each at
+    its own Adam step, neighbours of the same decay and step merged."""
+    u = plan.units[unit]
     lo, hi = plan.shard_range(unit, rank)
     runs: list[StepRun] = []
     for si in u.slots:

@@ -442,8 +442,10 @@ def _spawned(world: int, group: list[Case], swap: Path, fault: str | None) -> li
 
 
 def expects_commits(case: Case) -> bool:
-    """Whether the case must commit some unit: the worker drained before each step and some step unclipped."""
-    return case.drain and case.clip in ("never", "edge", "below")
+    """Whether the case must commit some unit: the worker drained before each step, at most one step clipped
+    and one overflowed (of 3 or more), and no unit waits for a parameter no rank gave a gradient (with a
+    parameter unused everywhere or in some steps, a unit holding it may be the model's only one)."""
+    return case.drain and case.clip in ("never", "edge", "below") and case.unused in ("none", "one_rank")
 
 
 def verdict(report: dict) -> str:

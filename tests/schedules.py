@@ -320,6 +320,8 @@ def _run(
             run |= _final(eng, swap / f"ckpt{tag}")
             if resume:
                 run["resume_diffs"] = _resumed(case, eng, run["folder"], clip, swap / f"resumed{tag}", rank)
+            # a worker that failed turns speculation off and the steps walk: the same bits, but not a pass
+            run["failed"] = spec and not eng.speculates
     finally:
         eng.close()
     return run
@@ -368,7 +370,7 @@ def _case(case: Case, folder: Path, rank: int) -> dict:
         clip = clip_of(case, _run(case, False, NEVER, folder / "probe", rank, None)["norms"])
     off = _run(case, False, clip, folder, rank, Delays(case.seed, case.delay_ms, case.slow_writes_ms))
     on = _run(case, True, clip, folder, rank, Delays(case.seed + 1, case.delay_ms, case.slow_writes_ms), True)
-    diffs = differences(off, on) + on["resume_diffs"]
+    diffs = differences(off, on) + on["resume_diffs"] + (["the worker failed"] if on["failed"] else [])
     twin, what = twin_of(case), None
     if twin is not None:
         other = _run(

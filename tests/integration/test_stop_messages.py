@@ -134,3 +134,37 @@ def test_a_signal_landing_inside_a_log_call_is_delivered_again_outside_it(monkey
         assert killed == [True]  # killed once
     finally:
         log.handlers.clear()
+
+
+def test_a_signal_after_the_stop_is_dropped_if_sent_again_and_ends_the_launcher_if_new(monkeypatch):
+    """CI caught a SIGINT that _redeliver sent 50 ms after a second signal landed in a log call: by then the
+    agent had returned, Python's own handler was back, and the exit printed a KeyboardInterrupt traceback from
+    the fork server's atexit. After a stop the late redelivery is dropped, and a new signal ends the launcher
+    at once with 128 + the signal, never a traceback."""
+    import sys
+
+    import zoff.launch.elastic as launch
+
+    exits, said = [], []
+    monkeypatch.setattr(launch, "_redeliver", lambda signum, after_s=0.05: None)  # sent by hand below
+    monkeypatch.setattr(launch, "kill_ranks", lambda: 2)
+    monkeypatch.setattr(launch, "_exit_later", lambda seconds, code: None)
+    monkeypatch.setattr(launch, "_say", said.append)
+    monkeypatch.setattr(launch.os, "_exit", exits.append)
+    before = signal.getsignal(signal.SIGINT)
+    stops = launch.StopSignals(300)
+    with stops:
+        with pytest.raises(launch.SignalException):
+            stops._handle(signal.SIGTERM, sys._getframe())
+        stops.second = signal.SIGINT  # the second signal came inside a log call: its Abort is sent again
+        stops._redeliver(signal.SIGINT)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the redelivery, landing after the agent returned
+        time.sleep(0.05)
+        assert exits == [], said
+        os.kill(os.getpid(), signal.SIGINT)  # the user's next Ctrl-C
+        time.sleep(0.05)
+        assert exits == [130] and said[-1] == "zoff: SIGINT again: exiting now", said
+    finally:
+        signal.signal(signal.SIGINT, before)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

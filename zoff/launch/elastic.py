@@ -244,6 +244,7 @@ class StopSignals:
         self.first: int | None = None
         self.second: int | None = None
         self._previous: dict[int, object] = {}
+        self._redelivering = 0  # signals sent again by _redeliver and not yet handled
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # else torch's handlers stay in charge
@@ -252,16 +253,34 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        # After a stop, the previous handler (Python's KeyboardInterrupt) would turn a signal still on its
+        # way - one _redeliver sent, or the user's next Ctrl-C - into a traceback from wherever the exit
+        # has got to (CI caught one in the fork server's atexit). The ranks are gone by now: a redelivered
+        # signal is dropped, a new one ends the launcher at once.
+        late = self._late if self.first is not None or self._redelivering else None
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, late or handler)
+
+    def _late(self, signum: int, frame) -> None:
+        if self._redelivering:
+            self._redelivering -= 1
+            return
+        _say(f"zoff: {signal.Signals(signum).name} again: exiting now")
+        os._exit(128 + signum)
+
+    def _redeliver(self, signum: int) -> None:
+        self._redelivering += 1
+        _redeliver(signum)
 
     def _handle(self, signum: int, frame) -> None:
         sig = signal.Signals(signum)
+        if self._redelivering:  # this one or the user's, in the same 50 ms: handled alike
+            self._redelivering -= 1
         # An exception raised while the agent is inside logging is caught by logging itself, which prints a
         # traceback and goes on as if no signal came: a first signal would be lost (no checkpoint, the run
         # goes on). Deliver it again a moment later, outside the log call.
         if _inside_logging(frame) and (self.first is None or self.second is not None):
-            _redeliver(signum)
+            self._redeliver(signum)
             return
         # os.write, not print: the main thread may be inside a write to sys.stderr, which is not reentrant.
         if self.first is None:
@@ -279,7 +298,7 @@ class StopSignals:
             # to wait for: leave anyway.
             _exit_later(10.0, 128 + signum)
             if _inside_logging(frame):  # the ranks are dead already; Abort again once out of the log call
-                _redeliver(signum)
+                self._redeliver(signum)
                 return
         raise Abort(f"Process {os.getpid()} got a second signal: {sig}", sigval=sig)
 

@@ -311,7 +311,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         for h in handles:
             h.wait()
         if self.param_disk is not None:
-            self.param_disk.flush(self.param_disk.slot)  # the next forward reads the shards written back
+            self.param_disk.flush(live_only=True)  # the next forward reads the shards written back
             self.param_disk.trim()  # the write-backs' kept buffers: not held through the next forward
         # (last: a wait above that raises leaves the step unpublished, and a later flush() publishes it)
         self.publication.stepped(delayed)  # True: a delayed (DPU) update runs on, published next step

@@ -95,7 +95,10 @@ class SwappedShards:
         self.file = SwapFile(
             swap_dir / f"rank{rank}" / name, max(first if lazy_slots else end, ALIGN), threads, request_bytes
         )
-        self.writes: deque[tuple[AlignedBuffer, list[Future], int]] = deque()  # (buffer, I/O, slot)
+        # (buffer, I/O, whether it writes a region gathers read): a gather waits for those alone, not for the
+        # delayed step's or speculation's writes into the other regions. Recorded at the write, as the live
+        # regions are then: flip() and flip_units() flush every write before they change which is live.
+        self.writes: deque[tuple[AlignedBuffer, list[Future], bool]] = deque()
         # the overlapped step writes back from its walk thread while gathers read here: one queue, locked
         self._lock = threading.Lock()
         self._spare: dict[int, list[AlignedBuffer]] = {}  # nbytes -> released buffers (module docstring)
@@ -197,7 +200,7 @@ class SwappedShards:
         held = self._held_read(u) if self.held else None
         if held is not None:
             return held
-        self.flush(self.slot)  # (not the delayed step's writes: they go to the other slot)
+        self.flush(live_only=True)  # (not the delayed step's writes: they go to the other slot)
         n = self.numels[u]
         buf = self._take(n * self.dtype.itemsize)  # the read fills it whole: the region's padding is zeros
         return ShardRead(self, buf, self.file.read(buf.bytes, self.slots[self.live(u)][u]), n, self.dtype)
@@ -209,7 +212,7 @@ class SwappedShards:
     def write_second(self, u: int, lo: int, src: torch.Tensor) -> None:
         """A speculative piece of unit u's new shard into the region gathers do not read (backward's gathers
         of other units go on meanwhile); flip_units makes it the live one. Never held for a gather."""
-        self.write(u, lo, src, slot=self.live(u) ^ 1, hold=False, tag="second")
+        self.write(u, lo, src, slot=self.live(u) ^ 1, hold=False)
 
     def allocate_second(self) -> None:
         """Claim the second regions' space (the first speculated step; OSError naming the file when the disk
@@ -224,9 +227,7 @@ class SwappedShards:
     def load(self, u: int) -> torch.Tensor:
         return self.read(u).wait()
 
-    def write(
-        self, u: int, lo: int, src: torch.Tensor, slot: int | None = None, hold: bool = True, tag=None
-    ) -> None:
+    def write(self, u: int, lo: int, src: torch.Tensor, slot: int | None = None, hold: bool = True) -> None:
         """Unit u's elements [lo, lo + len(src)) from `src` (any float dtype), asynchronously, into `slot`
         (None: the one gathers read; the delayed step writes the other).
 
@@ -243,7 +244,7 @@ class SwappedShards:
         buf.bytes[n * size :].zero_()  # its tail lands in the region's own padding: zeros, as in a fresh map
         buf.view(self.dtype, 0, n).copy_(src.reshape(-1))
         with self._lock:
-            self.writes.append((buf, self.file.write(buf.bytes, start), slot if tag is None else tag))
+            self.writes.append((buf, self.file.write(buf.bytes, start), slot == self.live(u)))
             if self.hold_units and hold:
                 if u not in self.held and len(self.held) >= self.hold_units:
                     oldest = next(iter(self.held))  # not read by now: its gather reads the disk
@@ -255,10 +256,12 @@ class SwappedShards:
             ]
         self._wait_and_settle(excess)
 
-    def flush(self, slot: int | None = None) -> None:
-        """Wait for every write-back (before a read, and at the end of a step), or only those into `slot`."""
+    def flush(self, live_only: bool = False) -> None:
+        """Wait for every write-back, or (before a read, and at the end of a step) those into the regions
+        gathers read: a unit's live region is slot 1 where speculation flipped it, whatever `self.slot` is
+        (the harness's seeds 1148, 1345 and 1430 read such a unit before its walk's write-back landed)."""
         with self._lock:
-            pending = [f for _, futures, into in self.writes if slot is None or into == slot for f in futures]
+            pending = [f for _, futures, live in self.writes if live or not live_only for f in futures]
         self._wait_and_settle(pending)
 
     def _wait_and_settle(self, futures: list[Future]) -> None:

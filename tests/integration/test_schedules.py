@@ -44,7 +44,7 @@ def _check(reports: list[dict]) -> None:
     assert not failed, "cases that differ (rerun one: ZOFF_SCHEDULE_SEEDS=<seed> python -m pytest -q -m " \
         "schedules tests/integration/test_schedules.py):\n" + "\n".join(failed)  # fmt: skip
     for r in reports:
-        if expects_commits(Case(**{**r["case"], "widths": tuple(r["case"]["widths"])})):
+        if expects_commits(Case(**{**r["case"], "widths": tuple(r["case"]["widths"])}), r["norms"]):
             assert min(r["committed"]) > 0, f"seed {r['seed']}: nothing committed ({r['case']})"
 
 

@@ -301,7 +301,8 @@ def _worker_drained_before_the_step(eng) -> None:
 
     def stop_when_drained(*args, **kwargs):
         deadline = time.monotonic() + 60
-        while spec.active and not spec.queue.empty() and time.monotonic() < deadline:
+        # (a worker that failed is gone, its queue never empties: no wait for it)
+        while spec.active and spec.thread.is_alive() and not spec.queue.empty() and time.monotonic() < deadline:
             time.sleep(0.005)
         return stop(*args, **kwargs)
 

@@ -302,7 +302,9 @@ def _worker_drained_before_the_step(eng) -> None:
     def stop_when_drained(*args, **kwargs):
         deadline = time.monotonic() + 60
         # (a worker that failed is gone, its queue never empties: no wait for it)
-        while spec.active and spec.thread.is_alive() and not spec.queue.empty() and time.monotonic() < deadline:
+        while (
+            spec.active and spec.thread.is_alive() and not spec.queue.empty() and time.monotonic() < deadline
+        ):
             time.sleep(0.005)
         return stop(*args, **kwargs)
 

@@ -105,6 +105,7 @@ def train(
     while True:
         try:
             launch(cfg, out, resume)
+            _stopped_for_nonfinite(out, ckpt_dir, before)
             return
         except WorkerFailed as e:
             again = regather.restart_config(cfg, out)
@@ -127,6 +128,23 @@ def train(
                 file=sys.stderr,
             )
             raise typer.Exit(e.exit_code) from None
+
+
+def _stopped_for_nonfinite(out: Path, ckpt_dir: Path, before) -> None:
+    """Where the ranks ended the run for train.max_nonfinite_steps (trainer/nonfinite.py): why, the checkpoint
+    on disk (every one holds finite values: no skipped step was applied) and the command that resumes; exit 1."""
+    from zoff.trainer.nonfinite import recorded_stop
+
+    stop = recorded_stop(out)
+    if stop is None:
+        return
+    print(
+        f"zoff: stopped at step {stop.get('step')}: {stop['reason']}\n"
+        + run_end.failure_line(ckpt_dir, before)
+        + f"\n  {run_end.resume_command(out)}",
+        file=sys.stderr,
+    )
+    raise typer.Exit(1)
 
 
 @app.command(

@@ -231,6 +231,10 @@ class TrainConfig:
     # sequences per step over all ranks: when set, grad_accum is derived from it and the world size
     global_batch_size: int | None = field(default=None, metadata=_rng(1, 1 << 20))
     grad_clip: float = field(default=1.0, metadata=_rng(0.0))  # 0 disables clipping
+    # A step whose loss or gradients are non-finite on any rank is skipped on every rank (nothing of it is
+    # applied) and said in one line; this many in a row stop the run (exit 1), naming the last checkpoint.
+    # fp16's overflows (its loss scale comes down) are skipped and counted alike but never stop it.
+    max_nonfinite_steps: int = field(default=5, metadata=_rng(1, 1 << 20))
     # bf16/fp16: compute in that dtype over an fp32 master; fp16 scales the loss dynamically
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # what a rank that computes on the CPU does where this host has no fast matmul kernel for a 16-bit

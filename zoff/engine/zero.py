@@ -50,7 +50,11 @@ from zoff.engine.step.tiers import DeviceTier, HostTier
 @dataclass(frozen=True)
 class StepResult:
     grad_norm: float
-    stepped: bool  # False when fp16 overflowed and the step was skipped
+    stepped: bool  # False when a loss or a gradient was non-finite on some rank: the step was skipped
+    # the ranks whose loss (any micro-batch's) was non-finite, from the step's all-reduce; where every loss was
+    # finite, those whose gradient shard was (a NaN reaches every shard it is reduced into): `nonfinite` says
+    nonfinite_ranks: tuple[int, ...] = ()
+    nonfinite: str = ""  # "loss", "gradient", or "" (the step was finite)
 
 
 class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
@@ -130,6 +134,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             zero.offload_optimizer, self.device, self.optimizer.tier.kind
         )
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
+        self._loss_ok: torch.Tensor | None = None  # every micro-batch's loss of the window finite (on device)
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
         self.last_flush_s = 0.0
@@ -232,6 +237,9 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         if sync and not self.optimizer.running and not speculating:
             self.optimizer.states.prefetch()  # the disk tier reads the step's first pieces while backward computes
         at_start = self._disk_bytes_now() if sync else None
+        # read at the step (one wait for the device a step, not one a micro-batch)
+        ok = torch.isfinite(loss.detach()).all()
+        self._loss_ok = ok if self._loss_ok is None else self._loss_ok & ok
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         except BaseException:
@@ -274,11 +282,14 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         # Unscale with the scale these gradients were computed with; it may grow only afterwards (GradScaler).
         coef = base = 1.0 / self.scaler.scale
         total_sq, bad, unused, flags = self._global_norm_sq(self._speculation_flags(lr, base))
-        if bad > 0 and self.scaler.enabled:
+        if bad:  # never applied, at any precision (fp16's scaler also scales down); every rank alike
             self._commit_speculation(False, unused, flags)  # (a failed worker is heard all the same)
             self._discard_speculation(overflowed=True)
-            self.scaler.update(overflow=True)
-            return self._end_step(StepResult(float("inf"), stepped=False), times=None)
+            if self.scaler.enabled:
+                self.scaler.update(overflow=True)
+            norm = math.sqrt(total_sq) / self.scaler.scale  # inf or nan: what the records show
+            skipped = StepResult(norm, stepped=False, nonfinite_ranks=bad[1], nonfinite=bad[0])
+            return self._end_step(skipped, times=None)
         norm = math.sqrt(total_sq) / self.scaler.scale
         self.scaler.update(overflow=False)
         factor = clip_factor(norm, self.grad_clip)
@@ -286,7 +297,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             coef *= factor
         runs = self._step_runs(unused)
         # speculation: commit only where the factor is exactly 1 (NaN fails it) and nothing overflowed
-        committed = self._commit_speculation(may_commit(factor, bad > 0), unused, flags)
+        committed = self._commit_speculation(may_commit(factor, False), unused, flags)
         # the tier converts what its kernel needs (the CPU kernel reads 16-bit directly)
         delayed = self.overlap is None and self.optimizer.next_step_delayed
         grads = RescaledGrads(self.grads.for_step(delayed), coef, fused=self.optimizer.fuses_grad_scale)
@@ -330,23 +341,34 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         self.last_step_comm = dict(self.comm.stats.elements)
         return result
 
-    def _global_norm_sq(self, extra: list[float]) -> tuple[float, float, list[int], list[float]]:
-        """(the global squared gradient norm, overflow flags, slots no rank gave a gradient, the sums of `extra`)
-        in one all-reduce (`extra`: the speculation's per-unit flags, speculation.py).
+    def _global_norm_sq(self, extra: list[float]) -> tuple[float, tuple | None, list[int], list[float]]:
+        """(the global squared gradient norm, what was non-finite where (None: nothing), slots no rank gave a
+        gradient, the sums of `extra`) in one all-reduce (`extra`: the speculation's per-unit flags,
+        speculation.py). Each rank's flags (its loss, its gradient shards) sit in its own slots, so every rank
+        names the same ranks.
 
         Each unit's norm was folded in as its shard landed (grad_store.py): no second pass over the shards."""
-        local_sq, local_bad = 0.0, 0.0
+        world, rank = self.comm.world, self.comm.rank
+        local_sq, bad = 0.0, [0.0] * (2 * world)  # (losses, then gradient shards)
         for sq in self.grads.norms_sq():
             local_sq += sq
-            local_bad += 0.0 if math.isfinite(sq) else 1.0
+            if not math.isfinite(sq):
+                bad[world + rank] = 1.0
+        loss_ok, self._loss_ok = self._loss_ok, None
+        if loss_ok is not None and not bool(loss_ok):
+            bad[rank] = 1.0
         used = [1.0 if x else 0.0 for x in self.reducer.used]
-        scalars = [local_sq, local_bad, *used, *extra]
-        if self.comm.world > 1:
+        scalars = [local_sq, *bad, *used, *extra]
+        if world > 1:
             scalars = self.comm.sum_scalars(scalars)
         # stage 0's gradients are already all-reduced: every rank holds the whole squared norm
         total_sq = local_sq if self.policy.all_reduces else scalars[0]
-        flags, sums = scalars[2 : 2 + len(used)], scalars[2 + len(used) :]
-        return total_sq, scalars[1], [slot for slot, n in enumerate(flags) if n == 0], sums
+        w = 1 + 2 * world
+        losses = tuple(r for r, x in enumerate(scalars[1 : 1 + world]) if x != 0)
+        grads = tuple(r for r, x in enumerate(scalars[1 + world : w]) if x != 0)
+        bad_at = ("loss", losses) if losses else ("gradient", grads) if grads else None
+        flags, sums = scalars[w : w + len(used)], scalars[w + len(used) :]
+        return total_sq, bad_at, [slot for slot, n in enumerate(flags) if n == 0], sums
 
     def _step_runs(self, unused: list[int]) -> list | None:
         """What this step updates (None: every parameter at this step's count); see optimizer.step_runs."""
@@ -377,6 +399,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         """Start an accumulation window: full-gradient buffers (stages 0-1 without offload) are zeroed,
         gradient shards are overwritten next time."""
         self._discard_speculation()  # (only if a backward's speculation found no step)
+        self._loss_ok = None  # (a window whose backward raised never reached its step)
         for g in self.gfull:
             g.zero_()
         for p in self._params:

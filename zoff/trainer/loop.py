@@ -10,6 +10,7 @@ from zoff.data import GlobalBatches
 from zoff.engine import Comm, ZeroEngine
 from zoff.trainer.loss import forward_loss
 from zoff.trainer.metrics import peak_rss_slots
+from zoff.trainer.nonfinite import note_stop
 from zoff.trainer.schedule import lr_at
 from zoff.trainer.session import Session
 
@@ -50,6 +51,10 @@ def train_loop(s: Session) -> list[float]:
         dt = time.perf_counter() - t0
         done = step + 1
         losses.append(mean_loss)
+        # every rank decides alike: the step's result comes from the engine's all-reduce
+        skipped = s.nonfinite.after(done, result) if s.nonfinite else None
+        if skipped and comm.rank == 0:
+            print(skipped, flush=True)
         if s.writer is not None:
             times = {"forward_s": forward_s, "backward_s": backward_s}
             if s.sequence.size > 1:  # rank 0's host seconds in the exchanges (waits too; a GPU's: launches)
@@ -61,7 +66,8 @@ def train_loop(s: Session) -> list[float]:
             if batch.loss_divisor is not None:  # fine-tuning: tokens_per_s counts padding and prompts too
                 trained = round(batch.loss_divisor * comm.world)  # the global batch's trained tokens
                 record |= {"trained_tokens": trained, "trained_tokens_per_s": trained / dt}
-            s.writer.step(record, write=done % train.log_every == 0 or done == train.max_steps or done == 1)
+            last = done % train.log_every == 0 or done == train.max_steps or done == 1
+            s.writer.step(record, write=last or skipped is not None)
         if done == train.max_steps:
             # a delayed (DPU) update still in flight lands before the final eval and save; after the step's
             # record, which (as every step's) holds the step alone, not the wait for its background update
@@ -79,7 +85,20 @@ def train_loop(s: Session) -> list[float]:
             if s.writer is not None:
                 s.writer.event("preempted", done)
             break
+        if s.nonfinite is not None and s.nonfinite.must_stop():
+            _stop_nonfinite(s, done)
+            break
     return losses
+
+
+def _stop_nonfinite(s: Session, done: int) -> None:
+    """train.max_nonfinite_steps skipped in a row: the run ends here (the launcher says why, exit 1). Nothing of
+    those steps was applied, so every checkpoint on disk holds finite values; none is written for this end."""
+    engine, reason = s.engine, s.nonfinite.stop_reason()
+    engine.flush()
+    if s.writer is not None:
+        s.writer.event("nonfinite_stop", done, reason=reason)
+        note_stop(s.writer.path.parent, done, reason)
 
 
 def _step_record(
@@ -94,6 +113,11 @@ def _step_record(
         "tokens_per_s": s.batches.global_batch * s.batches.seq_len / dt,  # every token of the global batch
         "step_time_s": dt,
         "skipped": not result.stepped,
+        **(
+            {"nonfinite": result.nonfinite, "nonfinite_ranks": list(result.nonfinite_ranks)}
+            if result.nonfinite
+            else {}
+        ),
         **times,  # forward and backward: the overlapped step's walk is inside the forward (it waits per block)
         "peak_rss_mib": max(peaks),
         "peak_rss_rank": peaks.index(max(peaks)),

@@ -27,6 +27,7 @@ from zoff.models.upcast import upcast_compute
 from zoff.trainer.activation_offload import ActivationOffload
 from zoff.trainer.compile import CompiledBlocks, compile_blocks
 from zoff.trainer.metrics import MetricsWriter
+from zoff.trainer.nonfinite import NonFinite
 from zoff.trainer.preempt import StopRequest
 
 
@@ -48,6 +49,8 @@ class Session:
     upcast: bool = False  # train.cpu_precision=upcast: fp32 compute over the 16-bit states (models/upcast.py)
     # train.sequence_parallel: the ranks this one shares its sequences with, and what their exchanges cost
     sequence: SequenceGroup = dataclasses.field(default_factory=lambda: SequenceGroup(1, 0))
+    # the steps skipped for a non-finite loss or gradient, and when they stop the run (None: they never do)
+    nonfinite: NonFinite | None = None
     writer: MetricsWriter | None = None  # rank 0's metrics (None on the other ranks)
     ckpt: Checkpointer | None = None
     start_step: int = 0  # steps already done (a resumed run's)
@@ -125,6 +128,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         precision_note,
         upcast=upcast,
         sequence=sequence,
+        nonfinite=NonFinite(cfg.train.max_nonfinite_steps, fp16=cfg.train.precision == "fp16"),
     )
 
 

@@ -143,3 +143,34 @@ def test_hugging_face_layers_run_through_the_offloading_checkpoint(llama) -> Non
         if off:
             assert offload.peak_stored_bytes == 2 * 2 * 32 * 32 * 4  # 2 layers x (batch x seq x hidden) fp32
     assert got[True][0] == got[False][0] and torch.equal(got[True][1], got[False][1])
+
+
+def test_a_forward_that_raised_gives_its_host_copies_back() -> None:
+    """At 51a0203 a forward that raised left its handles listed and their host buffers held: the list grew by
+    each such forward's blocks (7, 11, 15, ...). A handle now lives with its graph: once the raised forward's
+    graph is gone, its copies are back in the pool, and the next forward starts a fresh list."""
+    torch.manual_seed(0)
+    model = GPT(4, 2, 32, 256, 16)
+    offload = ActivationOffload(torch.device("cpu"))
+    enable_activation_checkpointing(model, offload.checkpoint)
+    x, y = torch.randint(256, (2, 2, 16))
+    last, failing = model.blocks[-1], [False]
+    forward = last.forward
+
+    def fails_when_asked(*args, **kwargs):
+        if failing[0]:
+            raise RuntimeError("a bad batch")
+        return forward(*args, **kwargs)
+
+    last.forward = fails_when_asked
+    for _ in range(4):
+        failing[0] = True
+        with pytest.raises(RuntimeError, match="a bad batch"):
+            model(x)
+        assert offload.stored_bytes == 0 and offload.saved == []  # the 3 blocks before it: given back
+        failing[0] = False
+        out = model(x)
+        assert len(offload.saved) == 4
+        lm_loss(out, y).backward()
+        assert offload.stored_bytes == 0
+    assert offload.pool.held_bytes == offload.peak_stored_bytes  # one forward's buffers, reused

@@ -21,6 +21,7 @@ it here; the memory simply moves from one host tensor to another.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,15 +35,22 @@ class HostSaved:
     """One block input: the device tensor until its host copy is issued, then the host copy."""
 
     def __init__(self, offload: ActivationOffload, x: torch.Tensor):
-        self.offload, self.index = offload, len(offload.saved)
-        offload.saved.append(self)  # (now: the next input of the same call gets the next index)
+        self.offload, self.index = offload, len(offload.refs)
+        offload.refs.append(weakref.ref(self))  # (now: the next input of the same call gets the next index)
+        # The host copy lives in a box the finalizer shares: a handle whose graph is dropped before its backward
+        # ran (a forward that raised, a loss never backpropagated) gives its buffer back when it dies.
+        self._box: list[torch.Tensor | None] = [None]
+        weakref.finalize(self, offload.release, self._box)
         self.device_x: torch.Tensor | None = x
         # a block that changes its own input in place would recompute from the changed values
         self.version = x._version
         self.shape, self.dtype, self.device, self.requires_grad = x.shape, x.dtype, x.device, x.requires_grad
-        self.host: torch.Tensor | None = None
         self.fetched: torch.Tensor | None = None
         self.event = offload.new_event()
+
+    @property
+    def host(self) -> torch.Tensor | None:
+        return self._box[0]
 
     def store(self) -> None:
         """Copy to the host on the side stream; the device tensor is the allocator's again once the copy ran."""
@@ -54,7 +62,7 @@ class HostSaved:
                 "so its recompute would start from the changed values; make the op out of place or set "
                 "train.activation_offload: false"
             )
-        self.host = off.pool.take(x.numel(), x.dtype)
+        self._box[0] = off.pool.take(x.numel(), x.dtype)
         with off.on_side():
             self.host.copy_(x.reshape(-1), non_blocking=off.cuda)
             self.event.record(off.stream)
@@ -82,16 +90,15 @@ class HostSaved:
             return self.device_x
         off = self.offload
         self.prefetch()
-        if self.index > 0:  # the block before this one recomputes next: start its copy now
-            off.saved[self.index - 1].prefetch()
+        before = off.refs[self.index - 1]() if self.index > 0 else None
+        if before is not None:  # the block before this one recomputes next: start its copy now
+            before.prefetch()
         if off.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.event)
             self.fetched.record_stream(torch.cuda.current_stream(self.device))
         x, self.fetched = self.fetched, None
         self.event.synchronize()  # (the host buffer is read: it can serve another input)
-        off.pool.give(self.host)
-        off.stored_bytes -= self.host.numel() * self.host.element_size()
-        self.host = None
+        off.release(self._box)
         return x.detach().requires_grad_(self.requires_grad)
 
 
@@ -102,8 +109,27 @@ class ActivationOffload:
         self.cuda = device.type == "cuda"
         self.pool = BufferPool(torch.device("cpu"), pin=self.cuda)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.saved: list[HostSaved] = []
+        self.refs: list[weakref.ref] = []  # this forward's handles, in order (a handle lives with its graph)
         self.stored_bytes = self.peak_stored_bytes = 0
+
+    @property
+    def saved(self) -> list[HostSaved]:
+        """The live handles of this forward, in order."""
+        return [h for h in (r() for r in self.refs) if h is not None]
+
+    def drop(self) -> None:
+        """Forget this forward: every handle's host copy back to the pool, the next call a new forward."""
+        for h in self.saved:
+            h.device_x = None
+            self.release(h._box)
+        self.refs = []
+
+    def release(self, box: list) -> None:
+        """A handle's host copy is no longer needed (fetched, or its handle is gone): back to the pool."""
+        host, box[0] = box[0], None
+        if host is not None:
+            self.pool.give(host)
+            self.stored_bytes -= host.numel() * host.element_size()
 
     def new_event(self):
         return torch.cuda.Event() if self.cuda else NullEvent()
@@ -118,7 +144,9 @@ class ActivationOffload:
         """torch.utils.checkpoint.checkpoint(fn, *args, **kwargs) (non-reentrant), its block inputs offloaded."""
         kwargs.pop("use_reentrant", None)
         if all(h.host is None and h.device_x is None for h in self.saved):
-            self.saved = []  # every input of the last forward was consumed by its backward: a new forward
+            # every input of the last forward was consumed by its backward, or dropped with its graph (a
+            # forward that raised): a new forward. (The list grew by each raised forward's handles.)
+            self.refs = []
         handles = [
             HostSaved(self, a)
             if isinstance(a, torch.Tensor) and a.requires_grad and a.is_floating_point()
@@ -134,7 +162,13 @@ class ActivationOffload:
         def run(_anchor, *inputs, **kw):
             return fn(*(a.get() if isinstance(a, HostSaved) else a for a in inputs), **kw)
 
-        out = checkpoint(run, anchor, *handles, use_reentrant=False, **kwargs)
+        try:
+            out = checkpoint(run, anchor, *handles, use_reentrant=False, **kwargs)
+        except BaseException:
+            # This forward has no backward now. torch's checkpoint keeps the raising call's frame, and with it
+            # the blocks' handles before it, alive after the error is handled: give their copies back here.
+            self.drop()
+            raise
         for h in handles:
             if isinstance(h, HostSaved):
                 h.store()

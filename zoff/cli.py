@@ -104,8 +104,7 @@ def train(
     before = latest_on_disk(ckpt_dir)  # what a stop or failure is compared with: saved by this run or not
     while True:
         try:
-            launch(cfg, out, resume)
-            _stopped_for_nonfinite(out, ckpt_dir, before)
+            _launch_once(launch, cfg, out, resume, ckpt_dir, before)
             return
         except WorkerFailed as e:
             again = regather.restart_config(cfg, out)
@@ -128,6 +127,15 @@ def train(
                 file=sys.stderr,
             )
             raise typer.Exit(e.exit_code) from None
+
+
+def _launch_once(launch, cfg, out: Path, resume: str | None, ckpt_dir: Path, before) -> None:
+    """One launch of the ranks; where they ended the run for non-finite steps, say so and exit 1."""
+    from zoff.trainer.nonfinite import clear_stop
+
+    clear_stop(out)  # (a record an earlier launch left, one that then failed or was stopped, is not ours)
+    launch(cfg, out, resume)
+    _stopped_for_nonfinite(out, ckpt_dir, before)
 
 
 def _stopped_for_nonfinite(out: Path, ckpt_dir: Path, before) -> None:

@@ -97,20 +97,29 @@ def test_a_nan_step_on_one_rank_is_skipped_on_both_and_the_run_goes_on(tmp_path:
         assert _finite_checkpoint(run / "checkpoints" / f"step_{step:08d}")
 
 
-def test_a_run_that_only_skips_stops_naming_the_last_checkpoint(tmp_path: Path) -> None:
-    p = _train(tmp_path, (0, 5, 10**9), "train.max_steps=40", "train.max_nonfinite_steps=3")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_run_that_only_skips_stops_naming_the_last_checkpoint(tmp_path: Path, precision: str) -> None:
+    """fp16 too: a non-finite loss is no overflow that a lower loss scale could cure."""
+    p = _train(
+        tmp_path,
+        (0, 5, 10**9),
+        "train.max_steps=40",
+        "train.max_nonfinite_steps=3",
+        f"train.precision={precision}",
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     run = tmp_path / "run"
-    # steps 5, 6 and 7 skipped; step 6's checkpoint holds step 4's values (nothing of 5 and 6 applied)
-    assert checkpoint_steps(run / "checkpoints") == [4, 6]
-    assert all(_finite_checkpoint(run / "checkpoints" / f"step_{s:08d}") for s in (4, 6))
+    # steps 5, 6 and 7 skipped; step 6's periodic save waited out the streak (it would have held step 4's
+    # values under step 6's name, and pushed step 2's out)
+    assert checkpoint_steps(run / "checkpoints") == [2, 4]
+    assert all(_finite_checkpoint(run / "checkpoints" / f"step_{s:08d}") for s in (2, 4))
     err = p.stderr.strip().splitlines()
     assert err[-3] == (
         "zoff: stopped at step 7: 3 steps in a row (5-7) had a non-finite loss or gradient "
         "(train.max_nonfinite_steps = 3); none of them was applied"
     ), p.stderr
     assert err[-2].startswith(
-        f"zoff: the last complete checkpoint is step 6 ({run / 'checkpoints' / 'step_00000006'}, saved by this run)"
+        f"zoff: the last complete checkpoint is step 4 ({run / 'checkpoints' / 'step_00000004'}, saved by this run)"
     ), p.stderr
     assert err[-1].strip().endswith(f"--run-dir {run} --resume auto"), p.stderr
     assert "Traceback" not in p.stderr

@@ -92,6 +92,13 @@ def test_a_gather_does_not_wait_for_a_speculative_write(tmp_path: Path, monkeypa
     gate = Gate(monkeypatch)
     sw.write_second(0, 0, torch.full((PAGE,), 4.0))  # into slot 0, now the dead one: held at the gate
     assert gate.waiting.acquire(timeout=30)
-    assert torch.equal(sw.load(0), committed.to(torch.bfloat16))  # read at once, the live shard
+    got: list[torch.Tensor] = []
+    reader = threading.Thread(target=lambda: got.append(sw.load(0)))
+    reader.start()
+    reader.join(timeout=10)
+    done = not reader.is_alive()
     gate.open()
+    reader.join(timeout=30)
+    assert done, "the gather waited for a write into the region it does not read"
+    assert torch.equal(got[0], committed.to(torch.bfloat16))  # the live shard
     sw.close()

@@ -10,7 +10,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class LossScaler:
     """fp16 dynamic loss scale: halve on overflow (the step is skipped), double after `growth_interval` clean steps.
 
-    bf16 and fp32 use scale 1 and never skip: their exponent range does not overflow where fp16's does.
+    bf16 and fp32 use scale 1 and never scale: their exponent range does not overflow where fp16's does (a
+    non-finite step is still skipped at every precision, zero.py's step; this counts fp16's alone).
     """
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000):

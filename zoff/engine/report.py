@@ -137,7 +137,7 @@ class EngineReports:
             "peak_bucket_bytes": self.reducer.peak_bucket_bytes,
             "grad_reduction": self.reducer.mode,
             "late_corrections": self.reducer.corrections,  # reductions repeated for late gradients, all steps
-            "skipped_steps": self.scaler.skipped,
+            "skipped_steps": self.nonfinite_steps,  # (fp16's overflows too; the scaler's own count is in its state)
             "params": self.plan.numel,
             # stage 3: gathered once per step (forward through backward), not once for each
             "root_params": sum(u.numel for u in self.plan.units if u.modules == ("",) and not u.persistent),

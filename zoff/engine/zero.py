@@ -55,6 +55,7 @@ class StepResult:
     # finite, those whose gradient shard was (a NaN reaches every shard it is reduced into): `nonfinite` says
     nonfinite_ranks: tuple[int, ...] = ()
     nonfinite: str = ""  # "loss", "gradient", or "" (the step was finite)
+    scale_lowered: bool = False  # fp16: the overflow brought the loss scale down (it may cure the next step)
 
 
 class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
@@ -134,6 +135,7 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             zero.offload_optimizer, self.device, self.optimizer.tier.kind
         )
         self.skipped_steps = [0] * len(self.plan.slots)  # steps each parameter had no gradient anywhere
+        self.nonfinite_steps = 0  # steps skipped (any precision) by this engine
         self._loss_ok: torch.Tensor | None = None  # every micro-batch's loss of the window finite (on device)
         self.last_step_comm: dict[str, int] = {}
         self.last_step_times: dict[str, float] = {}
@@ -285,11 +287,17 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
         if bad:  # never applied, at any precision (fp16's scaler also scales down); every rank alike
             self._commit_speculation(False, unused, flags)  # (a failed worker is heard all the same)
             self._discard_speculation(overflowed=True)
+            what, ranks = bad
+            # fp16's overflow, which a lower scale may cure: the scale could still come down (it stops at 1)
+            lowered = self.scaler.enabled and what == "gradient" and self.scaler.scale > 1.0
+            # inf where a gradient was (+inf and -inf shards sum to nan): as the records always showed
+            finite = what == "loss" and math.isfinite(total_sq)  # (a non-finite loss over finite gradients)
+            norm = math.sqrt(total_sq) / self.scaler.scale if finite else math.inf
             if self.scaler.enabled:
                 self.scaler.update(overflow=True)
-            norm = math.sqrt(total_sq) / self.scaler.scale  # inf or nan: what the records show
-            skipped = StepResult(norm, stepped=False, nonfinite_ranks=bad[1], nonfinite=bad[0])
-            return self._end_step(skipped, times=None)
+            self.nonfinite_steps += 1
+            skipped = StepResult(norm, False, ranks, what, scale_lowered=lowered)
+            return self._end_step(skipped, times={"optimizer_s": 0.0, "publish_s": 0.0})
         norm = math.sqrt(total_sq) / self.scaler.scale
         self.scaler.update(overflow=False)
         factor = clip_factor(norm, self.grad_clip)

@@ -21,6 +21,7 @@ it here; the memory simply moves from one host tensor to another.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -69,8 +70,9 @@ class HostSaved:
         if off.cuda:
             x.record_stream(off.stream)  # (the caching allocator reuses its memory only after the copy)
         self.device_x = None
-        off.stored_bytes += x.numel() * x.element_size()
-        off.peak_stored_bytes = max(off.peak_stored_bytes, off.stored_bytes)
+        with off._lock:
+            off.stored_bytes += x.numel() * x.element_size()
+            off.peak_stored_bytes = max(off.peak_stored_bytes, off.stored_bytes)
 
     def prefetch(self) -> None:
         """Issue the copy back to the device on the side stream (after the copy out has finished)."""
@@ -111,6 +113,7 @@ class ActivationOffload:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.refs: list[weakref.ref] = []  # this forward's handles, in order (a handle lives with its graph)
         self.stored_bytes = self.peak_stored_bytes = 0
+        self._lock = threading.Lock()  # a finalizer may run on autograd's thread
 
     @property
     def saved(self) -> list[HostSaved]:
@@ -126,10 +129,12 @@ class ActivationOffload:
 
     def release(self, box: list) -> None:
         """A handle's host copy is no longer needed (fetched, or its handle is gone): back to the pool."""
-        host, box[0] = box[0], None
+        with self._lock:
+            host, box[0] = box[0], None
+            if host is not None:
+                self.stored_bytes -= host.numel() * host.element_size()
         if host is not None:
             self.pool.give(host)
-            self.stored_bytes -= host.numel() * host.element_size()
 
     def new_event(self):
         return torch.cuda.Event() if self.cuda else NullEvent()

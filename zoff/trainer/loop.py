@@ -76,7 +76,9 @@ def train_loop(s: Session) -> list[float]:
             val = evaluate(engine, batches, train.eval_batches, comm, train.loss_tile)
             if s.writer is not None:
                 s.writer.eval(done, val)
-        if s.ckpt is not None and s.ckpt.due(done, stopping):
+        # (a periodic save waits out a streak of skipped steps: nonfinite.py; a stop's or the last one is made)
+        streak = s.nonfinite is not None and s.nonfinite.in_streak and not stopping and done < train.max_steps
+        if s.ckpt is not None and s.ckpt.due(done, stopping) and not streak:
             # "stop" marks the save a stop asked for: the launcher reads it back to say whether the stop's
             # checkpoint exists, rather than assuming it does.
             s.ckpt.save(done, {"step": done, "data": batches.state_dict(), "stop": bool(stopping)})

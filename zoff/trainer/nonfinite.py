@@ -4,8 +4,9 @@ The engine never applies such a step, on any rank (zero.py: every rank learns it
 all-reduce, each rank's flag in its own slot). This part says so in one line, naming the step and the ranks,
 keeps the count the records and the summary show, and ends a run that only skips: `train.max_nonfinite_steps`
 in a row stop it (without it, a run on a broken batch stream or a diverged model would go on logging NaN until
-max_steps, its checkpoints saying nothing new). fp16's overflows are skipped and counted too, but its scaler
-brings the scale down until they stop: they never end the run. Nothing here chooses what is applied.
+max_steps, its checkpoints saying nothing new). fp16's overflows are skipped and counted too, but while its
+scaler can still bring the scale down they do not count toward the stop (a non-finite loss, or an overflow at
+the scale's floor of 1, does). Nothing here chooses what is applied.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ STOP_FILE = "nonfinite_stop.json"  # the ranks' word to the launcher: why the ru
 @dataclass
 class NonFinite:
     limit: int  # train.max_nonfinite_steps
-    fp16: bool  # the scaler's overflows: counted, never a reason to stop
+    fp16: bool
     skipped: int = 0  # steps skipped this run (this process's count: a resume starts from 0)
     streak: list[int] = field(default_factory=list)  # the steps skipped in a row, up to the last one
 
@@ -31,9 +32,10 @@ class NonFinite:
             self.streak = []
             return None
         self.skipped += 1
-        self.streak.append(step)
+        if not result.scale_lowered:  # (fp16's overflow with room to scale down: it may cure itself)
+            self.streak.append(step)
         where = ", ".join(map(str, result.nonfinite_ranks))
-        if self.fp16 and result.nonfinite == "gradient":
+        if self.fp16 and result.scale_lowered:
             what = f"fp16 overflow in the gradients on rank(s) {where} (the loss scale comes down)"
         elif result.nonfinite == "loss":
             what = f"a non-finite loss on rank(s) {where}"
@@ -45,7 +47,13 @@ class NonFinite:
         )
 
     def must_stop(self) -> bool:
-        return not self.fp16 and len(self.streak) >= self.limit
+        return len(self.streak) >= self.limit
+
+    @property
+    def in_streak(self) -> bool:
+        """The last step was skipped (and counts toward the stop): no periodic checkpoint now, which would
+        hold the values of the step before the streak under a later step's name and push older ones out."""
+        return bool(self.streak)
 
     def stop_reason(self) -> str:
         first, last = self.streak[0], self.streak[-1]
@@ -58,6 +66,12 @@ class NonFinite:
 def note_stop(run_dir: Path, step: int, reason: str) -> None:
     """Rank 0's record for the launcher (cli.py reads it once the ranks are done)."""
     (run_dir / STOP_FILE).write_text(json.dumps({"step": step, "reason": reason}) + "\n")
+
+
+def clear_stop(run_dir: Path) -> None:
+    """Before the ranks start: a record left by an earlier launch (one that later failed or was stopped) must
+    not be read as this one's."""
+    (run_dir / STOP_FILE).unlink(missing_ok=True)
 
 
 def recorded_stop(run_dir: Path) -> dict | None:

@@ -13,9 +13,11 @@ import fcntl
 import os
 import socket
 import struct
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from zoff.config import LaunchConfig
 from zoff.errors import UserError
@@ -27,12 +29,17 @@ BOUND_STORE_ENV = "ZOFF_BOUND_STORE"
 SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 
 
-def bound_listener(addr: str, port: int = 0) -> tuple[int, int]:
+def bound_listener(addr: str, port: int = 0, beside_hold: bool = False) -> tuple[int, int]:
     """A TCP socket listening on `addr`:`port` only (0: any free port): (its file descriptor, for
-    TCPStore(master_listen_fd=...), which owns it from then on, its port)."""
+    TCPStore(master_listen_fd=...), which owns it from then on, its port). `beside_hold` (rank 0's store
+    alone): SO_REUSEPORT, to bind beside the launcher's hold on the port (hold_port). Never for the rendezvous
+    store: a second agent on the machine must meet EADDRINUSE there and join the first as a client (with
+    SO_REUSEPORT both would listen, each its own rendezvous, and wait for ever)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if beside_hold:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((addr, port))
         sock.listen(1024)
     except OSError:
@@ -40,6 +47,23 @@ def bound_listener(addr: str, port: int = 0) -> tuple[int, int]:
         raise
     port = sock.getsockname()[1]
     return sock.detach(), port
+
+
+def hold_port(addr: str, port: int) -> socket.socket:
+    """Bind `addr`:`port` without listening, so that no other user's process (nor one of ours without
+    SO_REUSEPORT) can bind it, while rank 0's bound_listener still can: the port torch's rendezvous picked for
+    rank 0's store (free when picked, then closed) is taken here at once rather than seconds later, when rank 0
+    has started. A socket that does not listen takes no connection: they all go to rank 0's."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # SO_REUSEPORT alone: with SO_REUSEADDR too, any process setting SO_REUSEADDR could bind beside a
+        # socket that does not listen, and then listen on it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((addr, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def interface_address(name: str) -> str:
@@ -131,7 +155,60 @@ def _rendezvous(params):
     class BoundBackend(C10dRendezvousBackend):
         name = property(lambda self: RDZV_BACKEND)  # torch checks the backend's name against the launcher's
 
-    return create_handler(store, BoundBackend(store, params.run_id), params)
+    return PortHolding(create_handler(store, BoundBackend(store, params.run_id), params))
+
+
+class PortHolding(RendezvousHandler):
+    """torch's rendezvous handler, and on the node of rank 0 a hold on the port it chose for rank 0's
+    process-group store (hold_port), from each round's end until the next round or the shutdown. Without it
+    another process could take the port in the seconds before rank 0 binds it (EADDRINUSE, seen in CI)."""
+
+    def __init__(self, inner: RendezvousHandler):
+        self.inner = inner
+        self.held: socket.socket | None = None
+
+    def next_rendezvous(self):
+        self._release()
+        info = self.inner.next_rendezvous()
+        if info.rank == 0:
+            where = info.bootstrap_store_info
+            try:
+                self.held = hold_port(where.master_addr, where.master_port)
+            except OSError as e:  # taken in the moment since torch closed it: rank 0 will say so
+                print(
+                    f"zoff: warning: the port chosen for rank 0's store, {where.master_addr}:{where.master_port}, "
+                    f"could not be held ({e.strerror}); another process may have taken it",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+        return info
+
+    def _release(self) -> None:
+        if self.held is not None:
+            self.held.close()
+            self.held = None
+
+    def shutdown(self) -> bool:
+        self._release()
+        return self.inner.shutdown()
+
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self.inner.use_agent_store
 
 
 def register_rendezvous() -> None:
@@ -169,6 +246,6 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
         world,
         rank == 0,
         timeout,
-        master_listen_fd=bound_listener(addr, port)[0] if rank == 0 else None,
+        master_listen_fd=bound_listener(addr, port, beside_hold=True)[0] if rank == 0 else None,
     )
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

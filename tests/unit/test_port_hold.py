@@ -1,0 +1,110 @@
+"""The port of rank 0's process-group store cannot be stolen between the rendezvous and rank 0's bind (issue
+67, item 2): torch's rendezvous picks a free port and closes it, and rank 0 binds it seconds later, after it
+has started; CI met EADDRINUSE there (test_cpu_precision, 2026-12-02). The launcher now holds the port from the
+round's end (network.hold_port, PortHolding); rank 0 binds beside the hold, nobody else can."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from zoff.launch.network import LOOPBACK, PortHolding, bound_listener, hold_port
+
+GRAB = """
+import socket, sys
+s = socket.socket()
+if sys.argv[2] == "reuseaddr":  # as most servers do
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+    s.listen(1)
+except OSError as e:
+    print(e.errno)
+else:
+    print(0)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _grab(port: int) -> int:
+    """Another process's bind and listen on `port`, plain and with SO_REUSEADDR: the errno both met (0: they
+    got the port)."""
+    codes = {
+        int(subprocess.run([sys.executable, "-c", GRAB, str(port), how], capture_output=True, text=True,
+                           timeout=60).stdout)
+        for how in ("plain", "reuseaddr")
+    }  # fmt: skip
+    assert len(codes) == 1, codes
+    return codes.pop()
+
+
+def test_a_held_port_is_refused_to_others_and_served_by_rank_0() -> None:
+    port = _free_port()
+    assert _grab(port) == 0  # (free: the plant below can fail)
+    held = hold_port(LOOPBACK, port)
+    try:
+        assert _grab(port) == errno.EADDRINUSE
+        fd, bound = bound_listener(LOOPBACK, port, beside_hold=True)  # rank 0, beside the hold
+        assert bound == port
+        server = dist.TCPStore(
+            LOOPBACK, port, 2, True, timedelta(seconds=30), wait_for_workers=False, master_listen_fd=fd
+        )
+        client = dist.TCPStore(LOOPBACK, port, 2, False, timedelta(seconds=30))
+        client.set("k", "v")  # a connection reaches the listener, not the hold
+        assert server.get("k") == b"v"
+        del client, server
+    finally:
+        held.close()
+    assert _grab(port) == 0  # released with the hold
+
+
+class _Inner:
+    def __init__(self, rank: int, port: int):
+        self.rank, self.port, self.shut = rank, port, False
+
+    def next_rendezvous(self):
+        where = SimpleNamespace(master_addr=LOOPBACK, master_port=self.port)
+        return SimpleNamespace(rank=self.rank, bootstrap_store_info=where)
+
+    def shutdown(self) -> bool:
+        self.shut = True
+        return True
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_handler_holds_the_port_on_rank_0s_node_until_the_next_round_or_shutdown(rank: int) -> None:
+    port = _free_port()
+    handler = PortHolding(_Inner(rank, port))
+    handler.next_rendezvous()
+    assert _grab(port) == (errno.EADDRINUSE if rank == 0 else 0)
+    handler.inner.port = _free_port()
+    handler.next_rendezvous()  # a restart's round: the old port is let go, the new one held
+    assert _grab(port) == 0
+    assert _grab(handler.inner.port) == (errno.EADDRINUSE if rank == 0 else 0)
+    assert handler.shutdown() and handler.inner.shut
+    assert _grab(handler.inner.port) == 0
+
+
+def test_a_second_rendezvous_store_on_the_port_is_refused() -> None:
+    """The rendezvous store's listener takes no SO_REUSEPORT: a second agent on the machine meets EADDRINUSE
+    and joins the first as a client (with it, both listened, each its own rendezvous, and the two-agent test
+    hung)."""
+    fd, port = bound_listener(LOOPBACK)
+    try:
+        with pytest.raises(OSError) as e:
+            bound_listener(LOOPBACK, port)
+        assert e.value.errno == errno.EADDRINUSE
+    finally:
+        socket.socket(fileno=fd).close()

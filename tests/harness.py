@@ -14,6 +14,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from zoff.checkpoint.base_ref import base_reference
 from zoff.config import Config, config_from_dict, dump_yaml
 from zoff.data import GlobalBatches, load_corpus
 from zoff.engine.partition import default_decay
+from zoff.launch.network import LOOPBACK, bound_listener, hold_port
 from zoff.models import build_model, lm_loss
 from zoff.trainer.loop import train_loop
 from zoff.trainer.schedule import lr_at
@@ -52,10 +54,23 @@ def rank_device(rank: int) -> torch.device:
 
 
 def init_rank(rank: int, world: int, **kwargs) -> None:
-    """Join the test's process group on this rank's device (gloo on the host, NCCL with ZOFF_TEST_DEVICE=cuda)."""
+    """Join the test's process group on this rank's device (gloo on the host, NCCL with ZOFF_TEST_DEVICE=cuda).
+    Rank 0's store listens beside the parent's hold on MASTER_PORT (held_port): no other process can have
+    taken the port in between, as one could when the parent picked a free port and let it go."""
     if TEST_DEVICE == "cuda":
         torch.cuda.set_device(rank_device(rank))
-    dist.init_process_group(BACKEND, rank=rank, world_size=world, **kwargs)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = kwargs.get("timeout", timedelta(minutes=30))  # (init_process_group's own default)
+    fd = bound_listener(addr, port, beside_hold=True)[0] if rank == 0 else None
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world, **kwargs)
+
+
+def held_port() -> tuple[int, socket.socket]:
+    """A port for a spawn's store, held (network.hold_port, not listening) until the caller closes the socket:
+    bound as it is chosen, so nothing can take it before rank 0 binds it beside the hold."""
+    sock = hold_port(LOOPBACK, 0)
+    return sock.getsockname()[1], sock
 
 
 def free_port() -> int:
@@ -114,27 +129,17 @@ def _rank_context():
 
 def spawn(fn, world: int, *args) -> list:
     """Run fn(rank, world, *args) in `world` new processes joined over gloo; return each rank's result."""
-    with tempfile.TemporaryDirectory() as out:
+    port, hold = held_port()
+    with tempfile.TemporaryDirectory() as out, hold:
         ctx = _rank_context()
         procs = [
-            ctx.Process(
-                target=_entry,
-                args=(r, world, free_port_once(out), fn, args, out, dict(os.environ), os.getcwd()),
-            )
+            ctx.Process(target=_entry, args=(r, world, port, fn, args, out, dict(os.environ), os.getcwd()))
             for r in range(world)
         ]
         for p in procs:
             p.start()
         _join(procs, out)
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-def free_port_once(out: str) -> int:
-    """One port per spawn (every rank of it gets the same): kept in the spawn's folder."""
-    f = Path(out) / "port"
-    if not f.exists():
-        f.write_text(str(free_port()))
-    return int(f.read_text())
 
 
 SPAWN_TIMEOUT_S = float(os.environ.get("ZOFF_TEST_SPAWN_TIMEOUT_S", "900"))

@@ -52,7 +52,7 @@ import tests.harness as harness
 from tests.harness import (
     assert_close_losses,
     assert_close_params,
-    free_port,
+    held_port,
     reference_run,
     tiny_cfg,
     zoff_rank,
@@ -225,11 +225,12 @@ def _cells_entry(rank: int, world: int, port: int, cfgs: list[dict], out_dir: st
 def _spawn_until_failure(cfgs: list[dict], world: int) -> list[dict]:
     """Run cfgs in one spawn until a cell fails; return rank 0's result of each finished cell, the failed one
     last as {"error": ...}. Never returns an empty list."""
-    with tempfile.TemporaryDirectory() as tmp:
+    port, hold = held_port()
+    with tempfile.TemporaryDirectory() as tmp, hold:
         out = Path(tmp)
         ctx = mp.start_processes(
             _cells_entry,
-            args=(world, free_port(), cfgs, tmp),
+            args=(world, port, cfgs, tmp),
             nprocs=world,
             start_method="spawn",
             join=False,

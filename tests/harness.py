@@ -14,7 +14,6 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -60,7 +59,7 @@ def init_rank(rank: int, world: int, **kwargs) -> None:
     if TEST_DEVICE == "cuda":
         torch.cuda.set_device(rank_device(rank))
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    timeout = kwargs.get("timeout", timedelta(minutes=30))  # (init_process_group's own default)
+    timeout = kwargs.get("timeout") or dist.distributed_c10d._get_default_timeout(BACKEND)  # (as env:// has)
     fd = bound_listener(addr, port, beside_hold=True)[0] if rank == 0 else None
     store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
     dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world, **kwargs)

@@ -108,3 +108,15 @@ def test_a_second_rendezvous_store_on_the_port_is_refused() -> None:
         assert e.value.errno == errno.EADDRINUSE
     finally:
         socket.socket(fileno=fd).close()
+
+
+def test_a_hold_never_joins_another_runs_reuseport_listener() -> None:
+    """Another of the user's runs listening with SO_REUSEPORT on the port: the hold fails (EADDRINUSE) rather
+    than sharing it, which would load-balance this run's clients onto that run's store."""
+    fd, port = bound_listener(LOOPBACK, 0, beside_hold=True)  # (another run's rank-0 store)
+    try:
+        with pytest.raises(OSError) as e:
+            hold_port(LOOPBACK, port)
+        assert e.value.errno == errno.EADDRINUSE
+    finally:
+        socket.socket(fileno=fd).close()

@@ -56,10 +56,12 @@ def hold_port(addr: str, port: int) -> socket.socket:
     has started. A socket that does not listen takes no connection: they all go to rank 0's."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        # SO_REUSEPORT alone: with SO_REUSEADDR too, any process setting SO_REUSEADDR could bind beside a
-        # socket that does not listen, and then listen on it
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        # Bound first, SO_REUSEPORT after: a bind with it set would succeed beside another of the user's
+        # SO_REUSEPORT listeners (another run's store) and rank 0 would join that one's group, its clients
+        # reaching the other run. No SO_REUSEADDR: with it, any process setting SO_REUSEADDR could bind
+        # beside a socket that does not listen, and then listen.
         sock.bind((addr, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     except OSError:
         sock.close()
         raise
@@ -209,6 +211,11 @@ class PortHolding(RendezvousHandler):
     @property
     def use_agent_store(self) -> bool:
         return self.inner.use_agent_store
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self.inner, name)  # what a later torch's handler adds, as torch's own handler has it
 
 
 def register_rendezvous() -> None:

@@ -97,26 +97,25 @@ def test_the_handler_holds_the_port_on_rank_0s_node_until_the_next_round_or_shut
     assert _grab(handler.inner.port) == 0
 
 
+def _refused_beside(beside_hold: bool, bind) -> None:
+    """`bind(port)` beside a listener (SO_REUSEPORT where `beside_hold`) meets EADDRINUSE."""
+    fd, port = bound_listener(LOOPBACK, 0, beside_hold=beside_hold)
+    try:
+        with pytest.raises(OSError) as e:
+            bind(port)
+        assert e.value.errno == errno.EADDRINUSE
+    finally:
+        socket.socket(fileno=fd).close()
+
+
 def test_a_second_rendezvous_store_on_the_port_is_refused() -> None:
     """The rendezvous store's listener takes no SO_REUSEPORT: a second agent on the machine meets EADDRINUSE
     and joins the first as a client (with it, both listened, each its own rendezvous, and the two-agent test
     hung)."""
-    fd, port = bound_listener(LOOPBACK)
-    try:
-        with pytest.raises(OSError) as e:
-            bound_listener(LOOPBACK, port)
-        assert e.value.errno == errno.EADDRINUSE
-    finally:
-        socket.socket(fileno=fd).close()
+    _refused_beside(False, lambda port: bound_listener(LOOPBACK, port))
 
 
 def test_a_hold_never_joins_another_runs_reuseport_listener() -> None:
-    """Another of the user's runs listening with SO_REUSEPORT on the port: the hold fails (EADDRINUSE) rather
-    than sharing it, which would load-balance this run's clients onto that run's store."""
-    fd, port = bound_listener(LOOPBACK, 0, beside_hold=True)  # (another run's rank-0 store)
-    try:
-        with pytest.raises(OSError) as e:
-            hold_port(LOOPBACK, port)
-        assert e.value.errno == errno.EADDRINUSE
-    finally:
-        socket.socket(fileno=fd).close()
+    """Another of the user's runs listening with SO_REUSEPORT on the port (its rank-0 store): the hold fails
+    rather than sharing it, which would load-balance this run's clients onto that run's store."""
+    _refused_beside(True, lambda port: hold_port(LOOPBACK, port))

@@ -233,7 +233,7 @@ class TrainConfig:
     grad_clip: float = field(default=1.0, metadata=_rng(0.0))  # 0 disables clipping
     # A step whose loss or gradients are non-finite on any rank is skipped on every rank (nothing of it is
     # applied) and said in one line; this many in a row stop the run (exit 1), naming the last checkpoint.
-    # fp16's overflows (its loss scale comes down) are skipped and counted alike but never stop it.
+    # fp16's overflows are skipped and counted alike, but count toward it only at the loss scale's floor of 1.
     max_nonfinite_steps: int = field(default=5, metadata=_rng(1, 1 << 20))
     # bf16/fp16: compute in that dtype over an fp32 master; fp16 scales the loss dynamically
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"

@@ -22,7 +22,6 @@ STOP_FILE = "nonfinite_stop.json"  # the ranks' word to the launcher: why the ru
 class NonFinite:
     limit: int  # train.max_nonfinite_steps
     fp16: bool
-    skipped: int = 0  # steps skipped this run (this process's count: a resume starts from 0)
     streak: list[int] = field(default_factory=list)  # the steps skipped in a row, up to the last one
 
     def after(self, step: int, result) -> str | None:
@@ -31,7 +30,6 @@ class NonFinite:
         if result.stepped:
             self.streak = []
             return None
-        self.skipped += 1
         if not result.scale_lowered:  # (fp16's overflow with room to scale down: it may cure itself)
             self.streak.append(step)
         where = ", ".join(map(str, result.nonfinite_ranks))
@@ -78,7 +76,8 @@ def recorded_stop(run_dir: Path) -> dict | None:
     """The stop rank 0 recorded in `run_dir`, and forgets it (a resumed run starts without one)."""
     path = run_dir / STOP_FILE
     try:
-        data = json.loads(path.read_text())
+        with path.open("rb") as f:
+            data = json.loads(f.read(1 << 16))  # (a few hundred bytes of its own; never more read)
     except (OSError, ValueError):
         return None
     path.unlink(missing_ok=True)

@@ -70,8 +70,8 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
     # the summary's peak RSS is the largest rank's (rank 0's alone hid a rank that held more), as each step's
     # record's is (its peak_rss_rank says which rank); each rank's beside it
     mib |= {"peak_rss_mib": max(peaks), "peak_rss_mib_per_rank": peaks}
-    if s.nonfinite is not None:  # steps whose loss or gradients were non-finite somewhere: none applied
-        mib["skipped_steps"] = s.nonfinite.skipped
+    # steps whose loss or gradients were non-finite somewhere, none applied (this process's: a resume counts anew)
+    mib["skipped_steps"] = s.engine.nonfinite_steps
     if s.compiled is not None:  # rank 0's compile time (every rank compiles its own, at about the same time)
         mib["compile_s"] = compile_seconds()
         log.info("train.compile: %.1f s compiling (forward and backward graphs)", mib["compile_s"])

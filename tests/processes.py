@@ -118,8 +118,10 @@ class Agent:
         name: str = "agent",
         argv: list[str] | None = None,
         env: dict | None = None,
+        prefix: tuple[str, ...] = (),
     ):
-        """`zoff train configs/tiny.yaml ARGS --run-dir RUN_DIR`, or `argv` (a printed `zoff ...` command)."""
+        """`zoff train configs/tiny.yaml ARGS --run-dir RUN_DIR`, or `argv` (a printed `zoff ...` command);
+        `prefix` runs it through a command that execs it (tests/netns.py's `ip netns exec NS`)."""
         self.run_dir = run_dir
         out_dir = run_dir.parent
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,7 @@ class Agent:
         if argv is None:
             argv = ["zoff", "train", str(TINY), *args, "--run-dir", str(run_dir)]
         assert argv[0] == "zoff", argv
-        self.argv = [sys.executable, "-m", *argv]
+        self.argv = [*prefix, sys.executable, "-m", *argv]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 self.argv, cwd=REPO, env=_env(env), stdout=out, stderr=err, start_new_session=True

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -23,10 +25,12 @@ from torch.distributed.launcher.api import elastic_launch
 from zoff.config import Config, LaunchConfig, config_from_dict
 from zoff.errors import UserError
 from zoff.host.process_exit import end_at_exit
+from zoff.launch import liveness, rank_server
 from zoff.launch.network import (
     BOUND_STORE_ENV,
     LOOPBACK,
     RDZV_BACKEND,
+    Liveness,
     init_process_group,
     network_env,
     node_address,
@@ -35,6 +39,9 @@ from zoff.launch.network import (
 from zoff.launch.rank_server import START_METHOD, prepare, threads_per_rank
 from zoff.trainer import regather
 
+# Set for the ranks of a rendezvous round after the first (a node lost or joined: torch's restart count stays 0
+# for such a membership change): they resume from the latest checkpoint, as restarted ranks do.
+REFORMED_ENV = "ZOFF_REFORMED"
 TORCH_STOP_GRACE_S = 30  # torch < 2.12: PContext.close's fixed wait before SIGKILL, which no setting changes
 
 
@@ -110,11 +117,11 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         lc
     )  # the agent's; the ranks get them as an argument (a fork server's environment is older)
     os.environ.update(env)
-    register_rendezvous()
+    register_rendezvous(_liveness(lc, env))
     prepare()
     stops = StopSignals(lc.shutdown_timeout_s)
     try:
-        with stops:
+        with stops, agent_log(run_dir / "logs" / "elastic"):
             elastic_launch(elastic, worker)(cfg.to_dict(), str(run_dir), resume, env)
     except SignalException as e:
         # The first signal's; a second one's Abort may replace it in torch's clean-up, whichever it is
@@ -126,6 +133,52 @@ def launch(cfg: Config, run_dir: Path, resume: str | None = None) -> None:
         if not detail:
             detail = f"see {first.error_file or 'its log'}"
         raise WorkerFailed(f"rank {rank} failed (exit code {first.exitcode}): {detail}") from None
+
+
+def _liveness(lc: LaunchConfig, env: dict[str, str]) -> Liveness:
+    """What this agent does when a node is lost (liveness.py). `env` is the dict the ranks get as an argument,
+    pickled anew at each start: a mark set in it reaches the next round's ranks."""
+
+    def peers_lost(line: str) -> None:
+        liveness.say(line)
+        kill_ranks()  # blocked in a collective with the lost node: only launch.timeout_s would end them
+
+    def store_lost(line: str) -> None:
+        liveness.say(line)
+        kill_ranks()
+        rank_server.stop_now()
+        os._exit(liveness.LOST_EXIT)  # the agent's own clean-up would wait on the unreachable store
+
+    def round_done(rnd: int | None) -> None:
+        if rnd:
+            env[REFORMED_ENV] = "1"
+
+    return Liveness(lc.nproc_per_node, peers_lost, store_lost, round_done)
+
+
+class agent_log:
+    """torch elastic's own log lines (a failed rank's traceback among them) go to a file under `folder`
+    (one per agent), not the terminal, while the agent runs: the terminal gets zoff's lines."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.handler: logging.Handler | None = None
+        self.logger = logging.getLogger("torch.distributed.elastic")
+
+    def __enter__(self) -> agent_log:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"agent-{socket.gethostname()}-{os.getpid()}.log"
+        self.handler = logging.FileHandler(path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.logger.addHandler(self.handler)
+        self.logger.propagate = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.propagate = True
+        if self.handler is not None:
+            self.logger.removeHandler(self.handler)
+            self.handler.close()
 
 
 class WorkerFailed(RuntimeError):
@@ -195,8 +248,11 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None, env: dict | 
     else:
         device, backend = torch.device("cpu"), "gloo"
     init_process_group(backend, timedelta(seconds=pg_timeout_s(backend, cfg.launch.timeout_s)))
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        resume = "auto"  # a restarted group continues from the latest complete checkpoint by itself
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts > 0 or os.environ.get(REFORMED_ENV) == "1":
+        resume = (
+            "auto"  # a restarted or re-formed group continues from the latest complete checkpoint by itself
+        )
     try:
         run_training(cfg, Path(run_dir), device, resume)
     except SkippedBlockError as e:  # zoff train restarts the ranks gathering the holding module whole
@@ -204,6 +260,9 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None, env: dict | 
         raise SystemExit(f"zoff: error: {e}") from None
     except UserError as e:
         raise SystemExit(f"zoff: error: {e}") from None
+    except Exception as e:
+        _restart_line(e, restarts)
+        raise
     finally:
         dist.destroy_process_group()
     # torch's wrapper hands the agent this rank's result, then multiprocessing's sys.exit ends the process: at
@@ -215,6 +274,18 @@ def worker(cfg_dict: dict, run_dir: str, resume: str | None = None, env: dict | 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _restart_line(e: Exception, restarts: int) -> None:
+    """A failure the agents restart the job for: one line on this rank's console (its traceback goes to the
+    agent's log, agent_log). The last failure says nothing here: `zoff train`'s final lines name it."""
+    if restarts >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+        return
+    first = (str(e).strip().splitlines() or [""])[0]
+    liveness.say(
+        f"zoff: rank {os.environ.get('RANK', '?')} failed: {type(e).__name__}: {first}; the job restarts from "
+        f"the last checkpoint (restart {restarts + 1} of {os.environ['TORCHELASTIC_MAX_RESTARTS']})"
+    )
 
 
 # ------------------------------------------------------------------------------------- stop signals

@@ -14,6 +14,8 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from zoff.config import LaunchConfig
 from zoff.errors import UserError
+from zoff.launch.liveness import StoreWatch, lost_peers_line, lost_store_line, round_members, stale_peers
 
 LOOPBACK = "127.0.0.1"
 RDZV_BACKEND = "zoff-c10d"  # torch's c10d rendezvous on a store zoff binds (below)
@@ -154,10 +157,40 @@ def _rendezvous(params):
         timeout=timedelta(seconds=params.get_as_int("read_timeout", 60)),
     )  # fmt: skip
 
+    interval, attempts = (
+        params.get_as_int("keep_alive_interval", 5),
+        params.get_as_int("keep_alive_max_attempt", 3),
+    )
+    watch = StoreWatch(interval * (attempts + 1))  # one interval past the others' wait before they drop us
+
     class BoundBackend(C10dRendezvousBackend):
         name = property(lambda self: RDZV_BACKEND)  # torch checks the backend's name against the launcher's
 
-    return PortHolding(create_handler(store, BoundBackend(store, params.run_id), params))
+        def get_state(self):
+            return watch.call(super().get_state)
+
+        def set_state(self, state, token=None):
+            return watch.call(super().set_state, state, token)
+
+    handler = create_handler(store, BoundBackend(store, params.run_id), params)
+    return PortHolding(handler, watch, params.endpoint, interval, attempts)
+
+
+@dataclass
+class Liveness:
+    """What the launcher does when a node is lost (liveness.py): `peers_lost(line)` on the survivors (kill this
+    node's ranks: the agent then re-forms the job), `store_lost(line)` on the cut-off node (stop, exit non-zero),
+    `round_done(round)` after each rendezvous round (the ranks of a later round resume from the checkpoint)."""
+
+    nproc: int
+    peers_lost: Callable[[str], None]
+    store_lost: Callable[[str], None]
+    round_done: Callable[[int | None], None]  # None: a torch whose handler keeps no round where we look
+
+
+_LIVENESS: list[
+    Liveness
+] = []  # the launcher's, set by register_rendezvous (torch's registry takes params alone)
 
 
 class PortHolding(RendezvousHandler):
@@ -165,9 +198,13 @@ class PortHolding(RendezvousHandler):
     process-group store (hold_port), from each round's end until the next round or the shutdown. Without it
     another process could take the port in the seconds before rank 0 binds it (EADDRINUSE, seen in CI)."""
 
-    def __init__(self, inner: RendezvousHandler):
+    def __init__(
+        self, inner: RendezvousHandler, watch: StoreWatch, endpoint: str, interval: int, attempts: int
+    ):
         self.inner = inner
         self.held: socket.socket | None = None
+        self.watch, self.endpoint, self.interval, self.attempts = watch, endpoint, interval, attempts
+        self.members: tuple[int, dict] | None = None  # the current round's (liveness.round_members)
 
     def next_rendezvous(self):
         self._release()
@@ -182,7 +219,26 @@ class PortHolding(RendezvousHandler):
                     f"could not be held ({e.strerror}); another process may have taken it",
                     file=sys.stderr, flush=True,
                 )  # fmt: skip
+        if _LIVENESS:
+            state = getattr(getattr(self.inner, "_state_holder", None), "state", None)
+            _LIVENESS[0].round_done(getattr(state, "round", None))
+            self.members = round_members(self.inner)
+            self.watch.start(self._store_lost)
         return info
+
+    def _store_lost(self, waited_s: float) -> None:
+        _LIVENESS[0].store_lost(lost_store_line(self.endpoint, waited_s, self.interval * self.attempts))
+
+    def num_nodes_waiting(self) -> int:
+        """torch's count of nodes waiting to join; and where another participant's heartbeat has stopped, that
+        node named, this node's ranks stopped, and 1 (the agent restarts the group: the rendezvous drops it)."""
+        waiting = self.inner.num_nodes_waiting()
+        lost = stale_peers(self.inner, self.members, self.interval, self.attempts) if self.members else []
+        if lost:
+            self.members = None  # said once; the agent now re-forms the job
+            _LIVENESS[0].peers_lost(lost_peers_line(lost, _LIVENESS[0].nproc, self.interval, self.attempts))
+            return max(waiting, 1)
+        return waiting
 
     def _release(self) -> None:
         if self.held is not None:
@@ -205,9 +261,6 @@ class PortHolding(RendezvousHandler):
     def set_closed(self) -> None:
         self.inner.set_closed()
 
-    def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
-
     @property
     def use_agent_store(self) -> bool:
         return self.inner.use_agent_store
@@ -218,9 +271,10 @@ class PortHolding(RendezvousHandler):
         return getattr(self.inner, name)  # what a later torch's handler adds, as torch's own handler has it
 
 
-def register_rendezvous() -> None:
+def register_rendezvous(liveness: Liveness | None = None) -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
+    _LIVENESS[:] = [liveness] if liveness else []
     if not rendezvous_handler_registry._registry.get(RDZV_BACKEND):
         rendezvous_handler_registry.register(RDZV_BACKEND, _rendezvous)
 

@@ -82,3 +82,14 @@ def _stop(pid: int) -> None:
     with contextlib.suppress(OSError):  # gone already
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def stop_now() -> None:
+    """Kill the fork server now, and multiprocessing's resource tracker (a launcher leaving by os._exit, which
+    runs no atexit: the tracker would warn of the killed ranks' semaphores, which the kernel frees anyway)."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)  # (private, as above)
+    for pid in (_server_pid(), tracker):
+        if pid is not None:
+            _stop(pid)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.processes import free_port  # noqa: F401 (the spawns' port where none is held)
 from zoff.checkpoint import Checkpointer
 from zoff.checkpoint.base_ref import base_reference
 from zoff.config import Config, config_from_dict, dump_yaml
@@ -70,12 +71,6 @@ def held_port() -> tuple[int, socket.socket]:
     bound as it is chosen, so nothing can take it before rank 0 binds it beside the hold."""
     sock = hold_port(LOOPBACK, 0)
     return sock.getsockname()[1], sock
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(

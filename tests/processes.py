@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -25,6 +26,21 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 
 def free_port() -> int:
+    """A free port for a rendezvous endpoint that a test hands to several agents. It cannot be held for them
+    (the first agent must bind it plainly, the others then meet EADDRINUSE and join as clients), so it is
+    chosen below the kernel's ephemeral range: no process's bind(0) or outgoing connection can land on it in
+    the seconds before the first agent binds it, as one could on a port picked by bind(0) and closed (this
+    helper before, torch's get_free_port). Only a bind to that very number can still take it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = range(max(1024, low - 12000), low)
+    for _ in range(200 if len(candidates) > 100 else 0):  # (a custom range leaving none: bind(0), as before)
+        port = random.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

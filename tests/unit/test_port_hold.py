@@ -1,7 +1,8 @@
 """The port of rank 0's process-group store cannot be stolen between the rendezvous and rank 0's bind (issue
 67, item 2): torch's rendezvous picks a free port and closes it, and rank 0 binds it seconds later, after it
-has started; CI met EADDRINUSE there (test_cpu_precision, 2026-12-02). The launcher now holds the port from the
-round's end (network.hold_port, PortHolding); rank 0 binds beside the hold, nobody else can."""
+has started; CI met EADDRINUSE there (test_cpu_precision, 2026-12-02). The launcher now binds the port as it
+publishes it (port_hold.HeldPortStore) and holds it for the round; rank 0 binds beside the hold, nobody else
+can."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import socket
 import subprocess
 import sys
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from zoff.launch.network import LOOPBACK, PortHolding, bound_listener, hold_port
+from zoff.launch.network import LOOPBACK, bound_listener
+from zoff.launch.port_hold import HeldPortStore, hold_port
 
 GRAB = """
 import socket, sys
@@ -70,31 +72,22 @@ def test_a_held_port_is_refused_to_others_and_served_by_rank_0() -> None:
     assert _grab(port) == 0  # released with the hold
 
 
-class _Inner:
-    def __init__(self, rank: int, port: int):
-        self.rank, self.port, self.shut = rank, port, False
-
-    def next_rendezvous(self):
-        where = SimpleNamespace(master_addr=LOOPBACK, master_port=self.port)
-        return SimpleNamespace(rank=self.rank, bootstrap_store_info=where)
-
-    def shutdown(self) -> bool:
-        self.shut = True
-        return True
-
-
-@pytest.mark.parametrize("rank", [0, 1])
-def test_the_handler_holds_the_port_on_rank_0s_node_until_the_next_round_or_shutdown(rank: int) -> None:
-    port = _free_port()
-    handler = PortHolding(_Inner(rank, port))
-    handler.next_rendezvous()
-    assert _grab(port) == (errno.EADDRINUSE if rank == 0 else 0)
-    handler.inner.port = _free_port()
-    handler.next_rendezvous()  # a restart's round: the old port is let go, the new one held
-    assert _grab(port) == 0
-    assert _grab(handler.inner.port) == (errno.EADDRINUSE if rank == 0 else 0)
-    assert handler.shutdown() and handler.inner.shut
-    assert _grab(handler.inner.port) == 0
+def test_the_port_is_held_as_it_is_published_and_every_node_reads_the_held_one() -> None:
+    """torch's own RendezvousStoreInfo.build, as the rendezvous handler calls it each round, over the store
+    zoff gives the handler: rank 0's node publishes a port that is already held (no moment when it is free);
+    another node reads the same port; the next round lets it go."""
+    inner = dist.TCPStore(LOOPBACK, 0, is_master=True, multi_tenant=True, timeout=timedelta(seconds=30))
+    ports = HeldPortStore(inner)
+    first = RendezvousStoreInfo.build(0, dist.PrefixStore("torch.rendezvous.r.1", ports), LOOPBACK)
+    assert ports.held is not None and first.master_port == ports.held.getsockname()[1]
+    assert _grab(first.master_port) == errno.EADDRINUSE
+    other = RendezvousStoreInfo.build(1, dist.PrefixStore("torch.rendezvous.r.1", inner), "10.0.0.9")
+    assert (other.master_addr, other.master_port) == (LOOPBACK, first.master_port)
+    second = RendezvousStoreInfo.build(0, dist.PrefixStore("torch.rendezvous.r.2", ports), LOOPBACK)
+    assert second.master_port != first.master_port  # a restart's round: the old port let go, a new one held
+    assert _grab(first.master_port) == 0 and _grab(second.master_port) == errno.EADDRINUSE
+    ports.release()
+    assert _grab(second.master_port) == 0
 
 
 def _refused_beside(beside_hold: bool, bind) -> None:

@@ -13,7 +13,6 @@ import fcntl
 import os
 import socket
 import struct
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +23,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 from zoff.config import LaunchConfig
 from zoff.errors import UserError
 from zoff.launch.liveness import StoreWatch, lost_peers_line, lost_store_line, round_members, stale_peers
+from zoff.launch.port_hold import HeldPortStore, hold_port  # noqa: F401 (hold_port: the tests' helper's too)
 
 LOOPBACK = "127.0.0.1"
 RDZV_BACKEND = "zoff-c10d"  # torch's c10d rendezvous on a store zoff binds (below)
@@ -50,25 +50,6 @@ def bound_listener(addr: str, port: int = 0, beside_hold: bool = False) -> tuple
         raise
     port = sock.getsockname()[1]
     return sock.detach(), port
-
-
-def hold_port(addr: str, port: int) -> socket.socket:
-    """Bind `addr`:`port` without listening, so that no other user's process (nor one of ours without
-    SO_REUSEPORT) can bind it, while rank 0's bound_listener still can: the port torch's rendezvous picked for
-    rank 0's store (free when picked, then closed) is taken here at once rather than seconds later, when rank 0
-    has started. A socket that does not listen takes no connection: they all go to rank 0's."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        # Bound first, SO_REUSEPORT after: a bind with it set would succeed beside another of the user's
-        # SO_REUSEPORT listeners (another run's store) and rank 0 would join that one's group, its clients
-        # reaching the other run. No SO_REUSEADDR: with it, any process setting SO_REUSEADDR could bind
-        # beside a socket that does not listen, and then listen.
-        sock.bind((addr, port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def interface_address(name: str) -> str:
@@ -172,8 +153,9 @@ def _rendezvous(params):
         def set_state(self, state, token=None):
             return watch.call(super().set_state, state, token)
 
-    handler = create_handler(store, BoundBackend(store, params.run_id), params)
-    return PortHolding(handler, watch, params.endpoint, interval, attempts)
+    ports = HeldPortStore(store)  # the handler publishes rank 0's port through it: held as it is chosen
+    handler = create_handler(ports, BoundBackend(store, params.run_id), params)
+    return PortHolding(handler, watch, params.endpoint, interval, attempts, ports)
 
 
 @dataclass
@@ -194,31 +176,26 @@ _LIVENESS: list[
 
 
 class PortHolding(RendezvousHandler):
-    """torch's rendezvous handler, and on the node of rank 0 a hold on the port it chose for rank 0's
-    process-group store (hold_port), from each round's end until the next round or the shutdown. Without it
-    another process could take the port in the seconds before rank 0 binds it (EADDRINUSE, seen in CI)."""
+    """torch's rendezvous handler, and on the node of rank 0 the hold on the port of rank 0's process-group
+    store (port_hold.py: bound as it is chosen), from the round that published it until the next round or the
+    shutdown; and the node's liveness (liveness.py)."""
 
     def __init__(
-        self, inner: RendezvousHandler, watch: StoreWatch, endpoint: str, interval: int, attempts: int
+        self,
+        inner: RendezvousHandler,
+        watch: StoreWatch,
+        endpoint: str,
+        interval: int,
+        attempts: int,
+        ports: HeldPortStore,
     ):
-        self.inner = inner
-        self.held: socket.socket | None = None
+        self.inner, self.ports = inner, ports
         self.watch, self.endpoint, self.interval, self.attempts = watch, endpoint, interval, attempts
         self.members: tuple[int, dict] | None = None  # the current round's (liveness.round_members)
 
     def next_rendezvous(self):
-        self._release()
+        self.ports.release()  # the last round's port: its rank 0 has gone
         info = self.inner.next_rendezvous()
-        if info.rank == 0:
-            where = info.bootstrap_store_info
-            try:
-                self.held = hold_port(where.master_addr, where.master_port)
-            except OSError as e:  # taken in the moment since torch closed it: rank 0 will say so
-                print(
-                    f"zoff: warning: the port chosen for rank 0's store, {where.master_addr}:{where.master_port}, "
-                    f"could not be held ({e.strerror}); another process may have taken it",
-                    file=sys.stderr, flush=True,
-                )  # fmt: skip
         if _LIVENESS:
             state = getattr(getattr(self.inner, "_state_holder", None), "state", None)
             _LIVENESS[0].round_done(getattr(state, "round", None))
@@ -240,13 +217,8 @@ class PortHolding(RendezvousHandler):
             return max(waiting, 1)
         return waiting
 
-    def _release(self) -> None:
-        if self.held is not None:
-            self.held.close()
-            self.held = None
-
     def shutdown(self) -> bool:
-        self._release()
+        self.ports.release()
         return self.inner.shutdown()
 
     def get_backend(self) -> str:

@@ -10,6 +10,8 @@ tests/gpu/test_cuda_paths.py).
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -17,11 +19,13 @@ import torch
 
 from tests.datafiles import chat_llama_files
 from tests.harness import run_zoff_many, tiny_cfg
-from zoff.config import ConfigError, ModelConfig, config_from_dict
+from zoff.config import ConfigError, ModelConfig, config_from_dict, load_config
 from zoff.models import enable_activation_checkpointing, lm_loss
 from zoff.models.gpt import GPT
 from zoff.planning.activations import gpt_activations
+from zoff.planning.memory import activation_offload_budget
 from zoff.trainer.activation_offload import ActivationOffload, HostSaved
+from zoff.units import human
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +178,47 @@ def test_a_forward_that_raised_gives_its_host_copies_back() -> None:
         lm_loss(out, y).backward()
         assert offload.stored_bytes == 0
     assert offload.pool.held_bytes == offload.peak_stored_bytes  # one forward's buffers, reused
+
+
+def test_the_pool_keeps_to_the_plans_budget_and_says_once_when_a_forward_needs_more(capsys) -> None:
+    """At 51a0203 the pool had no budget: every size it ever served stayed held (a shorter sequence's
+    forward added its own buffers beside the longer one's), and nothing said when the host held more than the
+    estimate counted. Now its budget is the estimate's bytes: free buffers of another size go back first, and
+    a forward over the budget is one warning, once."""
+    torch.manual_seed(0)
+    model = GPT(3, 2, 32, 256, 16)
+    m = ModelConfig(name="gpt", n_layer=3, n_head=2, d_model=32, vocab_size=256, seq_len=16)
+    budget = gpt_activations(m, 2, 16, "fp32", True, "cpu", offload=True).host
+    offload = ActivationOffload(torch.device("cpu"), budget)
+    enable_activation_checkpointing(model, offload.checkpoint)
+    for seq in (16, 8, 16, 12):
+        x, y = torch.randint(256, (2, 2, seq))
+        lm_loss(model(x), y).backward()
+        assert offload.pool.held_bytes <= budget, seq
+    assert offload.peak_stored_bytes == budget and capsys.readouterr().err == ""
+    x, y = torch.randint(256, (2, 3, 16))  # a larger micro-batch than planned
+    for _ in range(2):
+        lm_loss(model(x), y).backward()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "zoff: warning: train.activation_offload holds 18.0 KiB of block inputs in host memory, more than the "
+        "plan's 12.0 KiB per rank (zoff estimate's); the host needs the difference too"
+    ]
+
+
+def test_a_run_plans_the_budget_the_estimate_counts(tmp_path) -> None:
+    """The start-up plan's line, the estimate's note and the pool's budget: one number, from the same function
+    (planning.memory.activation_offload_budget); a run that keeps to it prints no warning."""
+    args = ["configs/tiny.yaml", "train.activation_checkpointing=true", "train.activation_offload=true"]
+    want = human(activation_offload_budget(load_config(args[0], args[1:]), "cpu"))
+    run = _zoff("train", *args, "train.max_steps=2", "--run-dir", str(tmp_path / "r"))
+    est = _zoff("estimate", *args, "--gpus-per-node", "2", "--gpu-memory", "24GiB")
+    assert f"activation offload: the blocks' inputs in host memory, {want} per rank (budget)" in run.stdout
+    assert f"train.activation_offload: the blocks' inputs take {want} of host memory per rank" in est.stdout
+    assert "warning: train.activation_offload" not in run.stdout + run.stderr
+
+
+def _zoff(*args: str) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "zoff", *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out

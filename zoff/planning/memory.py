@@ -23,7 +23,7 @@ from zoff.engine.footprint import frozen_param_bytes, host_staging, model_states
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.policy import POLICIES, Policy, engine_plan
 from zoff.host.kernels import compute_precision, upcasts
-from zoff.models import builds_sharded
+from zoff.models import builds_sharded, has_analytic_activations
 from zoff.models import meta_model as meta_model  # (re-exported: tests read it here)
 from zoff.planning.activations import Activations, activations
 from zoff.planning.buffers import device_buffers
@@ -36,6 +36,7 @@ from zoff.planning.gathering import fit_gathering, shapes
 from zoff.planning.gathering import stage3_fallbacks as stage3_fallbacks
 from zoff.planning.sequence import check as check_sequence
 from zoff.planning.speculation_costs import spending, swap_free_bytes
+from zoff.units import human
 
 GPU_KEYS = ("params", "grads", "optimizer_states", "buffers", "activations")
 CPU_KEYS = ("params", "grads", "optimizer_states")
@@ -70,6 +71,28 @@ def _as_computed(train_cfg: TrainConfig, device_type: str) -> tuple[TrainConfig,
     return dataclasses.replace(train_cfg, precision=precision), precision
 
 
+def _activations(
+    model_cfg: ModelConfig, data_cfg: DataConfig, train_cfg: TrainConfig, act_precision: str,
+    device_type: str, checkpointing: bool,
+) -> Activations:  # fmt: skip
+    return activations(
+        model_cfg, data_cfg, act_precision, checkpointing, device_type, train_cfg.loss_tile,
+        train_cfg.activation_offload, train_cfg.mlp_tile,
+        act_precision != train_cfg.precision,  # train.cpu_precision=upcast: fp32 activations over 16-bit weights
+        train_cfg.sequence_parallel,  # a rank's seq / N tokens and the all-to-all's buffers
+    )  # fmt: skip
+
+
+def activation_offload_budget(cfg: Config, device_type: str) -> int | None:
+    """train.activation_offload's host copies per rank, as `zoff estimate` counts them (in CPU/node, and its
+    note): the budget of the rank's offload pool. None: a model whose blocks' inputs the plan does not size
+    (the meta-device probe does not model the offload)."""
+    if not has_analytic_activations(cfg.model):
+        return None
+    train_cfg, act_precision = _as_computed(cfg.train, device_type)
+    return _activations(cfg.model, cfg.data, train_cfg, act_precision, device_type, True).host or None
+
+
 def estimate(
     model_cfg: ModelConfig,
     data_cfg: DataConfig,
@@ -98,18 +121,7 @@ def estimate(
     total, trainable, _ = count_params(model)
     plans = {s: engine_plan(model, s, world, zero_cfg) for s in (0, 1, 3)}
     acts = {
-        ac: activations(
-            model_cfg,
-            data_cfg,
-            act_precision,
-            ac,
-            device_type,
-            train_cfg.loss_tile,
-            train_cfg.activation_offload,
-            train_cfg.mlp_tile,
-            act_precision != precision,  # train.cpu_precision=upcast: fp32 activations over 16-bit weights
-            n,  # a rank's seq / N tokens and the all-to-all's buffers
-        )
+        ac: _activations(model_cfg, data_cfg, train_cfg, act_precision, device_type, ac)
         for ac in (False, True)
     }
     host = mem_total() if host_bytes is None else host_bytes
@@ -126,6 +138,11 @@ def estimate(
     )
     on_device = fp32_model if device_type == "cuda" else 0  # .to("cpu") of a host model moves nothing
     notes = []
+    if acts[True].host and train_cfg.activation_checkpointing:
+        notes.append(
+            f"train.activation_offload: the blocks' inputs take {human(acts[True].host)} of host memory "
+            "per rank (in CPU/node on the rows with act.ckpt on; the run's offload pool keeps to it)"
+        )
     if acts[False].method.startswith("not available"):
         notes.append(f"activations {acts[False].method}; counted as 0")
     return Estimate(

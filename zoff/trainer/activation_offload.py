@@ -21,6 +21,7 @@ it here; the memory simply moves from one host tensor to another.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zoff.engine.pool import BufferPool
 from zoff.engine.staging import NullEvent
+from zoff.units import human
 
 
 class HostSaved:
@@ -73,6 +75,7 @@ class HostSaved:
         with off._lock:
             off.stored_bytes += x.numel() * x.element_size()
             off.peak_stored_bytes = max(off.peak_stored_bytes, off.stored_bytes)
+        off.check_budget()
 
     def prefetch(self) -> None:
         """Issue the copy back to the device on the side stream (after the copy out has finished)."""
@@ -107,9 +110,15 @@ class HostSaved:
 class ActivationOffload:
     """The handles of one forward's checkpointed blocks and the host buffers they use (reused every step)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, budget_bytes: int | None = None):
+        """`budget_bytes`: the plan's host bytes for one forward's inputs (planning.memory's
+        activation_offload_budget, what `zoff estimate` counts); the pool keeps to it, giving free buffers back
+        to the allocator (a forward that raised, a shorter sequence), and a forward that needs more is said
+        once. None: a model the plan does not size; nothing is bounded."""
         self.cuda = device.type == "cuda"
-        self.pool = BufferPool(torch.device("cpu"), pin=self.cuda)
+        self.budget = budget_bytes
+        self.pool = BufferPool(torch.device("cpu"), budget_bytes, pin=self.cuda)
+        self.over_budget = False  # (said once)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.refs: list[weakref.ref] = []  # this forward's handles, in order (a handle lives with its graph)
         self.stored_bytes = self.peak_stored_bytes = 0
@@ -135,6 +144,28 @@ class ActivationOffload:
                 self.stored_bytes -= host.numel() * host.element_size()
         if host is not None:
             self.pool.give(host)
+
+    def describe(self) -> str:
+        """The start-up plan's line."""
+        where = "page-locked host memory" if self.cuda else "host memory"
+        if self.budget is None:
+            return (
+                f"activation offload: the blocks' inputs in {where}, not sized by the plan (a probed model)"
+            )
+        return f"activation offload: the blocks' inputs in {where}, {human(self.budget)} per rank (budget)"
+
+    def check_budget(self) -> None:
+        """One line, once, when this forward's host copies pass the plan's budget: the estimate under-counted
+        them (a model whose blocks take more than the residual stream), so the host may not hold the plan."""
+        if self.budget is None or self.over_budget or self.stored_bytes <= self.budget:
+            return
+        self.over_budget = True
+        print(
+            f"zoff: warning: train.activation_offload holds {human(self.stored_bytes)} of block inputs "
+            f"in host memory, more than the plan's {human(self.budget)} per rank (zoff estimate's); "
+            "the host needs the difference too",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
 
     def new_event(self):
         return torch.cuda.Event() if self.cuda else NullEvent()

@@ -19,6 +19,8 @@ def plan_lines(s: Session, threads: int) -> list[str]:
     """The start-up plan: what this rank's engine holds and where, its batches, and the notes of compiled
     blocks and of the 16-bit CPU kernels; rank 0 prints it, every rank logs it."""
     plan = _engine_lines(s.engine, s.batches, s.data_description, threads, s.upcast)
+    if s.activation_offload is not None:
+        plan.append("  " + s.activation_offload.describe())
     if s.compiled is not None:
         plan.append("  " + s.compiled.describe())
     if s.precision_note is not None:

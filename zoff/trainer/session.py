@@ -55,6 +55,8 @@ class Session:
     ckpt: Checkpointer | None = None
     start_step: int = 0  # steps already done (a resumed run's)
     stop: StopRequest | None = None
+    # train.activation_offload's host copies and their budget (None: the offload is off)
+    activation_offload: ActivationOffload | None = None
 
 
 def build_session(cfg: Config, device: torch.device) -> Session:
@@ -65,6 +67,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         cfg.train.precision, cfg.train.cpu_precision, device.type == "cpu"
     )
     upcast = upcasts(cfg.train.precision, cfg.train.cpu_precision, device.type == "cpu")
+    configured = cfg  # (what the plan reads: it applies train.cpu_precision itself)
     if not upcast:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     # (the same-gathers check's gloo group beside NCCL is stage 3's alone: no other stage gathers)
@@ -75,9 +78,7 @@ def build_session(cfg: Config, device: torch.device) -> Session:
     model = build_for_engine(cfg.model)
     if upcast:
         upcast_compute(model)
-    if cfg.train.activation_checkpointing:
-        offload = ActivationOffload(device) if cfg.train.activation_offload else None
-        enable_activation_checkpointing(model, offload.checkpoint if offload else None)
+    offload = _checkpoint_blocks(model, configured, device)
     if cfg.train.mlp_tile and not tile_mlps(model, cfg.train.mlp_tile):
         raise UserError(
             f"train.mlp_tile: {type(model).__name__} has no MLP to tile (a module named mlp whose class ends in "
@@ -129,7 +130,22 @@ def build_session(cfg: Config, device: torch.device) -> Session:
         upcast=upcast,
         sequence=sequence,
         nonfinite=NonFinite(cfg.train.max_nonfinite_steps, fp16=cfg.train.precision == "fp16"),
+        activation_offload=offload,
     )
+
+
+def _checkpoint_blocks(model: torch.nn.Module, cfg: Config, device: torch.device) -> ActivationOffload | None:
+    """train.activation_checkpointing on the model's blocks; with train.activation_offload, their inputs in
+    host memory, the pool's budget the plan's (zoff estimate's) bytes for them."""
+    if not cfg.train.activation_checkpointing:
+        return None
+    offload = None
+    if cfg.train.activation_offload:
+        from zoff.planning.memory import activation_offload_budget  # (planning: only with the offload)
+
+        offload = ActivationOffload(device, activation_offload_budget(cfg, device.type))
+    enable_activation_checkpointing(model, offload.checkpoint if offload else None)
+    return offload
 
 
 def packs(cfg: Config, model: torch.nn.Module, warn: bool = False) -> bool:

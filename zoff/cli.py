@@ -308,9 +308,10 @@ def cp(
     dest: Path = typer.Argument(..., help="File to create, or an existing folder to copy into"),
 ) -> None:
     """Copy a shipped config or recipe out for editing (never overwrites)."""
-    from zoff.config.catalog import copy
+    from zoff.config.catalog import copy, usage
 
-    print(f"zoff: wrote {copy(name, dest)}")
+    target = copy(name, dest)
+    print(f"zoff: wrote {target}\n  use it: {usage(name, target)}")
 
 
 @app.command(

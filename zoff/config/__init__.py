@@ -144,10 +144,7 @@ def resolve_recipe(section: Any, key: str, _seen: tuple[str, ...] = ()) -> Any:
         raise ConfigError(f"{key}.recipe: expected a recipe name (string), got {kind(name)}")
     if name in _seen:
         raise ConfigError(f"{key}.recipe: recipe cycle {' -> '.join(_seen + (name,))}")
-    path = RECIPES_DIR / f"{name}.yaml"
-    if name not in list_recipes():  # also keeps odd names (slashes, 300 characters) away from the filesystem
-        hint = suggest(name, list_recipes())
-        raise ConfigError(f"{key}: unknown recipe '{name}'{hint} (recipes are in {RECIPES_DIR})")
+    path = _recipe_file(name, key)
     base = _read_yaml(path)
     if isinstance(base, dict) and "zero" in base:
         base = base["zero"]
@@ -157,6 +154,25 @@ def resolve_recipe(section: Any, key: str, _seen: tuple[str, ...] = ()) -> Any:
     merged = _merge(base, {k: v for k, v in section.items() if k != "recipe"})
     merged["recipe"] = name
     return merged
+
+
+def _recipe_file(name: str, key: str) -> Path:
+    """A shipped recipe's file, or a recipe file of the user's (a path ending in .yaml, from `zoff cp`: relative
+    to the working directory, as the command line's other paths are)."""
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"{key}: recipe file '{name}' not found (a path ending in .yaml, or a recipe name)"
+            )
+        return path
+    if name not in list_recipes():  # also keeps odd names (slashes, 300 characters) away from the filesystem
+        hint = suggest(name, list_recipes())
+        raise ConfigError(
+            f"{key}: unknown recipe '{name}'{hint} (recipes are in {RECIPES_DIR}; a file of your own: a path "
+            "ending in .yaml)"
+        )
+    return RECIPES_DIR / f"{name}.yaml"
 
 
 def _apply_override(raw: dict, item: str) -> None:

@@ -6,6 +6,7 @@ description `zoff ls` prints. `zoff cp NAME DEST` copies one out for editing and
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,15 @@ def find(name: str) -> Entry:
             f"NAME: '{name}' is both {' and '.join(f'{e.kind}/{e.name}' for e in hits)}; say which"
         )
     return hits[0]
+
+
+def usage(name: str, target: Path) -> str:
+    """The command that uses a copy made by `copy(name, ...)`: a config is trained; a recipe is a config's
+    zero policy (a path ending in .yaml: zoff.config's _recipe_file)."""
+    where = shlex.quote(str(target))
+    if find(name).kind == "recipes":
+        return f"zoff train CONFIG zero={where}   (or, in a config: `zero: {{recipe: {target}}}`)"
+    return f"zoff train {where}"
 
 
 def copy(name: str, dest: Path) -> Path:

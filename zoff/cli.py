@@ -107,6 +107,7 @@ def train(
             _launch_once(launch, cfg, out, resume, ckpt_dir, before)
             return
         except WorkerFailed as e:
+            _ended_by_disk_error(out, ckpt_dir, before)
             again = regather.restart_config(cfg, out)
             if again is None:
                 print(
@@ -131,9 +132,11 @@ def train(
 
 def _launch_once(launch, cfg, out: Path, resume: str | None, ckpt_dir: Path, before) -> None:
     """One launch of the ranks; where they ended the run for non-finite steps, say so and exit 1."""
+    from zoff.trainer import disk_error
     from zoff.trainer.nonfinite import clear_stop
 
     clear_stop(out)  # (a record an earlier launch left, one that then failed or was stopped, is not ours)
+    disk_error.clear(out)
     launch(cfg, out, resume)
     _stopped_for_nonfinite(out, ckpt_dir, before)
 
@@ -153,6 +156,18 @@ def _stopped_for_nonfinite(out: Path, ckpt_dir: Path, before) -> None:
         file=sys.stderr,
     )
     raise typer.Exit(1)
+
+
+def _ended_by_disk_error(out: Path, ckpt_dir: Path, before) -> None:
+    """Where a rank met a disk's I/O error (trainer/disk_error.py): one line naming the file, the error and the
+    checkpoint on disk, the command that resumes; exit 1 (the traceback is in the rank's logs)."""
+    from zoff.trainer import disk_error
+
+    error = disk_error.take(out)
+    if error is not None:
+        line = run_end.disk_error_line(error, ckpt_dir, before)
+        print(f"{line}\n  {run_end.resume_command(out)}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command(

@@ -23,6 +23,7 @@ from zoff.checkpoint.base_ref import check_base
 from zoff.checkpoint.format import (
     FORMAT_VERSION,
     KINDS,
+    WRITE,
     Readers,
     assemble_shard,
     complete_checkpoints,
@@ -45,7 +46,7 @@ from zoff.engine import ZeroEngine
 from zoff.engine.disk.placement import partition_entries
 from zoff.engine.disk.swapfile import ALIGN
 from zoff.engine.partition import PartitionPlan
-from zoff.errors import UserError
+from zoff.errors import DiskError, UserError, disk_errors
 from zoff.files.tensorfile import write_streaming
 
 # ------------------------------------------------------------------------------------------------ save
@@ -118,13 +119,15 @@ def _write_partition(path: Path, engine: ZeroEngine, state: dict, frozen: bool =
         layout = partition_entries([units[u].shard for u in range(n)])
         sources = {"master": state["masters"], **state["optimizer"]}
         tensors = ((f"u{u}.{k}", sources[k][u].detach().float().cpu()) for u in range(n) for k in KINDS)
-        write_streaming(path, layout, tensors, align=ALIGN)  # in the order of `layout`: the swap file's
+        with disk_errors(path, WRITE):  # (its errors name the file in their message only)
+            write_streaming(path, layout, tensors, align=ALIGN)  # in the order of `layout`: the swap file's
         files.update(file_entry(path))
     if len(units) > n and frozen:
         out = path.with_name(_frozen_file(rank))
         layout = [(f"u{u}.master", [units[u].shard], torch.float32) for u in range(n, len(units))]
         shards = ((f"u{u}.master", engine.param_shard(u).float().cpu()) for u in range(n, len(units)))
-        write_streaming(out, layout, shards)
+        with disk_errors(out, WRITE):
+            write_streaming(out, layout, shards)
         files.update(file_entry(out))
     return files
 
@@ -313,9 +316,17 @@ class Checkpointer:
         self.engine, self.cfg, self.max_steps, self.config_yaml = engine, cfg, max_steps, config_yaml
         self.base = base  # base_ref.base_reference(model): frozen parameters stay in that folder
         self.dir = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
+        self.reached = 0  # the last step the loop asked about (due): done, so a disk error's is the next
+
+    def step_of(self, error: DiskError) -> int:
+        """The step a disk error met during the run happened in: a save's own, else the one after the last
+        step done (the last one where it came after it, in the engine's close)."""
+        saving = getattr(error, "step", None)
+        return saving if saving is not None else min(self.reached + 1, self.max_steps)
 
     def due(self, step: int, stopping: bool = False) -> bool:
         """Whether to save after `step`: every every_steps, at the end, and when stopping (preemption)."""
+        self.reached = step
         if not self.cfg.enabled:
             return False
         return (
@@ -325,13 +336,17 @@ class Checkpointer:
         )
 
     def save(self, step: int, trainer_state: dict) -> Path:
+        """Save step `step`, then prune to keep_last. A disk's I/O error (a full disk, a failing one) raises a
+        DiskError naming the file, before anything was renamed, pointed to or pruned: the checkpoints saved
+        before stay whole, `latest` on the last of them (save_checkpoint)."""
         try:
-            path = save_checkpoint(self.engine, self.dir, step, trainer_state, self.config_yaml, self.base)
-        except OSError as e:  # a full disk, a quota: one line naming the file, not a traceback per rank
-            raise UserError(
-                f"checkpoint of step {step} not saved: {str(e).removeprefix('zoff: ')} "
-                f"(the last complete checkpoint in {self.dir} is intact)"
-            ) from None
+            with disk_errors(self.dir, WRITE):
+                path = save_checkpoint(
+                    self.engine, self.dir, step, trainer_state, self.config_yaml, self.base
+                )
+        except DiskError as e:
+            e.step = step
+            raise
         if self.engine.comm.rank == 0:
             prune(self.dir, self.cfg.keep_last)
         return path
@@ -344,4 +359,5 @@ class Checkpointer:
         if path is None:
             return 0, None
         state = load_checkpoint(self.engine, path, base=self.base)
-        return int(state["step"]), state
+        self.reached = int(state["step"])
+        return self.reached, state

@@ -12,16 +12,18 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from zoff.engine.partition import PartitionPlan
 from zoff.engine.step.states import KINDS  # noqa: F401  (re-exported: the states a shard file holds)
-from zoff.errors import UserError
+from zoff.errors import DiskError, UserError, disk_errors
 from zoff.files.tensorfile import SafetensorsReader
 
 # 2: per-parameter skipped_steps (its Adam step count) and stage 3's frozen parameters in the shard files;
 # version 1 checkpoints load as they are.
 FORMAT_VERSION = 2
+WRITE = "checkpoint write"  # what a disk's I/O error during a save says was being done (errors.DiskError)
 
 
 def step_dir_name(step: int) -> str:
@@ -29,7 +31,13 @@ def step_dir_name(step: int) -> str:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    save_file(tensors, str(path))
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as e:  # (its I/O errors are not OSErrors: the errno is in the message)
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise DiskError(OSError(int(code[1]), os.strerror(int(code[1]))), path, WRITE) from None
     return file_entry(path)
 
 
@@ -51,11 +59,12 @@ def file_entry(path: Path) -> dict[str, dict]:
 
     Every checkpoint file gets the same mode, 0666 less the umask, as any file the user writes (safetensors
     creates its files 0600, the others followed the umask: docs/checkpoints.md)."""
-    os.chmod(path, 0o666 & ~umask())
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {path.name: {"bytes": path.stat().st_size, "sha256": digest}}
+    with disk_errors(path, WRITE):  # (fsync: where a disk's write-back error surfaces)
+        os.chmod(path, 0o666 & ~umask())
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        return {path.name: {"bytes": path.stat().st_size, "sha256": digest}}
 
 
 # What a checkpoint carries beside the tensors to describe the model (a transformers model's config.json and
@@ -337,7 +346,7 @@ class Readers:
 
 
 def write_json(path: Path, obj: dict) -> None:
-    with open(path, "w") as f:
+    with disk_errors(path, WRITE), open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
@@ -345,11 +354,12 @@ def write_json(path: Path, obj: dict) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with disk_errors(tmp, WRITE):
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
@@ -374,8 +384,9 @@ def replace_folder(new: Path, final: Path) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with disk_errors(path, WRITE):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

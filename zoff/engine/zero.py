@@ -8,6 +8,7 @@ stage 3  + parameters partitioned: units are gathered around the modules that us
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -424,7 +425,8 @@ class ZeroEngine(EngineReports, EngineState, EngineSpeculation):
             self.optimizer.close()  # (re-raises a background step's error: the other files close all the same)
         finally:
             self.reducer.close()  # the landing thread, before the gradient file it writes closes
-            self.grads.close()
-            for f in (self.param_disk, self.next_params):
-                if f is not None:
-                    f.close()
+            # each file closes (and is removed) even where another's close raised a disk's I/O error
+            with contextlib.ExitStack() as files:
+                for f in (self.grads, self.param_disk, self.next_params):
+                    if f is not None:
+                        files.callback(f.close)

@@ -14,6 +14,7 @@ from zoff.checkpoint.base_ref import base_reference
 from zoff.config import Config, dump_yaml
 from zoff.engine import Comm
 from zoff.models import model_flops_per_token
+from zoff.trainer import disk_error
 from zoff.trainer.compile import compile_seconds
 from zoff.trainer.loop import train_loop
 from zoff.trainer.metrics import MetricsWriter, peak_rss_slots, rank_logger
@@ -54,15 +55,17 @@ def run_training(cfg: Config, run_dir: Path, device: torch.device, resume: str |
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             writer.event("resume", start, checkpoint=str(ckpt.dir), restart=restart, world_size=s.comm.world)
     s.writer, s.ckpt, s.start_step, s.stop = writer, ckpt, start, stop
-    try:
-        train_loop(s)
-        peaks = ranks_peak_rss_mib(s.comm)  # (a collective: every rank, before the engine closes)
-    except BaseException:
-        if writer is not None and writer.trackers is not None:
-            writer.trackers.close()  # the tracker runs end marked failed, not left running
-        raise
-    finally:
-        s.engine.close()  # the disk tier's swap files go with a clean exit (and with an error)
+    # a disk's I/O error, in a step, a save or the close's last write-backs: recorded for zoff train's one line
+    with disk_error.recorded_on_failure(run_dir, s.comm.rank, ckpt.step_of):
+        try:
+            train_loop(s)
+            peaks = ranks_peak_rss_mib(s.comm)  # (a collective: every rank, before the engine closes)
+        except BaseException:
+            if writer is not None and writer.trackers is not None:
+                writer.trackers.close()  # the tracker runs end marked failed, not left running
+            raise
+        finally:
+            s.engine.close()  # the disk tier's swap files go with a clean exit (and with an error)
     log.info("engine stats %s", json.dumps(s.engine.stats()))
     log.info("memory report %s", json.dumps(s.engine.memory_report()))
     held, ddp = model_state_bytes(s.engine)

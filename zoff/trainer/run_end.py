@@ -61,6 +61,14 @@ def failure_line(ckpt_dir: Path, before: OnDisk | None) -> str:
     return f"zoff: {_latest_clause(latest_on_disk(ckpt_dir), before, ckpt_dir)}"
 
 
+def disk_error_line(error: str, ckpt_dir: Path, before: OnDisk | None) -> str:
+    """After a disk's I/O error ended the run (`error`: disk_error.take's), one line: the error, then the
+    checkpoint --resume auto would continue from, read from the directory now."""
+    from zoff.checkpoint.status import latest_on_disk
+
+    return f"zoff: disk error: {error}; {_latest_clause(latest_on_disk(ckpt_dir), before, ckpt_dir)}"
+
+
 def _latest_clause(now: OnDisk | None, before: OnDisk | None, ckpt_dir: Path) -> str:
     """'the last complete checkpoint is step 40 (PATH, saved by this run); continue from it with:' or
     what stands in its place: none at all, or a damaged one that --resume auto will refuse."""

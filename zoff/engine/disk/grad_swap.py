@@ -150,8 +150,10 @@ class DiskGrads(GradShards):
 
     def close(self) -> None:
         self.holds.clear()
-        self._drain_writes()
-        self.file.close()
+        try:
+            self._drain_writes()  # (a write-back's I/O error is raised; the file is closed and removed all the same)
+        finally:
+            self.file.close()
 
 
 class DelayedDiskGrads(GradShards):
@@ -199,5 +201,7 @@ class DelayedDiskGrads(GradShards):
         return self.live.disk_bytes() + self.stepped.disk_bytes()
 
     def close(self) -> None:
-        self.live.close()
-        self.stepped.close()
+        try:
+            self.live.close()
+        finally:
+            self.stepped.close()

@@ -290,8 +290,10 @@ class SwappedShards:
         return self.full_bytes  # (speculation's second regions too, claimed or still to be: they are planned)
 
     def close(self) -> None:
-        self.flush()
-        self.file.close()
+        try:
+            self.flush()  # (a write-back's I/O error is raised; the file is closed and removed all the same)
+        finally:
+            self.file.close()
 
 
 def param_file(

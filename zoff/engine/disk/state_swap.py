@@ -34,6 +34,7 @@ import torch
 from zoff.engine.disk.placement import kind_offset, partition_layout, piece_ram_bytes, ring_size, walk_pieces
 from zoff.engine.disk.swapfile import AlignedBuffer, SwapFile, aligned, copy_file
 from zoff.engine.step.states import KINDS, States
+from zoff.errors import disk_errors
 
 
 class SwappedStates(States):
@@ -348,12 +349,13 @@ class SwappedStates(States):
         self._home()
         for k in sorted(self.resident):
             self.file.wait(self._write_ranges(None, k))
-        out = SwapFile(path, self.layout.nbytes, self.file.threads, self.file.request, swap=False)
-        try:
-            digest = copy_file(self.file, out, self.layout.nbytes)
-            os.fsync(out.fd)
-        finally:
-            out.close(remove=False)
+        with disk_errors(path, "checkpoint write"):
+            out = SwapFile(path, self.layout.nbytes, self.file.threads, self.file.request, swap=False)
+            try:
+                digest = copy_file(self.file, out, self.layout.nbytes)
+                os.fsync(out.fd)  # (where a disk's write-back error surfaces)
+            finally:
+                out.close(remove=False)
         return digest
 
     def load_file(self, path: Path) -> str | None:
@@ -393,6 +395,10 @@ class SwappedStates(States):
         return self.file.nbytes + self._second_file[1]
 
     def close(self) -> None:
-        self._drain()
-        for f in self.files:
-            f.close()
+        """Wait for the write-backs (an I/O error among them is raised) and close, the files removed all the
+        same: a failed disk must not leave a run's swap files behind on it."""
+        try:
+            self._drain()
+        finally:
+            for f in self.files:
+                f.close()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from zoff.errors import UserError, os_error
+from zoff.errors import DiskError, UserError, os_error
 
 ALIGN = 4096
 HUGE_PAGE = 2 << 20  # x86-64 transparent huge page: buffers this large ask for them (AlignedBuffer)
@@ -68,6 +68,7 @@ class SwapFile:
         a swap file (copy_file), with no warnings about the disk tier."""
         self.path, self.nbytes = path, aligned(nbytes)
         self.request = max(ALIGN, aligned(request_bytes))
+        self.role = "swap" if swap else "checkpoint"  # what an I/O error says it was doing (DiskError)
         if swap:
             # Swap folders are often shared scratch disks: never write through a name someone else planted. The
             # rank's folder must be a real folder of this user's; whatever is at the file's name (a stale swap
@@ -107,8 +108,8 @@ class SwapFile:
             return
         try:
             os.posix_fallocate(self.fd, 0, nbytes)
-        except OSError as e:
-            raise os_error(e, f"zoff: cannot reserve {nbytes:,} bytes in {self.path}: {e.strerror}") from None
+        except OSError as e:  # mid-run (a speculated step): ends the run like any disk error there
+            raise DiskError(e, self.path, f"reserving {nbytes:,} bytes") from None
         self.nbytes = nbytes
 
     @classmethod
@@ -116,6 +117,7 @@ class SwapFile:
         """An existing file opened for reading only (O_DIRECT where the filesystem has it)."""
         self = cls.__new__(cls)
         self.path, self.request = path, max(ALIGN, aligned(request_bytes))
+        self.role = "checkpoint"
         self._open(os.O_RDONLY, warn=False)
         self.nbytes = os.fstat(self.fd).st_size
         self.owned = False  # someone else's file (a checkpoint's): close() never removes it
@@ -166,14 +168,14 @@ class SwapFile:
         """Fill `buf` (uint8, from an AlignedBuffer) from the file at `offset`; wait on the futures."""
         self.read_bytes += buf.numel()
         return [
-            self.pool.submit(_full, os.preadv, self.fd, mv, off, self.path)
+            self.pool.submit(_full, os.preadv, self.fd, mv, off, self.path, f"{self.role} read")
             for mv, off in self._chunks(buf, offset)
         ]
 
     def write(self, buf: torch.Tensor, offset: int) -> list[Future]:
         self.written_bytes += buf.numel()
         return [
-            self.wpool.submit(_full, os.pwritev, self.fd, mv, off, self.path)
+            self.wpool.submit(_full, os.pwritev, self.fd, mv, off, self.path, f"{self.role} write")
             for mv, off in self._chunks(buf, offset)
         ]
 
@@ -272,14 +274,15 @@ def filesystem_type(path: Path) -> str:
     return best[1]
 
 
-def _full(op, fd: int, mv: memoryview, offset: int, path: Path) -> None:
-    """One request, retried until every byte moved (preadv/pwritev may return short counts)."""
+def _full(op, fd: int, mv: memoryview, offset: int, path: Path, what: str) -> None:
+    """One request, retried until every byte moved (preadv/pwritev may return short counts). It runs on an
+    I/O thread: an error (EIO, ENOSPC) is the future's, raised where the caller waits on it (wait())."""
     done = 0
     while done < len(mv):
         try:
             n = op(fd, [mv[done:]], offset + done)
         except OSError as e:
-            raise os_error(e, f"zoff: I/O failed on {path} at byte {offset + done:,}: {e.strerror}") from None
+            raise DiskError(e, path, f"{what} at byte {offset + done:,}") from None
         if n <= 0:
             raise OSError(f"zoff: {path} ended at byte {offset + done:,}")
         done += n

@@ -204,6 +204,7 @@ def validate(
 @app.command(
     epilog=_examples(
         "zoff estimate configs/gpt-7b.yaml --gpus-per-node 1 --gpu-memory 24GiB --cpu-memory 128GiB --suggest",
+        "zoff estimate configs/gpt-7b.yaml --gpus-per-node 1 --gpu-memory 24GiB --suggest --write 7b.yaml",
         "zoff estimate configs/gpt-7b.yaml --max-model --disk 4TB",
         "zoff estimate configs/gpt-7b.yaml --max-context --gpus-per-node 1 --gpu-memory 24GiB data.batch_size=1",
     )
@@ -236,6 +237,9 @@ def estimate(
     compute_s: str = typer.Option(
         None, "--compute-s", help="--time with this forward+backward s/micro-batch"
     ),
+    write: Path = typer.Option(
+        None, "--write", help="With --suggest: the suggested config, resolved, into this new YAML file"
+    ),
 ) -> None:
     """Memory needs per GPU and per CPU node for every ZeRO stage and offload choice, activations included."""
     from zoff.planning.estimate import run_cli
@@ -243,7 +247,7 @@ def estimate(
     # Counts and sizes arrive as text so that bad values get zoff's one-line error rather than click's usage block.
     run_cli(
         config, list(overrides or []), gpus_per_node, nodes, gpu_memory, cpu_memory, as_json, suggest,
-        max_model=max_model, disk=disk, timed=timed, compute_s=compute_s, max_context=max_context,
+        max_model=max_model, disk=disk, timed=timed, compute_s=compute_s, max_context=max_context, write=write,
     )  # fmt: skip
 
 

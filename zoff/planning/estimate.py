@@ -76,6 +76,7 @@ def run_cli(
     timed: bool = False,
     compute_s: str | None = None,
     max_context: bool = False,
+    write: Path | None = None,
 ) -> None:
     """`zoff estimate`: flags are checked before the config is read so a typo fails fast.
 
@@ -122,6 +123,10 @@ def run_cli(
         return
     est = estimate_to_fit(cfg.model, cfg.data, cfg.train, cfg.zero, gpn, n, device_type, budget)
     sug = _suggestion(cfg, est, budget, gpn, n, device_type) if suggest else None
+    if sug is not None:
+        sug = (*sug, _command(config, overrides, cfg, sug, gpn, n, write))
+    elif write is not None:
+        raise UserError("--write: writes the suggested config; add --suggest")
     timing = step_timing(cfg, est, gpn, _seconds(compute_s)) if timed or compute_s is not None else None
     if as_json:
         print(json.dumps(to_json(est, budget, cfg.zero, cfg.train, sug, disk_source, timing), indent=2))
@@ -138,6 +143,32 @@ def _suggestion(cfg: Config, est: Estimate, budget: Budget, gpn: int, nodes: int
         if found is not None:
             return found
     return pe, reason, cfg.train.sequence_parallel
+
+
+def _command(config: Path, overrides: list[str], cfg: Config, sug, gpn: int, nodes: int, write: Path | None):
+    """The suggested row's `zoff train` line (None where no row fits); with `write`, that config resolved into
+    the YAML file `write` (never overwritten), and the line trains that file."""
+    from zoff.planning.suggest_command import suggested_command, suggested_overrides
+
+    pe, _, n = sug
+    if pe is None:
+        return None
+    extra = suggested_overrides(cfg, pe, n)
+    if write is None:
+        return suggested_command(config, overrides, cfg, extra, gpn, nodes)
+    from zoff.config import dump_yaml, load_config
+
+    resolved = load_config(config, [*overrides, *extra])
+    line = suggested_command(write, [], resolved, [], gpn, nodes)
+    head = f"# zoff estimate --suggest's row for {config} {' '.join(overrides)}".rstrip()
+    try:
+        with open(write, "x") as f:  # ("x": never overwrites)
+            f.write(f"{head}\n# train it: {line}\n{dump_yaml(resolved)}")
+    except FileExistsError:
+        raise UserError(f"--write: {write} already exists (choose another file)") from None
+    except OSError as e:
+        raise UserError(f"--write: cannot write {write}: {e.strerror}") from None
+    return line
 
 
 def _seconds(text: str | None) -> float | None:

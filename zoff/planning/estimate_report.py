@@ -87,9 +87,9 @@ def to_json(
         out["rates"] = {"compute_s_per_micro_batch": r.compute_s, "adam_s_per_param": r.adam_s_per_param,
                         "read_gbps": r.read_gbps, "write_gbps": r.write_gbps, "sources": list(r.sources)}  # fmt: skip
     if suggestion is not None:
-        pe, reason, n = suggestion
+        pe, reason, n, command = suggestion
         out["suggestion"] = {**(pe.policy.to_dict() if pe else {}), "fits": pe is not None, "reason": reason,
-                             "sequence_parallel": n}  # fmt: skip
+                             "sequence_parallel": n, "command": command}  # fmt: skip
     return out
 
 
@@ -154,6 +154,7 @@ def render(
         *_parts_note(est),
         *(_timing_note(timing[0], steps) if timing else []),
         *([f"suggested: {suggestion[1]}"] if suggestion else []),
+        *([f"run: {suggestion[3]}"] if suggestion and suggestion[3] else []),
     ]
     for line in lines:
         console.print(line, soft_wrap=True)

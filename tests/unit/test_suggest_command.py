@@ -95,3 +95,16 @@ def test_write_puts_the_suggested_config_in_a_new_file(tmp_path) -> None:
     assert target.read_text() == before
     alone = _estimate(CASES[0][0], "--write", str(tmp_path / "x.yaml"))
     assert alone.returncode == 2 and "add --suggest" in alone.stderr and not (tmp_path / "x.yaml").exists()
+
+
+def test_a_disk_tier_folder_not_made_yet_offers_the_free_space_where_it_will_be(tmp_path) -> None:
+    """At 51a0203 `--suggest` on configs/gpt-3b-nvme.yaml said "no disk tier" and "use more GPUs" when its
+    nvme_path did not exist yet; the engine makes the folder, so its parent's free space is the tier."""
+    later = tmp_path / "not" / "yet"
+    args = ("configs/gpt-3b-nvme.yaml", f"zero.offload_optimizer.nvme_path={later}", "--gpus-per-node", "1",
+            "--gpu-memory", "24GiB", "--cpu-memory", "24GiB")  # fmt: skip
+    out = _estimate(*args, "--suggest", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["memory"]["disk_bytes"] > 0 and got["suggestion"]["offload_optimizer"] == "nvme", got["suggestion"]
+    assert not later.exists()  # (the estimate makes nothing)

@@ -31,9 +31,17 @@ from zoff.units import human
 
 
 def swap_free_bytes(zero_cfg: ZeroConfig) -> int:
-    """Free bytes at the disk tier's folder (zero.offload_optimizer.nvme_path); 0 without one."""
+    """Free bytes at the disk tier's folder (zero.offload_optimizer.nvme_path); 0 without one. A folder not
+    made yet (the engine makes it, swapfile.py) counts the free bytes where it will be made: its nearest
+    existing parent's (at 51a0203 such a config's estimate said "no disk tier", while `zoff validate`, and a
+    run, took the path)."""
     path = zero_cfg.offload_optimizer.nvme_path
-    return shutil.disk_usage(path).free if path and Path(path).expanduser().is_dir() else 0
+    if not path:
+        return 0
+    folder = Path(path).expanduser().absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free if folder.is_dir() else 0
 
 
 def row_speculates(zero: ZeroConfig, policy: Policy, device_type: str) -> bool:

@@ -68,20 +68,22 @@ def _failed_run(agent, ckpt_dir: Path) -> re.Match:
     return m
 
 
-def test_a_swap_write_failing_mid_run_ends_in_one_line_and_the_run_resumes(agents, tmp_path, swap) -> None:
-    """EIO on rank 1's optimizer swap file from its 16th write on (a step or two after the checkpoint of step
-    6): the error surfaces from the I/O thread in the step waiting on it; the swap files go with the run."""
-    run = tmp_path / "run"
-    fault = _fault("eio", "*/rank1/optimizer.swap", "pwritev", 16, rank=1)
+@pytest.mark.parametrize("op", ["pwritev", "preadv"])
+def test_a_swap_file_failing_mid_run_ends_in_one_line_and_the_run_resumes(agents, tmp_path, swap, op) -> None:
+    """EIO on rank 1's optimizer swap file from its 16th write (or read) on, a step or two after the
+    checkpoint of step 6: the error surfaces from the I/O thread in the step waiting on it; the swap files go
+    with the run. The printed command resumes (once, after the write's case)."""
+    run, swapped = tmp_path / "run", str(swap / "rank1" / "optimizer.swap")
+    fault = _fault("eio", "*/rank1/optimizer.swap", op, 16, rank=1)
     a = agents(run, *COMMON, "checkpoint.keep_last=2", *_disk_tier(swap), env=fault)
     m = _failed_run(a, run / "checkpoints")
-    assert (m.group(1), m.group(2), m.group(5)) == ("5", str(swap / "rank1" / "optimizer.swap"), "1"), (
-        m.group(0)
-    )
-    assert m.group(3).startswith("swap write at byte "), m.group(0)
+    assert (m.group(1), m.group(2), m.group(5)) == ("5", swapped, "1"), m.group(0)
+    assert m.group(3).startswith(f"swap {'write' if op == 'pwritev' else 'read'} at byte "), m.group(0)
     assert len(checkpoint_steps(run / "checkpoints")) == 2  # keep_last's, as before the fault
     assert list(swap.iterdir()) == []  # no swap file left behind on the failed disk
     assert not (run / "disk_error.json").exists()  # read and forgotten: a resume starts without it
+    if op == "preadv":
+        return
     # the command printed resumes from the checkpoint it names, and trains to the end
     b = agents(run, argv=shlex.split(m.group(8)), name="resume").ok()
     assert [e["step"] for e in events(run, "resume")] == [int(m.group(6))], b.report()

@@ -26,11 +26,11 @@ class Gate:
         self.opened, self.waiting = threading.Event(), threading.Semaphore(0)
         real = swapfile._full
 
-        def full(op, fd, mv, offset, path):
+        def full(op, *args):
             if op is os.pwritev:
                 self.waiting.release()
                 self.opened.wait(timeout=60)
-            return real(op, fd, mv, offset, path)
+            return real(op, *args)
 
         monkeypatch.setattr(swapfile, "_full", full)
 

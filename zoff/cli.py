@@ -59,6 +59,11 @@ def train(
     max_restarts: int = typer.Option(None, "--max-restarts", help="Elastic restarts on failure"),
     run_dir: Path = typer.Option(None, "--run-dir", help="Run directory (default runs/<config>-<time>)"),
     resume: str = typer.Option(None, "--resume", help="auto or a checkpoint path"),
+    fresh: bool = typer.Option(
+        False,
+        "--fresh",
+        help="Start over in a --run-dir holding another run: move it aside (RUN_DIR.old-TIME)",
+    ),
 ) -> None:
     """Train a model on this node's ranks (and others joining the rendezvous)."""
     extra = _flag_overrides(
@@ -72,7 +77,7 @@ def train(
     from zoff.files.hub import pin as pin_hub_ids
     from zoff.launch.elastic import check_torch
     from zoff.launch.network import node_address
-    from zoff.launch.preflight import check_before_launch, check_resume
+    from zoff.launch.preflight import check_before_launch
 
     check_torch()
     node_address(cfg.launch)  # the interface and the endpoint resolve, before anything starts
@@ -84,10 +89,7 @@ def train(
         cfg, why = choose_policy(cfg)
         print(why, flush=True)
     out_dir = Path(run_dir or cfg.log.run_dir) if (run_dir or cfg.log.run_dir) else None
-    if resume is not None:
-        resume = check_resume(resume, cfg, out_dir)
-    if out_dir is None:
-        out_dir = Path("runs") / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir, resume = _claim_run_dir(config, cfg, model, out_dir, resume, fresh)
     from zoff.planning.disk_room import check_checkpoint_room
 
     # room for a checkpoint: a save that cannot fit would fail hours in, with nothing saved
@@ -128,6 +130,35 @@ def train(
                 file=sys.stderr,
             )
             raise typer.Exit(e.exit_code) from None
+
+
+def _claim_run_dir(config: Path, cfg, model, out_dir: Path | None, resume: str | None, fresh: bool):
+    """The run directory and the checkpoint to resume from, checked before anything starts
+    (launch/run_dir.py): a directory holding another run is refused (or, with --fresh, moved aside), a
+    checkpoint of another model is refused, and --resume auto without --run-dir takes the config's newest run."""
+    from zoff.launch import run_dir as rd
+    from zoff.launch.preflight import check_resume
+
+    asked = resume
+    if fresh and resume is not None:
+        raise UserError("--fresh: starts over; it cannot be combined with --resume")
+    if resume == "auto" and out_dir is None and cfg.checkpoint.dir is None:
+        out_dir = rd.newest_run(config)
+        if out_dir is None:
+            raise UserError(
+                f"--resume auto: no run of {config.name} under {rd.RUNS}/ holds a checkpoint; give its --run-dir"
+            )
+        print(f"zoff: --resume auto: continuing {out_dir} (the newest run of {config.name} under {rd.RUNS}/)")
+    if resume is not None:
+        resume = check_resume(resume, cfg, out_dir)
+        if resume is not None:
+            rd.check_same_model(Path(resume), model)
+    if out_dir is None:
+        out_dir = rd.RUNS / f"{config.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+    if asked is None and rd.owns_run_dir(cfg):  # (--resume auto with no checkpoint yet: the same run again)
+        rd.claim(out_dir, ckpt_dir, fresh)
+    return out_dir, resume
 
 
 def _launch_once(launch, cfg, out: Path, resume: str | None, ckpt_dir: Path, before) -> None:

@@ -70,11 +70,11 @@ def _failed_run(agent, ckpt_dir: Path) -> re.Match:
 
 @pytest.mark.parametrize("op", ["pwritev", "preadv"])
 def test_a_swap_file_failing_mid_run_ends_in_one_line_and_the_run_resumes(agents, tmp_path, swap, op) -> None:
-    """EIO on rank 1's optimizer swap file from its 16th write (or read) on, a step or two after the
+    """EIO on rank 1's optimizer swap file from its 17th write (or 9th read) on, a step or two after the
     checkpoint of step 6: the error surfaces from the I/O thread in the step waiting on it; the swap files go
     with the run. The printed command resumes (once, after the write's case)."""
     run, swapped = tmp_path / "run", str(swap / "rank1" / "optimizer.swap")
-    fault = _fault("eio", "*/rank1/optimizer.swap", op, 16, rank=1)
+    fault = _fault("eio", "*/rank1/optimizer.swap", op, 16 if op == "pwritev" else 8, rank=1)
     a = agents(run, *COMMON, "checkpoint.keep_last=2", *_disk_tier(swap), env=fault)
     m = _failed_run(a, run / "checkpoints")
     assert (m.group(1), m.group(2), m.group(5)) == ("5", swapped, "1"), m.group(0)

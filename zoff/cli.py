@@ -99,6 +99,12 @@ def train(
     out = _make_run_dir(out_dir)
     (out / "config.yaml").write_text(dump_yaml(cfg))
     print(f"zoff: run directory {out}", flush=True)
+    _launch_until_done(cfg, out, resume)
+
+
+def _launch_until_done(cfg, out: Path, resume: str | None) -> None:
+    """Launch the ranks, again from the last checkpoint where a regather restart is due (regather.py); a
+    failure or a stop ends the command with the lines that say what is on disk and how to go on."""
     from zoff.checkpoint.status import latest_on_disk
     from zoff.launch.elastic import Preempted, WorkerFailed, launch
 
@@ -234,7 +240,6 @@ def validate(
 
 @app.command(
     epilog=_examples(
-        "zoff estimate configs/gpt-7b.yaml --gpus-per-node 1 --gpu-memory 24GiB --cpu-memory 128GiB --suggest",
         "zoff estimate configs/gpt-7b.yaml --gpus-per-node 1 --gpu-memory 24GiB --suggest --write 7b.yaml",
         "zoff estimate configs/gpt-7b.yaml --max-model --disk 4TB",
         "zoff estimate configs/gpt-7b.yaml --max-context --gpus-per-node 1 --gpu-memory 24GiB data.batch_size=1",

@@ -83,3 +83,17 @@ def test_resume_auto_without_a_run_dir_continues_the_configs_newest_run(tmp_path
         later.stdout
     )
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1] == "step_00000006"
+
+
+def test_retention_never_deletes_the_checkpoint_just_saved(tmp_path) -> None:
+    """A run resumed from an earlier checkpoint saves beside higher steps: at 51a0203 retention kept the
+    highest step numbers and deleted the new save, leaving `latest` naming nothing."""
+    assert _train(*FIRST, "--run-dir", "R", cwd=tmp_path).returncode == 0
+    ckpts = tmp_path / "R" / "checkpoints"
+    again = _train(
+        "train.max_steps=6", "checkpoint.every_steps=3", "checkpoint.keep_last=1", "--run-dir", "R",
+        "--resume", str(ckpts / "step_00000005"), cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000006"]
+    assert (ckpts / "latest").read_text().strip() == "step_00000006"

@@ -140,10 +140,12 @@ def _frozen_file(rank: int) -> str:
     return f"frozen_{rank:05d}.safetensors"
 
 
-def prune(ckpt_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (rank 0, after a save completed)."""
-    done = complete_checkpoints(ckpt_dir)
-    for old in done[:-keep_last]:
+def prune(ckpt_dir: Path, keep_last: int, saved: Path | None = None) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (rank 0, after a save completed); never
+    `saved`, the one just written (and `latest`), even where higher steps lie beside it (a run resumed from
+    an earlier checkpoint: at 51a0203 retention kept the higher step numbers and deleted the new save)."""
+    done = [c for c in complete_checkpoints(ckpt_dir) if saved is None or c.name != saved.name]
+    for old in done[: max(0, len(done) - keep_last + (saved is not None))]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -348,7 +350,7 @@ class Checkpointer:
             e.step = step
             raise
         if self.engine.comm.rank == 0:
-            prune(self.dir, self.cfg.keep_last)
+            prune(self.dir, self.cfg.keep_last, path)
         return path
 
     def resume(self, resume: str | None) -> tuple[int, dict | None]:
